@@ -1,0 +1,3 @@
+"""raylign: post-training for Hugging Face language models."""
+
+__version__ = "0.1.0"

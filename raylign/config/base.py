@@ -1,0 +1,178 @@
+"""Config plumbing shared by every command: strict sections, YAML, dotted overrides.
+
+A command's config is a tree of :class:`Section` objects. Unknown keys, wrong types and
+out-of-range values are rejected when the tree is built, with the dotted path of the
+field and what it allows, before any work starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+T = TypeVar("T", bound="Section")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the field path and what is allowed."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys fail, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for item in err.errors():
+        path = ".".join(str(p) for p in item["loc"]) or "<root>"
+        kind = item["type"]
+        if kind == "extra_forbidden":
+            lines.append(f"  {path}: unknown field (check the spelling; see --help for the fields)")
+            continue
+        allowed = ""
+        ctx = item.get("ctx") or {}
+        if "expected" in ctx:
+            allowed = f"; allowed: {ctx['expected']}"
+        got = item.get("input")
+        got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  {path}: {item['msg']}{got_text}{allowed}")
+    return "\n".join(lines)
+
+
+def parse_config(cls: type[T], data: dict[str, Any], source: str = "config") -> T:
+    """Build ``cls`` from plain data, turning pydantic's errors into one readable ConfigError."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def _parse_scalar(text: str) -> Any:
+    """Read a command-line value the way YAML would ('1e-5' -> float, 'true' -> bool, '[a, b]' -> list)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        # YAML 1.1 reads '1e-5' as a string; users mean a number.
+        try:
+            return float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``data['a']['b']`` for ``dotted='a.b'``, creating intermediate mappings."""
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--{dotted}: '{key}' is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def overrides_from_argv(argv: list[str]) -> dict[str, Any]:
+    """Turn ``['--a.b', '1', '--c=x', '--flag']`` into ``{'a.b': 1, 'c': 'x', 'flag': True}``."""
+    result: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.field value")
+        key = arg[2:]
+        if "=" in key:
+            key, text = key.split("=", 1)
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            text = argv[i + 1]
+            i += 2
+        else:
+            text = "true"
+            i += 1
+        result[key] = _parse_scalar(text)
+    return result
+
+
+def resolve_config(
+    cls: type[T],
+    yaml_path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    base: dict[str, Any] | None = None,
+) -> T:
+    """Precedence, lowest first: schema defaults < ``base`` (a preset) < YAML file < overrides."""
+    data: dict[str, Any] = _deep_merge({}, base or {})
+    source = "defaults"
+    if yaml_path is not None:
+        data = _deep_merge(data, load_yaml(yaml_path))
+        source = str(yaml_path)
+    for dotted, value in (overrides or {}).items():
+        set_dotted(data, dotted, value)
+    if overrides:
+        source += " + command-line overrides"
+    return parse_config(cls, data, source)
+
+
+def _deep_merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    out = dict(into)
+    for key, value in other.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def to_yaml(config: BaseModel) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def save_yaml(config: BaseModel, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(to_yaml(config))
+    tmp.replace(path)
+
+
+def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted name, type, default, description) for every leaf field, for --help."""
+    rows: list[tuple[str, str, str, str]] = []
+    for name, field in cls.model_fields.items():
+        dotted = f"{prefix}{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.append((dotted, "section", "", field.description or ""))
+            rows.extend(describe_fields(annotation, dotted + "."))
+            continue
+        type_text = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+        if field.is_required():
+            default = "(required)"
+        elif field.default_factory is not None:
+            default = repr(field.default_factory())
+        else:
+            default = repr(field.default)
+        rows.append((dotted, type_text, default, field.description or ""))
+    return rows

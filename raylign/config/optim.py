@@ -1,0 +1,22 @@
+"""Optimizer and learning-rate schedule section."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from raylign.config.base import Section
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate of AdamW.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (not applied to biases and norms).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    scheduler: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warmup: cosine or linear to min_lr_ratio * lr, or constant."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup length in optimizer steps.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables.")
