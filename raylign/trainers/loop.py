@@ -1,0 +1,269 @@
+"""The one offline training loop. SFT, RM, PRM, DPO, KTO and KD are hooks on it.
+
+A trainer subclass says how to build its model and data, how to collate a micro-batch,
+and how to compute the micro-batch's summed loss. The loop owns everything else:
+data-parallel sharding of each global batch, gradient accumulation with a global
+normaliser, evaluation, metrics, checkpoints, resume and export.
+
+Loss normalisation: every trainer's loss is a mean over "units" (tokens for SFT, pairs
+for DPO, ...). ``compute_loss`` returns the *sum* over its micro-batch's units and
+``batch_units`` their count. The loop sums the counts of the whole global batch over all
+micro-batches and ranks first, then back-propagates ``loss_sum * world_size / total``
+for each micro-batch; data-parallel gradient averaging divides by ``world_size`` again,
+so the update equals the one-big-batch gradient of the global mean.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from raylign.config.base import Section, save_yaml
+from raylign.engine import create_engine
+from raylign.engine.checkpoint import latest_checkpoint, prune_checkpoints
+from raylign.engine.distributed import all_reduce_sum, barrier, init_distributed
+from raylign.trainers.metrics import MetricsLogger, format_metrics
+from raylign.trainers.progress import Progress
+
+log = logging.getLogger("raylign")
+
+Batch = dict[str, Any]
+
+
+class OfflineTrainer:
+    """Base class: subclasses implement the hooks marked below."""
+
+    name = "train"
+
+    def __init__(self, cfg: Section):
+        self.cfg = cfg
+        self.train_cfg = cfg.train
+        self.output_dir = Path(self.train_cfg.output_dir)
+        self.step = 0
+
+    # ---- hooks -------------------------------------------------------------------------
+
+    def build_tokenizer(self):
+        raise NotImplementedError
+
+    def build_model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def build_datasets(self) -> tuple[list, list, dict[str, Any]]:
+        """Return (train samples, eval samples, data statistics to log once)."""
+        raise NotImplementedError
+
+    def collate(self, samples: list) -> Batch:
+        raise NotImplementedError
+
+    def batch_units(self, batch: Batch) -> float:
+        """How many loss units (tokens, pairs, ...) this micro-batch holds."""
+        raise NotImplementedError
+
+    def compute_loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Summed loss over the micro-batch's units, and metric sums over the same units."""
+        raise NotImplementedError
+
+    def batch_tokens(self, batch: Batch) -> int:
+        """Non-padding tokens in the batch, for throughput."""
+        if "attention_mask" in batch:
+            return int(batch["attention_mask"].sum())
+        return int(batch["input_ids"].numel())
+
+    def on_setup(self) -> None:
+        """Called once the engine exists (e.g. to build a frozen reference model)."""
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def setup(self) -> None:
+        self.rank, self.world_size, self.device = init_distributed(self.cfg.engine.dist_timeout_s)
+        self.is_main = self.rank == 0
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            save_yaml(self.cfg, self.output_dir / "config.yaml")
+        _seed_everything(self.train_cfg.seed)
+        self.tokenizer = self.build_tokenizer()
+        self.train_samples, self.eval_samples, data_stats = self.build_datasets()
+        if not self.train_samples:
+            raise ValueError("the training set is empty after filtering; see the data statistics above")
+        self.micro_per_rank = self._micro_batches_per_rank()
+        self.total_steps = self._total_steps()
+        model = self.build_model()
+        self.engine = create_engine(model, self.cfg.engine, self.cfg.optim, self.total_steps)
+        self.metrics = MetricsLogger(self.output_dir, self.train_cfg.logging, self.cfg.model_dump(mode="json"),
+                                     enabled=self.is_main)
+        self.sampler = _make_sampler(len(self.train_samples), self.train_cfg)
+        self.on_setup()
+        if self.is_main:
+            log.info("data: %s", format_metrics({k: v for k, v in data_stats.items() if _is_number(v)}))
+            log.info("%d train / %d eval samples; %d optimizer steps of %d samples on %d rank(s)",
+                     len(self.train_samples), len(self.eval_samples), self.total_steps,
+                     self.train_cfg.global_batch_size, self.world_size)
+            self.metrics.log({f"data/{k}": v for k, v in data_stats.items() if _is_number(v)}, step=0)
+        self._maybe_resume()
+
+    def _micro_batches_per_rank(self) -> int:
+        t = self.train_cfg
+        per_rank, rem = divmod(t.global_batch_size, self.world_size)
+        if rem or per_rank % t.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                f"train.micro_batch_size ({t.micro_batch_size}) x ranks ({self.world_size})"
+            )
+        return per_rank // t.micro_batch_size
+
+    def _total_steps(self) -> int:
+        t = self.train_cfg
+        if t.max_steps:
+            return t.max_steps
+        per_epoch = len(self.train_samples) // t.global_batch_size
+        if per_epoch == 0:
+            raise ValueError(
+                f"train.global_batch_size ({t.global_batch_size}) is larger than the training set "
+                f"({len(self.train_samples)} samples)"
+            )
+        return max(1, math.floor(t.epochs * per_epoch))
+
+    def _maybe_resume(self) -> None:
+        ckpt = latest_checkpoint(self.output_dir / "checkpoints") if self.train_cfg.resume else None
+        if ckpt is None:
+            return
+        state = self.engine.load_checkpoint(ckpt)
+        self.step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        if self.is_main:
+            log.info("resumed from %s at step %d", ckpt, self.step)
+
+    def run(self) -> dict[str, float]:
+        self.setup()
+        progress = Progress(self.total_steps, f"{self.name}", enabled=self.is_main and self.train_cfg.logging.progress_bar)
+        progress.advance_to(self.step)
+        batches = iter(self.sampler)
+        last_metrics: dict[str, float] = {}
+        try:
+            while self.step < self.total_steps:
+                global_indices = next(batches)
+                last_metrics = self.train_step(global_indices)
+                self.step += 1
+                progress.advance_to(self.step, format_metrics(last_metrics, ["loss", "lr", "tokens_per_s"]))
+                if self.step % self.train_cfg.log_every == 0 or self.step == self.total_steps:
+                    self.metrics.log({f"train/{k}": v for k, v in last_metrics.items()}, self.step)
+                if self.train_cfg.eval_every and self.step % self.train_cfg.eval_every == 0 and self.step < self.total_steps:
+                    self.evaluate_and_log()
+                if self.train_cfg.save_every and self.step % self.train_cfg.save_every == 0:
+                    self.save_checkpoint()
+        finally:
+            progress.close()
+        final = self.evaluate_and_log()
+        if not (self.train_cfg.save_every and self.step % self.train_cfg.save_every == 0):
+            self.save_checkpoint()
+        if self.train_cfg.export:
+            self.export()
+        self.metrics.close()
+        return {**{f"train/{k}": v for k, v in last_metrics.items()}, **final}
+
+    def train_step(self, global_indices: list[int]) -> dict[str, float]:
+        start = time.perf_counter()
+        self.engine.train()
+        mine = global_indices[self.rank :: self.world_size]
+        size = self.train_cfg.micro_batch_size
+        micro_batches = [self.collate([self.train_samples[i] for i in mine[j : j + size]])
+                         for j in range(0, len(mine), size)]
+        local_units = sum(self.batch_units(b) for b in micro_batches)
+        total_units = all_reduce_sum(local_units)
+        if total_units == 0:
+            raise ValueError(f"step {self.step + 1}: the global batch has no loss units (every target is masked)")
+        sums: dict[str, float] = {}
+        tokens = 0
+        for batch in micro_batches:
+            batch = _to_device(batch, self.engine.device)
+            loss_sum, stats = self.compute_loss(self.engine.module, batch)
+            self.engine.backward(loss_sum * (self.world_size / total_units))
+            stats = {"loss": float(loss_sum.detach()), **stats}
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+            tokens += self.batch_tokens(batch)
+        step_info = self.engine.step()
+        keys = sorted(sums)
+        reduced = all_reduce_sum([sums[k] for k in keys] + [float(tokens)])
+        elapsed = time.perf_counter() - start
+        metrics = {k: v / total_units for k, v in zip(keys, reduced[:-1])}
+        metrics.update(step_info)
+        metrics["tokens_per_s"] = reduced[-1] / elapsed
+        metrics["step_time_s"] = elapsed
+        if not math.isfinite(metrics["loss"]):
+            raise FloatingPointError(f"step {self.step + 1}: loss is {metrics['loss']}; lower optim.lr or check the data")
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_samples:
+            return {}
+        self.engine.eval()
+        mine = self.eval_samples[self.rank :: self.world_size]
+        size = self.train_cfg.eval_batch_size
+        sums: dict[str, float] = {}
+        units = 0.0
+        for j in range(0, len(mine), size):
+            batch = _to_device(self.collate(mine[j : j + size]), self.engine.device)
+            units += self.batch_units(batch)
+            loss_sum, stats = self.compute_loss(self.engine.module, batch)
+            for key, value in {"loss": float(loss_sum), **stats}.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        keys = sorted(set(sums) | {"loss"})
+        reduced = all_reduce_sum([sums.get(k, 0.0) for k in keys] + [units])
+        total = max(reduced[-1], 1e-12)
+        self.engine.train()
+        return {k: v / total for k, v in zip(keys, reduced[:-1])}
+
+    def evaluate_and_log(self) -> dict[str, float]:
+        metrics = {f"eval/{k}": v for k, v in self.evaluate().items()}
+        if metrics:
+            self.metrics.log(metrics, self.step)
+            if self.is_main:
+                log.info("step %d eval: %s", self.step, format_metrics(metrics))
+        return metrics
+
+    def save_checkpoint(self) -> None:
+        root = self.output_dir / "checkpoints"
+        state = {"step": self.step, "sampler": self.sampler.state_dict()}
+        self.engine.save_checkpoint(root / f"step_{self.step}", state)
+        if self.is_main:
+            prune_checkpoints(root, self.train_cfg.keep_last)
+            log.info("saved checkpoint %s", root / f"step_{self.step}")
+        barrier()
+
+    def export(self) -> Path:
+        target = self.output_dir / "final"
+        self.engine.export_hf(target, self.tokenizer)
+        if self.is_main:
+            log.info("exported the final model to %s", target)
+        barrier()
+        return target
+
+
+def _make_sampler(num_samples: int, t) -> Any:
+    from raylign.data import ResumableSampler
+
+    return ResumableSampler(num_samples, t.global_batch_size, shuffle=True, seed=t.seed, drop_last=True)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _to_device(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

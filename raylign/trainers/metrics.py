@@ -1,0 +1,86 @@
+"""Metric sinks for every trainer: a JSON-lines file, TensorBoard, optionally wandb, and the console."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from raylign.config.train import LoggingConfig
+
+log = logging.getLogger("raylign")
+
+
+class MetricsLogger:
+    """Writes one record per call to ``<output_dir>/metrics.jsonl`` and the configured sinks.
+
+    Only the main process should create one; other ranks pass ``enabled=False``.
+    """
+
+    def __init__(self, output_dir: str | Path, cfg: LoggingConfig, run_config: dict[str, Any], enabled: bool = True):
+        self.enabled = enabled
+        self.cfg = cfg
+        self._tb = None
+        self._wandb = None
+        if not enabled:
+            return
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.output_dir / "metrics.jsonl", "a", buffering=1)
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+        if cfg.wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError("logging.wandb is on but wandb is not installed: pip install 'raylign[wandb]'") from None
+            self._wandb = wandb.init(
+                project=cfg.wandb_project, name=cfg.run_name or self.output_dir.name, config=run_config
+            )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": round(time.time(), 3), **{k: _to_float(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key not in ("step", "time"):
+                    self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _to_float(value: Any) -> float:
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+def read_metrics(output_dir: str | Path) -> list[dict[str, float]]:
+    """The records a run wrote, in order (for tests, plots and reports)."""
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def format_metrics(metrics: dict[str, float], keys: list[str] | None = None) -> str:
+    keys = keys or list(metrics)
+    return "  ".join(f"{k}={_short(metrics[k])}" for k in keys if k in metrics)
+
+
+def _short(value: float) -> str:
+    value = float(value)
+    if value == 0 or 1e-3 <= abs(value) < 1e5:
+        return f"{value:.4g}"
+    return f"{value:.3e}"

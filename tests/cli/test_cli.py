@@ -1,0 +1,52 @@
+"""The console entry point: --help, --print-config and errors before any work starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import yaml
+
+from raylign.cli.main import main
+from raylign.config.base import describe_fields
+from raylign.config.commands import SFTConfig
+
+
+def test_help_lists_every_field_with_default_and_description(capsys):
+    assert main(["sft", "--help"]) == 0
+    text = capsys.readouterr().out
+    for dotted, type_text, default, description in describe_fields(SFTConfig):
+        if type_text == "section":
+            continue
+        assert f"--{dotted}  (" in text, dotted
+        assert description, f"{dotted} has no description"
+        assert description in text
+    assert "--optim.lr  (float, default 1e-05)" in text
+
+
+def test_print_config_shows_resolved_values(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": "m"}, "data": {"train": [{"path": "t.jsonl"}]}}))
+    assert main(["sft", "--config", str(path), "--print-config", "--optim.lr", "0.5"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["optim"]["lr"] == 0.5
+    assert printed["model"]["path"] == "m"
+    assert printed["train"]["global_batch_size"] == 32
+
+
+def test_bad_config_exits_2_naming_field(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": "m", "dtyp": "bfloat16"}, "data": {"train": []}}))
+    assert main(["sft", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "model.dtyp: unknown field" in err
+
+
+def test_unknown_command_exits_2(capsys):
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "raylign.cli.main", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "sft" in out.stdout and "quickstart" in out.stdout

@@ -1,0 +1,83 @@
+"""Config: YAML round trip, precedence, and errors that name the field and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from raylign.config.base import ConfigError, overrides_from_argv, parse_config, resolve_config, to_yaml
+from raylign.config.commands import SFTConfig
+
+MINIMAL = {"model": {"path": "/models/tiny"}, "data": {"train": [{"path": "train.jsonl"}]}}
+
+
+def write_yaml(tmp_path, data, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_yaml_to_object_to_yaml_round_trip(tmp_path):
+    data = {**MINIMAL, "optim": {"lr": 2.5e-4, "scheduler": "linear"}, "train": {"max_steps": 7}}
+    cfg = resolve_config(SFTConfig, write_yaml(tmp_path, data))
+    again = resolve_config(SFTConfig, write_yaml(tmp_path, yaml.safe_load(to_yaml(cfg)), "again.yaml"))
+    assert again == cfg
+    assert cfg.optim.lr == 2.5e-4 and cfg.optim.scheduler == "linear" and cfg.train.max_steps == 7
+
+
+def test_precedence_defaults_then_yaml_then_command_line(tmp_path):
+    path = write_yaml(tmp_path, {**MINIMAL, "optim": {"lr": 1e-3, "warmup_steps": 5}})
+    cfg = resolve_config(SFTConfig, path, overrides_from_argv(["--optim.lr", "3e-4"]))
+    assert cfg.optim.lr == 3e-4  # command line beats YAML
+    assert cfg.optim.warmup_steps == 5  # YAML beats default
+    assert cfg.optim.max_grad_norm == 1.0  # default kept
+
+
+def test_preset_base_is_lowest_precedence(tmp_path):
+    path = write_yaml(tmp_path, {**MINIMAL, "optim": {"lr": 1e-3}})
+    cfg = resolve_config(SFTConfig, path, {}, base={"optim": {"lr": 9.0, "warmup_steps": 3}})
+    assert cfg.optim.lr == 1e-3 and cfg.optim.warmup_steps == 3
+
+
+def test_command_line_values_are_typed_like_yaml():
+    parsed = overrides_from_argv(["--a.lr", "1e-5", "--b=true", "--c", "[1, 2]", "--flag", "--d", "text"])
+    assert parsed == {"a.lr": 1e-5, "b": True, "c": [1, 2], "flag": True, "d": "text"}
+
+
+def test_unknown_key_names_its_path():
+    with pytest.raises(ConfigError, match=r"optim\.learning_rate: unknown field"):
+        parse_config(SFTConfig, {**MINIMAL, "optim": {"learning_rate": 1e-5}})
+
+
+def test_wrong_type_names_path_and_value():
+    with pytest.raises(ConfigError, match=r"train\.max_steps: .*integer.*'many'"):
+        parse_config(SFTConfig, {**MINIMAL, "train": {"max_steps": "many"}})
+
+
+def test_out_of_range_names_path_and_bound():
+    with pytest.raises(ConfigError, match=r"optim\.lr: Input should be greater than 0"):
+        parse_config(SFTConfig, {**MINIMAL, "optim": {"lr": -1.0}})
+
+
+def test_choice_error_lists_what_is_allowed():
+    with pytest.raises(ConfigError, match=r"engine\.backend: .*'local', 'fsdp2' or 'deepspeed'"):
+        parse_config(SFTConfig, {**MINIMAL, "engine": {"backend": "megatron"}})
+
+
+def test_batch_sizes_that_do_not_divide_fail_naming_both_fields():
+    with pytest.raises(ConfigError, match=r"train\.global_batch_size \(10\).*train\.micro_batch_size \(4\)"):
+        parse_config(SFTConfig, {**MINIMAL, "train": {"global_batch_size": 10, "micro_batch_size": 4}})
+
+
+def test_missing_required_section_is_named():
+    with pytest.raises(ConfigError, match=r"model: Field required"):
+        parse_config(SFTConfig, {"data": MINIMAL["data"]})
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        resolve_config(SFTConfig, tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        resolve_config(SFTConfig, bad)

@@ -1,0 +1,17 @@
+"""Suite-wide settings: one thread per process (2-core machines), no hub access."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/raylign/torch_extensions"))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+torch.set_flush_denormal(True)
