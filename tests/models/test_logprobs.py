@@ -1,0 +1,209 @@
+"""Per-token log-probs and entropies: math against plain references, padded and packed batches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from raylign.models import entropy_from_logits, logprobs_from_logits, token_logprobs
+
+LENGTHS = [5, 9, 3]
+PAD_ID = 3  # any id works: padded positions are masked
+
+
+# ---------------------------------------------------------------- pure functions
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 1024])
+def test_logprobs_from_logits_matches_log_softmax_gather(temperature, chunk_rows):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, 50, generator=gen, dtype=torch.float64) * 3
+    labels = torch.randint(0, 50, (2, 7), generator=gen)
+    expected = torch.log_softmax(logits / temperature, dim=-1).gather(-1, labels[..., None]).squeeze(-1)
+    got = logprobs_from_logits(logits, labels, temperature=temperature, chunk_rows=chunk_rows)
+    assert got.dtype == torch.float32 and got.shape == (2, 7)
+    torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=0)
+
+
+def test_logprobs_from_logits_accepts_bf16_and_flat_shapes():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 40, generator=gen).bfloat16()
+    labels = torch.randint(0, 40, (6,), generator=gen)
+    expected = torch.log_softmax(logits.float(), dim=-1)[torch.arange(6), labels]
+    torch.testing.assert_close(logprobs_from_logits(logits, labels, chunk_rows=4), expected, atol=1e-5, rtol=0)
+
+
+def test_logprobs_from_logits_of_uniform_logits_is_minus_log_vocab():
+    logits = torch.zeros(1, 4, 16)
+    labels = torch.tensor([[0, 5, 9, 15]])
+    torch.testing.assert_close(logprobs_from_logits(logits, labels), torch.full((1, 4), -math.log(16)))
+
+
+def test_logprobs_from_logits_rejects_mismatched_labels():
+    with pytest.raises(ValueError, match=r"logits \(2, 3, 5\) and labels \(2, 4\)"):
+        logprobs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_logprobs_from_logits_rejects_non_positive_temperature():
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        logprobs_from_logits(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), temperature=0.0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.5])
+def test_entropy_from_logits_matches_minus_sum_p_log_p(temperature):
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 5, 30, generator=gen, dtype=torch.float64) * 4
+    probs = torch.softmax(logits / temperature, dim=-1)
+    expected = -(probs * torch.log(probs)).sum(-1)
+    got = entropy_from_logits(logits, temperature=temperature, chunk_rows=2)
+    torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=0)
+
+
+def test_entropy_of_uniform_is_log_vocab_and_of_one_hot_is_zero():
+    uniform = torch.zeros(1, 2, 8)
+    one_hot = torch.tensor([[[0.0, 1e4, 0.0, 0.0]]])
+    torch.testing.assert_close(entropy_from_logits(uniform), torch.full((1, 2), math.log(8)))
+    torch.testing.assert_close(entropy_from_logits(one_hot), torch.zeros(1, 1))
+
+
+def test_logprobs_from_logits_gradient_matches_reference():
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(2, 4, 11, generator=gen)
+    labels = torch.randint(0, 11, (2, 4), generator=gen)
+    ours = base.clone().requires_grad_(True)
+    ref = base.clone().requires_grad_(True)
+    logprobs_from_logits(ours, labels, chunk_rows=3).sum().backward()
+    torch.log_softmax(ref, -1).gather(-1, labels[..., None]).sum().backward()
+    torch.testing.assert_close(ours.grad, ref.grad, atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- model batches
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def model(request, tiny_qwen2):
+    lm = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32, attn_implementation=request.param)
+    return lm.eval()
+
+
+@pytest.fixture(scope="module")
+def samples() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(5, 500, (length,), generator=gen) for length in LENGTHS]
+
+
+def reference_logprobs_and_entropy(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sample alone, plain forward, log_softmax at t-1 read at ids[t]; position 0 is 0."""
+    with torch.no_grad():
+        logits = model(input_ids=ids[None]).logits[0].double()
+    logprobs = torch.zeros(len(ids), dtype=torch.float64)
+    entropy = torch.zeros(len(ids), dtype=torch.float64)
+    for t in range(1, len(ids)):
+        log_p = torch.log_softmax(logits[t - 1], dim=-1)
+        logprobs[t] = log_p[ids[t]]
+        entropy[t] = -(log_p.exp() * log_p).sum()
+    return logprobs.float(), entropy.float()
+
+
+def pack(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.cat(samples)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in samples])[None]
+    return ids, positions
+
+
+def pad(samples: list[torch.Tensor], side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in samples)
+    ids = torch.full((len(samples), width), PAD_ID)
+    mask = torch.zeros((len(samples), width), dtype=torch.long)
+    for row, s in enumerate(samples):
+        span = slice(0, len(s)) if side == "right" else slice(width - len(s), width)
+        ids[row, span] = s
+        mask[row, span] = 1
+    return ids, mask
+
+
+def test_packed_row_equals_each_sample_alone(model, samples):
+    ids, positions = pack(samples)
+    with torch.no_grad():
+        got = token_logprobs(model, ids, position_ids=positions)
+    expected = torch.cat([reference_logprobs_and_entropy(model, s)[0] for s in samples])
+    assert got.shape == (1, sum(LENGTHS))
+    torch.testing.assert_close(got[0], expected, atol=1e-5, rtol=0)
+
+
+def test_packed_row_equals_right_padded_batch(model, samples):
+    packed_ids, positions = pack(samples)
+    padded_ids, mask = pad(samples, "right")
+    with torch.no_grad():
+        packed = token_logprobs(model, packed_ids, position_ids=positions)[0]
+        padded = token_logprobs(model, padded_ids, attention_mask=mask)
+    starts = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+    for row, length in enumerate(LENGTHS):
+        torch.testing.assert_close(packed[starts[row] : starts[row + 1]], padded[row, :length], atol=1e-5, rtol=0)
+        assert bool((padded[row, length:] == 0).all())
+
+
+def test_sample_starts_and_padding_are_zero(model, samples):
+    packed_ids, positions = pack(samples)
+    with torch.no_grad():
+        packed = token_logprobs(model, packed_ids, position_ids=positions)[0]
+    assert packed[[0, 5, 14]].tolist() == [0.0, 0.0, 0.0]
+    assert bool((packed[[1, 6, 15]] < 0).all())
+
+
+def test_left_padded_batch_equals_each_sample_alone(model, samples):
+    ids, mask = pad(samples, "left")
+    with torch.no_grad():
+        got = token_logprobs(model, ids, attention_mask=mask)
+    width = ids.shape[1]
+    for row, s in enumerate(samples):
+        expected = reference_logprobs_and_entropy(model, s)[0]
+        torch.testing.assert_close(got[row, width - len(s) :], expected, atol=1e-5, rtol=0)
+        assert bool((got[row, : width - len(s)] == 0).all())
+
+
+def test_packed_rows_with_right_padding_equal_each_sample_alone(model, samples):
+    first_ids, first_pos = pack(samples[:2])  # 14 tokens
+    second_ids, second_pos = pack(samples[2:])  # 3 tokens, padded to 14
+    width = first_ids.shape[1]
+    ids = torch.full((2, width), PAD_ID)
+    positions = torch.zeros((2, width), dtype=torch.long)
+    mask = torch.zeros((2, width), dtype=torch.long)
+    ids[0], positions[0], mask[0] = first_ids[0], first_pos[0], 1
+    ids[1, :3], positions[1, :3], mask[1, :3] = second_ids[0], second_pos[0], 1
+    with torch.no_grad():
+        got = token_logprobs(model, ids, attention_mask=mask, position_ids=positions)
+    expected = [reference_logprobs_and_entropy(model, s)[0] for s in samples]
+    torch.testing.assert_close(got[0], torch.cat(expected[:2]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[1, :3], expected[2], atol=1e-5, rtol=0)
+    assert bool((got[1, 3:] == 0).all())
+
+
+def test_packed_rows_padded_on_the_left_are_rejected(model, samples):
+    ids, positions = pack(samples)
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    with pytest.raises(ValueError, match="row 0"):
+        token_logprobs(model, ids, attention_mask=mask, position_ids=positions)
+
+
+def test_entropy_is_aligned_like_logprobs(model, samples):
+    ids, positions = pack(samples)
+    with torch.no_grad():
+        _, entropy = token_logprobs(model, ids, position_ids=positions, with_entropy=True)
+    expected = torch.cat([reference_logprobs_and_entropy(model, s)[1] for s in samples])
+    torch.testing.assert_close(entropy[0], expected, atol=1e-5, rtol=0)
+
+
+def test_temperature_divides_the_logits(model, samples):
+    ids = samples[1][None]
+    with torch.no_grad():
+        got = token_logprobs(model, ids, temperature=0.5)[0]
+        logits = model(input_ids=ids).logits[0]
+    expected = torch.log_softmax(logits[:-1] / 0.5, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(got[1:], expected, atol=1e-5, rtol=0)
+    assert got[0].item() == 0.0
