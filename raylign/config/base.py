@@ -8,7 +8,7 @@ field and what it allows, before any work starts.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -157,6 +157,23 @@ def save_yaml(config: BaseModel, path: str | Path) -> None:
     tmp.replace(path)
 
 
+def _type_text(annotation: Any) -> str:
+    if get_origin(annotation) is Literal:
+        return "one of " + " | ".join(str(a) for a in get_args(annotation))
+    name = getattr(annotation, "__name__", None)
+    if name and not get_args(annotation):
+        return name
+    return str(annotation).replace("typing.", "")
+
+
+def _list_item_model(annotation: Any) -> type[BaseModel] | None:
+    if get_origin(annotation) is list:
+        (item,) = get_args(annotation) or (None,)
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            return item
+    return None
+
+
 def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
     """(dotted name, type, default, description) for every leaf field, for --help."""
     rows: list[tuple[str, str, str, str]] = []
@@ -167,7 +184,12 @@ def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, s
             rows.append((dotted, "section", "", field.description or ""))
             rows.extend(describe_fields(annotation, dotted + "."))
             continue
-        type_text = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+        item = _list_item_model(annotation)
+        if item is not None:  # list of sections: describe one item's fields as name[].field
+            rows.append((dotted, "section", "", f"{field.description or ''} Each item has these fields:".strip()))
+            rows.extend(describe_fields(item, dotted + "[]."))
+            continue
+        type_text = _type_text(annotation)
         if field.is_required():
             default = "(required)"
         elif field.default_factory is not None:

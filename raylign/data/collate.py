@@ -1,0 +1,120 @@
+"""Batching samples into tensors: right-padded, or packed into one padding-free row.
+
+Packed batches carry no attention mask: position ids restart at 0 for every sample, and
+Transformers (5.x) turns such position ids into a block-diagonal causal mask so attention
+never crosses samples. It does so only when the forward pass has no attention mask and no
+KV cache, so the model must be called with ``use_cache=False`` (a model in its default
+``use_cache=True`` creates an empty cache and then silently attends across samples).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+
+class TokenSample(Protocol):
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def _check_lengths(samples: Sequence[TokenSample]) -> None:
+    if not samples:
+        raise ValueError("cannot collate an empty list of samples")
+    for i, sample in enumerate(samples):
+        if len(sample.input_ids) != len(sample.loss_mask):
+            raise ValueError(f"sample {i}: {len(sample.input_ids)} input ids but {len(sample.loss_mask)} mask entries")
+        if not sample.input_ids:
+            raise ValueError(f"sample {i} has no tokens")
+
+
+def collate_padded(
+    samples: Sequence[TokenSample], pad_token_id: int, pad_to_multiple_of: int | None = None
+) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask``, ``loss_mask``, ``position_ids``, each ``[B, T]``, right padded.
+
+    ``T`` is the longest sample, rounded up to a multiple of ``pad_to_multiple_of`` when given.
+    Padding has attention and loss mask 0.
+    """
+    _check_lengths(samples)
+    length = max(len(s.input_ids) for s in samples)
+    if pad_to_multiple_of:
+        length = math.ceil(length / pad_to_multiple_of) * pad_to_multiple_of
+    input_ids = torch.full((len(samples), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(samples), length), dtype=torch.long)
+    loss_mask = torch.zeros((len(samples), length), dtype=torch.long)
+    for row, sample in enumerate(samples):
+        n = len(sample.input_ids)
+        input_ids[row, :n] = torch.tensor(sample.input_ids)
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = torch.tensor(sample.loss_mask)
+    position_ids = torch.arange(length).expand(len(samples), length).clone()
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+    }
+
+
+def collate_packed(samples: Sequence[TokenSample]) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``loss_mask``, ``position_ids`` as ``[1, sum of lengths]`` and ``seq_lens`` ``[B]``.
+
+    Samples are concatenated; position ids restart at 0 for each. Call the model with
+    ``position_ids`` and ``use_cache=False`` and without ``attention_mask`` (see the module
+    docstring). Since every sample's first token has loss mask 0, shifting targets across the
+    whole row never trains one sample's first token on the previous sample's last.
+    """
+    _check_lengths(samples)
+    input_ids = torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long)
+    loss_mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.long)
+    position_ids = torch.cat([torch.arange(len(s.input_ids)) for s in samples])
+    seq_lens = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)
+    return {
+        "input_ids": input_ids.unsqueeze(0),
+        "loss_mask": loss_mask.unsqueeze(0),
+        "position_ids": position_ids.unsqueeze(0),
+        "seq_lens": seq_lens,
+    }
+
+
+def _fill_bins(lengths: Sequence[int], num_bins: int, max_tokens: int) -> list[list[int]] | None:
+    """Longest-first greedy: each sample goes to the least-loaded bin; None if one would overflow."""
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    loads = [0] * num_bins
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        target = min(range(num_bins), key=lambda b: (loads[b], b))
+        if loads[target] + lengths[index] > max_tokens:
+            return None
+        bins[target].append(index)
+        loads[target] += lengths[index]
+    return bins
+
+
+def balance_micro_batches(lengths: Sequence[int], max_tokens: int, min_micro_batches: int = 1) -> list[list[int]]:
+    """Group sample indices into the fewest micro-batches of at most ``max_tokens`` tokens, balanced by tokens.
+
+    Uses at least ``min_micro_batches`` groups (data-parallel ranks must run the same number
+    of forward passes: pass the maximum over ranks). Groups are filled longest sample first
+    into the least-loaded group, each group's indices are sorted, and groups are ordered by
+    their first index. A sample longer than ``max_tokens`` is an error.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    for i, length in enumerate(lengths):
+        if length < 1:
+            raise ValueError(f"sample {i} has no tokens")
+        if length > max_tokens:
+            raise ValueError(f"sample {i} has {length} tokens, over the micro-batch budget of {max_tokens} tokens")
+    if min_micro_batches > len(lengths):
+        raise ValueError(f"cannot make {min_micro_batches} non-empty micro-batches from {len(lengths)} samples")
+    num_bins = max(min_micro_batches, math.ceil(sum(lengths) / max_tokens), 1 if lengths else 0)
+    while num_bins <= len(lengths):
+        bins = _fill_bins(lengths, num_bins, max_tokens)
+        if bins is not None:
+            return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+        num_bins += 1
+    return []

@@ -1,0 +1,240 @@
+"""Read dataset files as ``(row_number, row)`` pairs, whatever the format.
+
+Row numbers are 1-based: the line number for ``.jsonl`` (blank lines count, as in an editor),
+the position in the list for ``.json``, and the data row (header not counted) for ``.csv``,
+``.parquet``, Arrow files and ``datasets`` folders. A file that cannot be read raises
+:class:`DataError` naming the file and, where the format allows, the row; a row that is not
+a JSON object (or a ``.jsonl`` line that is not JSON) raises :class:`RowError`, or is handed
+to ``on_bad_row`` and skipped when one is given.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+
+from raylign.data.errors import DataError, RowError, RowRef
+
+Row = dict[str, Any]
+BadRowHandler = Callable[[RowError], None]
+
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".feather")
+SUPPORTED_TEXT = ", ".join(SUPPORTED_SUFFIXES) + ", or a folder saved with datasets.save_to_disk"
+
+
+def read_rows(
+    path: str | Path, split: str | None = None, on_bad_row: BadRowHandler | None = None
+) -> Iterator[tuple[int, Row]]:
+    """Yield ``(row_number, row)`` for every row of a dataset file or ``datasets`` folder.
+
+    ``split`` picks a split of a ``datasets`` folder that holds several. ``on_bad_row``, when
+    given, receives rows that are not JSON objects instead of an exception being raised.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"dataset not found: {path}")
+    if path.is_dir():
+        yield from _read_datasets_folder(path, split)
+        return
+    if split is not None:
+        raise DataError(f"{path}: split={split!r} applies only to datasets folders, not to files")
+    readers = {
+        ".jsonl": _read_jsonl,
+        ".json": _read_json,
+        ".parquet": _read_parquet,
+        ".csv": _read_csv,
+        ".arrow": _read_arrow,
+        ".feather": _read_arrow,
+    }
+    reader = readers.get(path.suffix.lower())
+    if reader is None:
+        kind = path.suffix or "(no extension)"
+        raise DataError(f"{path}: unsupported file type {kind!r}; supported: {SUPPORTED_TEXT}")
+    yield from reader(path, on_bad_row)
+
+
+def _not_an_object(where: RowRef, value: Any) -> RowError:
+    return where.error(None, f"expected a JSON object, got {type(value).__name__}", "not_an_object")
+
+
+def _reject(err: RowError, on_bad_row: BadRowHandler | None) -> None:
+    if on_bad_row is None:
+        raise err
+    on_bad_row(err)
+
+
+def _read_jsonl(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[int, Row]]:
+    # The standard json parser per line (not pyarrow.json): rows keep their own types and nesting,
+    # and a bad line is reported by its number without losing the rest of the file.
+    with path.open(encoding="utf-8-sig") as handle:  # -sig: tolerate a byte-order mark
+        line_number = 0
+        while True:
+            line_number += 1
+            try:
+                line = handle.readline()
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}, line {line_number}: not UTF-8 text ({err})") from None
+            if not line:
+                return
+            if not line.strip():
+                continue
+            where = RowRef(str(path), line_number)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                problem = f"line {line_number} is not valid JSON: {err.msg} at column {err.colno}"
+                _reject(where.error(None, problem, "bad_json"), on_bad_row)
+                continue
+            if not isinstance(row, dict):
+                _reject(_not_an_object(where, row), on_bad_row)
+                continue
+            yield line_number, row
+
+
+def _read_json(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[int, Row]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from None
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text ({err})") from None
+    if not isinstance(data, list):
+        raise DataError(
+            f"{path}: a .json dataset must hold a list of objects, got {type(data).__name__} "
+            "(use .jsonl for one object per line)"
+        )
+    for number, row in enumerate(data, start=1):
+        if not isinstance(row, dict):
+            _reject(_not_an_object(RowRef(str(path), number), row), on_bad_row)
+            continue
+        yield number, row
+
+
+def _rows_of_batches(batches: Iterator[pa.RecordBatch], first_row: int = 1) -> Iterator[tuple[int, Row]]:
+    number = first_row
+    for batch in batches:
+        for row in batch.to_pylist():
+            yield number, row
+            number += 1
+
+
+def _read_parquet(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[int, Row]]:
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{path}: cannot open as parquet (truncated or not a parquet file?): {err}") from None
+    first_row = 1
+    for group in range(parquet.num_row_groups):
+        group_rows = parquet.metadata.row_group(group).num_rows
+        try:
+            table = parquet.read_row_group(group)
+        except (pa.ArrowException, OSError) as err:
+            last_row = first_row + group_rows - 1
+            raise DataError(f"{path}, rows {first_row}-{last_row} (row group {group}): corrupt data: {err}") from None
+        yield from _rows_of_batches(iter(table.to_batches()), first_row)
+        first_row += group_rows
+
+
+def _csv_column_names(path: Path) -> list[str]:
+    # The header only: pyarrow's own schema sniffing would already parse (and fail on) the first rows.
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as handle:
+            return next(csv.reader(handle), [])
+    except (csv.Error, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: cannot read the CSV header: {err}") from None
+
+
+def _read_csv(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[int, Row]]:
+    # CSV cells carry no types: read every column as text, so a prompt "42" stays a string.
+    names = _csv_column_names(path)
+    bad_rows: list[Any] = []
+
+    def handle_invalid_row(invalid: Any) -> str:
+        bad_rows.append(invalid)
+        if on_bad_row is None or invalid.number is None:
+            return "error"
+        data_row = invalid.number - 1  # pyarrow counts the header as row 1
+        problem = f"expected {invalid.expected_columns} columns, got {invalid.actual_columns}: {invalid.text!r:.80}"
+        on_bad_row(RowRef(str(path), data_row).error(None, problem, "bad_csv_row"))
+        return "skip"
+
+    try:
+        table = pa_csv.read_csv(
+            path,
+            # Single-threaded parsing is what lets pyarrow report the number of a bad row.
+            read_options=pa_csv.ReadOptions(use_threads=False),
+            parse_options=pa_csv.ParseOptions(newlines_in_values=True, invalid_row_handler=handle_invalid_row),
+            convert_options=pa_csv.ConvertOptions(column_types={name: pa.string() for name in names}),
+        )
+    except (pa.ArrowException, OSError) as err:
+        where = ""
+        if bad_rows and bad_rows[-1].number is not None:
+            where = f", row {bad_rows[-1].number - 1}"
+        raise DataError(f"{path}{where}: unreadable CSV: {err}") from None
+    # Keep the file's own numbering across skipped rows, so later errors point at the right row.
+    skipped = {invalid.number - 1 for invalid in bad_rows}
+    number = 1
+    for _, row in _rows_of_batches(iter(table.to_batches())):
+        while number in skipped:
+            number += 1
+        yield number, row
+        number += 1
+
+
+def _open_arrow(path: Path) -> pa.RecordBatchReader | pa.ipc.RecordBatchFileReader:
+    # .feather and most .arrow files use the IPC file format; datasets' cache files use the stream format.
+    try:
+        return pa.ipc.open_file(path)
+    except (pa.ArrowException, OSError):
+        pass
+    try:
+        return pa.ipc.open_stream(path)
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{path}: cannot open as an Arrow IPC file or stream (truncated?): {err}") from None
+
+
+def _read_arrow(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[int, Row]]:
+    reader = _open_arrow(path)
+    if isinstance(reader, pa.ipc.RecordBatchFileReader):
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    else:
+        batches = iter(reader)
+    number = 1
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as err:
+            raise DataError(f"{path}, from row {number}: corrupt Arrow data: {err}") from None
+        yield from _rows_of_batches(iter([batch]), number)
+        number += batch.num_rows
+
+
+def _read_datasets_folder(path: Path, split: str | None) -> Iterator[tuple[int, Row]]:
+    import datasets  # slow to import; only folders need it
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError, OSError) as err:
+        raise DataError(
+            f"{path}: a folder must be saved with datasets.save_to_disk ({err}); files supported: {SUPPORTED_TEXT}"
+        ) from None
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = list(loaded)
+        if split is None and len(splits) == 1:
+            split = splits[0]
+        if split not in loaded:
+            wanted = "set split to one of" if split is None else f"no split {split!r}; splits:"
+            raise DataError(f"{path}: {wanted} {', '.join(splits)}")
+        loaded = loaded[split]
+    elif split is not None:
+        raise DataError(f"{path}: split={split!r} given, but the folder holds a single dataset without splits")
+    yield from _rows_of_batches(iter(loaded.with_format("arrow").iter(batch_size=1000)))

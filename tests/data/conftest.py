@@ -1,0 +1,69 @@
+"""Shared fixtures of the data-layer tests: the tiny tokenizer, a tiny model and dataset writers."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.csv as pa_csv  # noqa: E402
+import pyarrow.feather as feather  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from raylign.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), hidden_size=32, num_layers=2)
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]], fmt: str) -> Path:
+    """Write ``rows`` to ``path`` (suffix added) in ``fmt`` with the format's usual library writer."""
+    if fmt == "jsonl":
+        out = path.with_suffix(".jsonl")
+        out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    elif fmt == "json":
+        out = path.with_suffix(".json")
+        out.write_text(json.dumps(rows, indent=1))
+    elif fmt == "parquet":
+        out = path.with_suffix(".parquet")
+        pq.write_table(pa.Table.from_pylist(rows), out)
+    elif fmt == "csv":
+        out = path.with_suffix(".csv")
+        pa_csv.write_csv(pa.Table.from_pylist(rows), out)
+    elif fmt in ("arrow", "feather"):
+        out = path.with_suffix("." + fmt)
+        feather.write_feather(pa.Table.from_pylist(rows), out)
+    elif fmt == "datasets":
+        import datasets
+
+        out = path.with_suffix("")
+        datasets.Dataset.from_list(rows).save_to_disk(str(out))
+    else:
+        raise ValueError(fmt)
+    return out
+
+
+@pytest.fixture
+def write_dataset(tmp_path) -> Callable[..., Path]:
+    """``write_dataset(rows, fmt='jsonl', name='data')`` writes a dataset under tmp_path and returns its path."""
+
+    def write(rows: list[dict[str, Any]], fmt: str = "jsonl", name: str = "data") -> Path:
+        return write_rows(tmp_path / name, rows, fmt)
+
+    return write

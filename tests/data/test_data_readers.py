@@ -1,0 +1,150 @@
+"""Readers: every format gives the same rows; broken files name the file and the row."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raylign.data import DataError, RowError, read_rows
+
+FORMATS = ("jsonl", "json", "parquet", "csv", "arrow", "feather", "datasets")  # what the write_dataset fixture writes
+
+TEXT_ROWS = [
+    {"prompt": "add 1 and 2", "completion": "3"},
+    {"prompt": 'say "hi",\nthen stop', "completion": "hi, then stop"},
+    {"prompt": "42", "completion": "the answer"},
+]
+
+CHAT_ROWS = [
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sum 2 2"},
+                  {"role": "assistant", "content": "4"}]},
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_returns_the_same_text_rows_numbered_from_one(write_dataset, fmt):
+    path = write_dataset(TEXT_ROWS, fmt)
+    assert list(read_rows(path)) == [(1, TEXT_ROWS[0]), (2, TEXT_ROWS[1]), (3, TEXT_ROWS[2])]
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "csv"])
+def test_nested_conversations_come_back_as_lists_of_dicts(write_dataset, fmt):
+    path = write_dataset(CHAT_ROWS, fmt)
+    assert [row for _, row in read_rows(path)] == CHAT_ROWS
+
+
+def test_csv_cells_stay_text_even_when_they_look_like_numbers(write_dataset):
+    path = write_dataset([{"prompt": "7", "completion": "0.5"}], "csv")
+    assert list(read_rows(path)) == [(1, {"prompt": "7", "completion": "0.5"})]
+
+
+def test_jsonl_row_numbers_are_line_numbers_counting_blank_lines(tmp_path):
+    path = tmp_path / "gaps.jsonl"
+    path.write_text('{"a": "x"}\n\n{"a": "y"}\n')
+    assert list(read_rows(path)) == [(1, {"a": "x"}), (3, {"a": "y"})]
+
+
+def test_jsonl_bad_line_names_the_file_and_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"a": "x"}\n{"a": "y"}\n{"a": oops}\n')
+    with pytest.raises(RowError) as info:
+        list(read_rows(path))
+    assert str(info.value).startswith(f"{path}, row 3: line 3 is not valid JSON")
+
+
+def test_jsonl_bad_line_goes_to_the_handler_and_the_rest_is_read(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"a": "x"}\n{"a": oops}\n[1, 2]\n{"a": "z"}\n')
+    rejected = []
+    rows = list(read_rows(path, on_bad_row=rejected.append))
+    assert rows == [(1, {"a": "x"}), (4, {"a": "z"})]
+    assert [(e.row, e.reason) for e in rejected] == [(2, "bad_json"), (3, "not_an_object")]
+
+
+def test_json_file_must_hold_a_list(tmp_path):
+    path = tmp_path / "one.json"
+    path.write_text('{"prompt": "x"}')
+    with pytest.raises(DataError, match=r"one\.json: a \.json dataset must hold a list of objects, got dict"):
+        list(read_rows(path))
+
+
+def test_json_file_with_a_syntax_error_names_the_line(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('[\n{"a": "x"},\n{"a": }\n]')
+    with pytest.raises(DataError, match=r"broken\.json: not valid JSON: .* at line 3"):
+        list(read_rows(path))
+
+
+def test_truncated_parquet_names_the_file(tmp_path):
+    whole = tmp_path / "whole.parquet"
+    pq.write_table(pa.Table.from_pylist(TEXT_ROWS * 50), whole)
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    with pytest.raises(DataError) as info:
+        list(read_rows(cut))
+    assert str(info.value).startswith(f"{cut}: cannot open as parquet (truncated or not a parquet file?)")
+
+
+def test_corrupt_parquet_row_group_names_its_rows(tmp_path):
+    path = tmp_path / "groups.parquet"
+    rows = [{"prompt": f"row {i} " + "x" * 50, "completion": "y"} for i in range(40)]
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=10, use_dictionary=False)
+    data = bytearray(path.read_bytes())
+    chunk = pq.ParquetFile(path).metadata.row_group(1).column(0)  # the 'prompt' column of rows 11-20
+    start, size = chunk.data_page_offset, chunk.total_compressed_size
+    data[start : start + size] = b"\xff" * size
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"groups\.parquet, rows 11-20 \(row group 1\): corrupt data"):
+        list(read_rows(path))
+
+
+def test_csv_row_with_too_many_cells_names_the_file_and_row(tmp_path):
+    path = tmp_path / "table.csv"
+    path.write_text("prompt,completion\na,b\nc,d,e\nf,g\n")
+    with pytest.raises(DataError) as info:
+        list(read_rows(path))
+    assert str(info.value).startswith(f"{path}, row 2: unreadable CSV")
+
+
+def test_unknown_extension_lists_the_supported_ones(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("hello")
+    with pytest.raises(DataError) as info:
+        list(read_rows(path))
+    assert str(info.value) == (
+        f"{path}: unsupported file type '.txt'; supported: .jsonl, .json, .parquet, .csv, .arrow, .feather, "
+        "or a folder saved with datasets.save_to_disk"
+    )
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(DataError, match=r"dataset not found: .*nowhere\.jsonl"):
+        list(read_rows(tmp_path / "nowhere.jsonl"))
+
+
+def test_datasets_folder_with_splits_needs_a_split_and_reads_the_chosen_one(tmp_path):
+    import datasets
+
+    folder = tmp_path / "dd"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(TEXT_ROWS), "test": datasets.Dataset.from_list(TEXT_ROWS[:1])}
+    ).save_to_disk(str(folder))
+    with pytest.raises(DataError, match="set split to one of train, test"):
+        list(read_rows(folder))
+    with pytest.raises(DataError, match="no split 'dev'; splits: train, test"):
+        list(read_rows(folder, split="dev"))
+    assert list(read_rows(folder, split="test")) == [(1, TEXT_ROWS[0])]
+
+
+def test_a_folder_that_is_not_a_datasets_folder_is_explained(tmp_path):
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(DataError, match="a folder must be saved with datasets.save_to_disk"):
+        list(read_rows(tmp_path / "plain"))
+
+
+def test_split_on_a_file_is_rejected(write_dataset):
+    path = write_dataset(TEXT_ROWS, "jsonl")
+    with pytest.raises(DataError, match="split='train' applies only to datasets folders"):
+        list(read_rows(path, split="train"))

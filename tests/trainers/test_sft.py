@@ -1,0 +1,128 @@
+"""SFT end to end on a tiny model: it learns, logs, checkpoints, resumes exactly and exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from raylign.config.base import parse_config
+from raylign.config.commands import SFTConfig
+from raylign.tasks.evaluate import greedy_chat_answers
+from raylign.tasks.strings import exact_match, make_string_rows
+from raylign.trainers.metrics import read_metrics
+from raylign.trainers.sft import SFTTrainer
+
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def sft_config(model_dir, train_file, out, **train) -> SFTConfig:
+    return parse_config(SFTConfig, {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": {"train": [str(train_file)], "format": "chat", "max_length": 64, "min_response_tokens": 8},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0},
+        "train": {"output_dir": str(out), "global_batch_size": 8, "micro_batch_size": 4,
+                  "logging": {"progress_bar": False}, **train},
+    })
+
+
+@pytest.mark.slow
+def test_sft_learns_to_reverse_letters(tmp_path, tiny_model_dir):
+    held_out = make_string_rows("reverse", 100, seed=1, alphabet="abcdefgh", min_len=3, max_len=4)
+    train = make_string_rows("reverse", 2000, seed=0, alphabet="abcdefgh", min_len=3, max_len=4,
+                             exclude={r["prompt"] for r in held_out})
+    cfg = sft_config(tiny_model_dir, write_jsonl(tmp_path / "train.jsonl", train), tmp_path / "run",
+                     max_steps=300, global_batch_size=32, micro_batch_size=32, seed=0)
+    cfg.optim.min_lr_ratio = 0.1
+    cfg.optim.warmup_steps = 10
+    SFTTrainer(cfg).run()
+
+    losses = [r["train/loss"] for r in read_metrics(tmp_path / "run") if "train/loss" in r]
+    assert losses[-1] < 0.3 * losses[0], (losses[0], losses[-1])
+    replies = greedy_chat_answers(tmp_path / "run" / "final", [r["prompt"] for r in held_out])
+    accuracy = sum(exact_match(p, r["completion"]) for p, r in zip(replies, held_out)) / len(held_out)
+    # Chance of guessing a 3-4 letter reversal over 8 letters is below 1/8**3 < 0.2%.
+    assert accuracy >= 0.5, accuracy
+
+
+def test_sft_logs_metrics_writes_config_and_exports_a_loadable_model(tmp_path, tiny_model_dir):
+    rows = make_string_rows("copy", 64, seed=0)
+    out = tmp_path / "run"
+    cfg = sft_config(tiny_model_dir, write_jsonl(tmp_path / "train.jsonl", rows), out, max_steps=3)
+    SFTTrainer(cfg).run()
+
+    assert parse_config(SFTConfig, __import__("yaml").safe_load((out / "config.yaml").read_text())) == cfg
+    records = read_metrics(out)
+    train = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for key in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"):
+        assert all(torch.isfinite(torch.tensor(r[key])) for r in train), key
+    assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before.get_parameter(n))]
+    assert changed, "training did not change any parameter"
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    ids = tok("copy: a b", return_tensors="pt")
+    generated = model.generate(**ids, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] > ids["input_ids"].shape[1]
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, sys, yaml
+    from raylign.config.base import parse_config
+    from raylign.config.commands import SFTConfig
+    from raylign.trainers.sft import SFTTrainer
+
+    class DiesAfterFirstCheckpoint(SFTTrainer):
+        def save_checkpoint(self):
+            super().save_checkpoint()
+            if self.step == int(sys.argv[2]):
+                os._exit(17)  # a hard crash: no cleanup, no final save
+
+    cfg = parse_config(SFTConfig, yaml.safe_load(open(sys.argv[1])))
+    DiesAfterFirstCheckpoint(cfg).run()
+""")
+
+
+def test_run_killed_after_checkpoint_resumes_to_identical_weights(tmp_path, tiny_model_dir):
+    rows = make_string_rows("reverse", 96, seed=0)
+    train_file = write_jsonl(tmp_path / "train.jsonl", rows)
+    straight = sft_config(tiny_model_dir, train_file, tmp_path / "straight", max_steps=6, save_every=3)
+    SFTTrainer(straight).run()
+
+    crashed = sft_config(tiny_model_dir, train_file, tmp_path / "crashed", max_steps=6, save_every=3)
+    cfg_file = tmp_path / "crashed.yaml"
+    cfg_file.write_text(__import__("yaml").safe_dump(crashed.model_dump(mode="json")))
+    script = tmp_path / "dies.py"
+    script.write_text(KILL_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script), str(cfg_file), "3"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    assert not (tmp_path / "crashed" / "final").exists()
+
+    SFTTrainer(crashed).run()  # resume picks step_3 and continues to step 6
+    resumed_steps = [r["step"] for r in read_metrics(tmp_path / "crashed") if "train/loss" in r]
+    assert resumed_steps == [1, 2, 3, 4, 5, 6]
+
+    a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "crashed" / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-7, msg=name)
+    losses_a = [r["train/loss"] for r in read_metrics(tmp_path / "straight") if "train/loss" in r]
+    losses_b = [r["train/loss"] for r in read_metrics(tmp_path / "crashed") if "train/loss" in r]
+    assert losses_b == pytest.approx(losses_a, rel=1e-6)
