@@ -5,6 +5,8 @@ Thin entry point: parse the config, start ranks when asked, hand over to the com
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import os
 import subprocess
@@ -19,41 +21,67 @@ from raylign.config.base import ConfigError, describe_fields, overrides_from_arg
 
 @dataclass(frozen=True)
 class Command:
+    """A subcommand: its config class and run function, as "module:attribute" (imported on use,
+    so ``--help`` stays fast and a command's heavy dependencies load only when it runs)."""
+
     summary: str
-    config_cls: Callable[[], type[BaseModel]]  # imported lazily so --help stays fast
-    run: Callable[[BaseModel], object]
+    config: str
+    run: str
     distributed: bool = True  # starts several ranks when engine.num_processes > 1
 
+    def config_cls(self) -> type[BaseModel]:
+        return _load(self.config)
 
-def _sft_config():
-    from raylign.config.commands import SFTConfig
-
-    return SFTConfig
-
-
-def _run_sft(cfg) -> object:
-    from raylign.trainers.sft import SFTTrainer
-
-    return SFTTrainer(cfg).run()
+    def runner(self) -> Callable[[BaseModel], object]:
+        return _load(self.run)
 
 
-def _quickstart_config():
-    from raylign.cli.quickstart import QuickstartConfig
-
-    return QuickstartConfig
-
-
-def _run_quickstart(cfg) -> object:
-    from raylign.cli.quickstart import run_quickstart
-
-    return run_quickstart(cfg)
+def _load(target: str):
+    module, attribute = target.split(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 COMMANDS: dict[str, Command] = {
     "quickstart": Command("Train a tiny model to reverse letter sequences on the CPU and report accuracy.",
-                          _quickstart_config, _run_quickstart, distributed=False),
-    "sft": Command("Supervised fine-tuning.", _sft_config, _run_sft),
+                          "raylign.cli.quickstart:QuickstartConfig", "raylign.cli.quickstart:run_quickstart",
+                          distributed=False),
+    "tiny-model": Command("Build a tiny random model with a local tokenizer (for examples and tests).",
+                          "raylign.cli.tiny_model:TinyModelConfig", "raylign.cli.tiny_model:run_tiny_model",
+                          distributed=False),
+    "sft": Command("Supervised fine-tuning.", "raylign.config.commands:SFTConfig", "raylign.trainers.sft:run_sft"),
+    "rm": Command("Train a reward model on preference pairs (Bradley-Terry).",
+                  "raylign.config.rm:RMConfig", "raylign.trainers.rm:run_rm"),
+    "prm": Command("Train a process reward model on step-labelled solutions.",
+                   "raylign.config.prm:PRMConfig", "raylign.trainers.prm:run_prm"),
+    "dpo": Command("Direct preference optimisation and its family (IPO, cDPO, DPO+NLL, SimPO, ORPO).",
+                   "raylign.config.dpo:DPOConfig", "raylign.trainers.dpo:run_dpo"),
+    "kto": Command("KTO on unpaired desirable / undesirable examples.",
+                   "raylign.config.kto:KTOConfig", "raylign.trainers.kto:run_kto"),
+    "kd": Command("Knowledge distillation from a frozen teacher.",
+                  "raylign.config.kd:KDConfig", "raylign.trainers.kd:run_kd"),
+    "generate": Command("Batch generation with vLLM or transformers.",
+                        "raylign.config.pipeline:GenerateConfig", "raylign.pipeline.generate:run_generate",
+                        distributed=False),
+    "score": Command("Score generations with a reward model or reward functions.",
+                     "raylign.config.pipeline:ScoreConfig", "raylign.pipeline.score:run_score", distributed=False),
+    "select": Command("Select best-of-n samples or best-vs-worst pairs from scored generations.",
+                      "raylign.config.pipeline:SelectConfig", "raylign.pipeline.select:run_select",
+                      distributed=False),
+    "serve-rm": Command("Serve a reward model or reward function over HTTP.",
+                        "raylign.cli.serve_rm:ServeRMConfig", "raylign.cli.serve_rm:run_serve_rm",
+                        distributed=False),
 }
+
+
+def available_commands() -> dict[str, Command]:
+    """The commands whose modules are present in this installation."""
+    found = {}
+    for name, command in COMMANDS.items():
+        module = command.config.split(":")[0]
+        if importlib.util.find_spec(module) is not None:
+            found[name] = command
+    return found
+
 
 USAGE = """usage: raylign <command> [--config FILE.yaml] [--print-config] [--section.field VALUE ...]
 
@@ -65,8 +93,9 @@ dotted path (command line > YAML file > defaults). `raylign <command> --help` li
 
 
 def _usage() -> str:
-    width = max(len(n) for n in COMMANDS)
-    rows = "\n".join(f"  {name.ljust(width)}  {c.summary}" for name, c in COMMANDS.items())
+    commands = available_commands()
+    width = max(len(n) for n in commands)
+    rows = "\n".join(f"  {name.ljust(width)}  {c.summary}" for name, c in commands.items())
     return USAGE.format(commands=rows)
 
 
@@ -137,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
+    if name not in available_commands():
         print(f"raylign: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     command = COMMANDS[name]
@@ -158,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return _launch_ranks(name, rest, engine.num_processes)
     setup_logging()
     try:
-        command.run(cfg)
+        command.runner()(cfg)
     except (ValueError, FileNotFoundError, ConfigError) as err:
         if os.environ.get("RAYLIGN_DEBUG"):
             raise

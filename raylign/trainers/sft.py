@@ -49,3 +49,7 @@ class SFTTrainer(OfflineTrainer):
         )
         mask = batch["loss_mask"].to(logprobs.dtype)
         return -(logprobs.float() * mask).sum(), {}
+
+
+def run_sft(cfg: SFTConfig) -> dict[str, float]:
+    return SFTTrainer(cfg).run()
