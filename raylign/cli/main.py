@@ -67,6 +67,8 @@ COMMANDS: dict[str, Command] = {
     "select": Command("Select best-of-n samples or best-vs-worst pairs from scored generations.",
                       "raylign.config.pipeline:SelectConfig", "raylign.pipeline.select:run_select",
                       distributed=False),
+    "rl": Command("Online RL: PPO, GRPO, Dr.GRPO, REINFORCE++, RLOO, GSPO, DAPO on Ray with vLLM rollouts.",
+                  "raylign.config.rl:RLConfig", "raylign.rl.trainer:run_rl", distributed=False),
     "serve-rm": Command("Serve a reward model or reward function over HTTP.",
                         "raylign.cli.serve_rm:ServeRMConfig", "raylign.cli.serve_rm:run_serve_rm",
                         distributed=False),

@@ -132,6 +132,9 @@ def resolve_config(
         set_dotted(data, dotted, value)
     if overrides:
         source += " + command-line overrides"
+    preset_defaults = getattr(cls, "preset_defaults", None)
+    if preset_defaults is not None:  # e.g. an RL preset: lowest precedence after the schema defaults
+        data = _deep_merge(preset_defaults(data), data)
     return parse_config(cls, data, source)
 
 

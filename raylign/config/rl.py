@@ -1,0 +1,160 @@
+"""raylign rl: online RL (PPO, GRPO, Dr.GRPO, REINFORCE++, RLOO, GSPO, DAPO) on Ray.
+
+An algorithm is a choice of advantage estimator, policy loss, KL mode and loss aggregation
+from the algorithm library; ``preset`` fills these with vetted defaults, and any field
+set in the YAML file or on the command line overrides the preset.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from raylign.config.base import Section
+from raylign.config.data import DatasetSpec
+from raylign.config.engine import EngineConfig
+from raylign.config.model import ModelConfig
+from raylign.config.optim import OptimConfig
+from raylign.config.reward import RewardConfig
+from raylign.config.rollout import RolloutConfig, SamplingConfig
+from raylign.config.train import LoggingConfig
+
+GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"}
+PresetName = Literal["ppo", "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "gspo", "dapo"]
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["gae", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "grpo",
+                       "dr_grpo"] = Field("grpo", description="Advantage estimator (gae needs a critic).")
+    normalize_std: bool = Field(True, description="grpo: divide by the group's reward std (false: Dr.GRPO-style).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    policy_loss: Literal["ppo", "gspo"] = Field("ppo", description="ppo: token-level clipped surrogate; gspo: "
+                                                "sequence-level ratio (geometric mean over tokens).")
+    clip_eps_low: float = Field(0.2, gt=0, lt=1, description="Lower clip: ratio >= 1 - clip_eps_low.")
+    clip_eps_high: float | None = Field(None, gt=0, description="Upper clip (clip-higher); None = clip_eps_low.")
+    dual_clip_c: float | None = Field(None, gt=1, description="Dual-clip bound for negative advantages; None off.")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant_normalizer"] = Field(
+        "token_mean", description="How token losses become the batch loss.")
+    constant_normalizer: float | None = Field(
+        None, gt=0, description="constant_normalizer aggregation: divide token sums by this (default max_new_tokens).")
+    kl_mode: Literal["none", "reward", "loss"] = Field(
+        "loss", description="KL to the reference policy: none, a per-token reward penalty, or a loss term.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    kl_coef: float = Field(0.001, ge=0, description="KL coefficient (reward penalty or loss weight).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    vf_coef: float = Field(0.5, gt=0, description="Value-loss weight (PPO critic).")
+    value_clip: float | None = Field(0.2, gt=0, description="Value clipping range; None disables.")
+    off_policy: Literal["none", "truncated_is", "ratio_mask"] = Field(
+        "none", description="Correction for rollout-engine vs trainer log-prob mismatch.")
+    tis_cap: float = Field(2.0, gt=0, description="truncated_is: importance weights clamped at this C.")
+    mask_low: float = Field(0.5, gt=0, description="ratio_mask: tokens whose ratio is below this are masked.")
+    mask_high: float = Field(2.0, gt=0, description="ratio_mask: tokens whose ratio is above this are masked.")
+    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal and refill (DAPO).")
+    max_refill_rounds: int = Field(3, ge=0, description="Dynamic sampling: extra generation rounds per step.")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (tokens); 0 disables.")
+    overlong_penalty: float = Field(1.0, ge=0, description="DAPO soft overlong penalty at max length.")
+    reward_clip: float | None = Field(None, gt=0, description="Clip rewards to [-c, c]; None disables.")
+
+
+class CriticConfig(Section):
+    path: str | None = Field(None, description="Critic initialisation (defaults to the policy model).")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-6), description="Critic optimizer.")
+
+
+class RLDataConfig(Section):
+    train: list[DatasetSpec] = Field(..., min_length=1, description="Prompt datasets (input_key: prompt text or "
+                                     "messages; label_key: the reference answer given to reward functions).")
+    eval: list[DatasetSpec] = Field(default_factory=list, description="Evaluation prompt datasets.")
+    format: Literal["chat", "plain"] = Field("chat", description="chat: apply the chat template to the prompt.")
+    prompt_template: str = Field("{input}", description="Plain format: how the prompt text is written.")
+    max_prompt_length: int = Field(512, ge=1, description="Longer prompts are an error naming the row.")
+    source_key: str = Field("data_source", description="Row key naming its data source (eval is reported per source).")
+    seed: int = Field(0, ge=0, description="Shuffling seed.")
+
+
+class PlacementConfig(Section):
+    policy_workers: int = Field(1, ge=1, description="Data-parallel policy ranks (Ray actors).")
+    critic_workers: int = Field(1, ge=1, description="Data-parallel critic ranks (PPO).")
+    reference_workers: int = Field(1, ge=1, description="Reference-model ranks.")
+    colocate: bool = Field(False, description="Share devices between training and generation, offloading what is idle.")
+    cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPU slots per training worker.")
+    ray_address: str | None = Field(None, description="Join this Ray cluster; None starts a local Ray.")
+    num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of a local Ray (default: enough for the run).")
+
+
+class RLTrainConfig(Section):
+    output_dir: str = Field("outputs/rl", description="Checkpoints, metrics, plots and the final policy.")
+    max_steps: int = Field(100, ge=1, description="RL steps (each: generate, score, update, sync).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per step (rollout batch).")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per RL step (the rollout batch is split).")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of a micro-batch (balanced packing).")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (and at start and end); 0 only start/end.")
+    eval_n: int = Field(1, ge=1, description="Samples per eval prompt (pass@k for k <= eval_n).")
+    eval_temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 greedy).")
+    eval_threshold: float = Field(1.0, description="An eval sample counts as correct when its reward >= this.")
+    save_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0 only at the end.")
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept.")
+    resume: bool = Field(True, description="Continue from the newest complete checkpoint.")
+    export: bool = Field(True, description="Export the final policy to <output_dir>/final.")
+    seed: int = Field(42, description="Seed of model init and sampling.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metric sinks and console output.")
+
+
+class RLConfig(Section):
+    """raylign rl: online RL with rollouts from vLLM (or HF) and rewards from functions, models or servers."""
+
+    preset: PresetName = Field("grpo", description="Algorithm defaults: ppo, grpo, dr_grpo, reinforce_pp, "
+                               "reinforce_pp_baseline, rloo, gspo, dapo.")
+    model: ModelConfig = Field(..., description="The policy.")
+    reference: ModelConfig | None = Field(None, description="Frozen reference model (defaults to the policy's "
+                                          "initial weights); used when the KL mode is not none.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO critic (only with gae).")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Estimator, losses, KL.")
+    reward: RewardConfig = Field(..., description="Reward sources and their weights.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation engines.")
+    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(n=4), description="Rollout sampling.")
+    data: RLDataConfig = Field(..., description="Prompt datasets.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Training backend of policy and critic.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-6), description="Policy optimizer.")
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Ray actors and devices.")
+    train: RLTrainConfig = Field(default_factory=RLTrainConfig, description="The RL loop.")
+
+    @classmethod
+    def preset_defaults(cls, data: dict[str, Any]) -> dict[str, Any]:
+        from raylign.rl.presets import PRESETS
+
+        name = data.get("preset", "grpo")
+        return PRESETS.get(name, {})
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algorithm.advantage == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.algorithm.kl_mode != "none" and self.algorithm.kl_coef > 0
+
+    @model_validator(mode="after")
+    def _possible(self) -> RLConfig:
+        a, t, s, p = self.algorithm, self.train, self.sampling, self.placement
+        if a.advantage in GROUP_ESTIMATORS and s.n < 2:
+            raise ValueError(f"algorithm.advantage '{a.advantage}' compares samples of a prompt: "
+                             f"sampling.n must be at least 2 (got {s.n})")
+        if self.critic.path is not None and not self.uses_critic:
+            raise ValueError(f"critic.path is set but algorithm.advantage '{a.advantage}' uses no critic "
+                             "(only gae does); remove critic.path or use the ppo preset")
+        samples = t.prompts_per_step * s.n
+        if samples % t.mini_batches:
+            raise ValueError(f"train.prompts_per_step x sampling.n ({samples}) must be divisible by "
+                             f"train.mini_batches ({t.mini_batches})")
+        if (samples // t.mini_batches) % p.policy_workers:
+            raise ValueError(f"each mini-batch ({samples // t.mini_batches} samples) must split evenly over "
+                             f"placement.policy_workers ({p.policy_workers})")
+        if self.rollout.engine == "hf" and self.rollout.tensor_parallel_size != 1:
+            raise ValueError("rollout.tensor_parallel_size must be 1 with the hf engine")
+        if a.mask_low >= a.mask_high:
+            raise ValueError(f"algorithm.mask_low ({a.mask_low}) must be below algorithm.mask_high ({a.mask_high})")
+        return self

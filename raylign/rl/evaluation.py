@@ -1,0 +1,37 @@
+"""Evaluation metrics: pass@k per data source (Chen et al. 2021, "Evaluating Large Language
+Models Trained on Code", unbiased estimator)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from math import comb
+from typing import Any
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """``1 - C(n - c, k) / C(n, k)``: the chance that at least one of k samples drawn from n is correct."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def pass_at_k_metrics(samples: list[Any], n: int, threshold: float) -> dict[str, float]:
+    """``eval/<source>/pass@1``, ``pass@n`` and mean reward per data source, and over all sources.
+
+    ``samples`` come in groups of ``n`` consecutive completions per prompt."""
+    per_source: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for g in range(len(samples) // n):
+        group = samples[g * n:(g + 1) * n]
+        correct = sum(s.reward >= threshold for s in group)
+        mean_reward = sum(s.reward for s in group) / n
+        per_source[group[0].source].append((correct, mean_reward))
+        per_source["all"].append((correct, mean_reward))
+    metrics: dict[str, float] = {}
+    ks = sorted({1, n})
+    for source, groups in per_source.items():
+        for k in ks:
+            metrics[f"eval/{source}/pass@{k}"] = sum(pass_at_k(n, c, k) for c, _ in groups) / len(groups)
+        metrics[f"eval/{source}/reward_mean"] = sum(r for _, r in groups) / len(groups)
+    return metrics

@@ -1,0 +1,54 @@
+"""A data-parallel group of :class:`ModelWorker` Ray actors, placed together and driven as one."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raylign.rl.worker import ModelWorker
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerGroup:
+    def __init__(self, role: str, cfg: dict[str, Any], num_workers: int, total_steps: int,
+                 placement_group: PlacementGroup | None, bundle_offset: int = 0, num_cpus: float = 1.0,
+                 num_gpus: float = 0.0, env: dict[str, str] | None = None):
+        self.role = role
+        master_addr = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        port = _free_port()
+        actor_cls = ray.remote(ModelWorker)
+        self.workers = []
+        for rank in range(num_workers):
+            options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus,
+                                       "runtime_env": {"env_vars": env or {}}}
+            if placement_group is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=bundle_offset + rank)
+            self.workers.append(actor_cls.options(**options).remote(
+                role, cfg, rank, num_workers, master_addr, port, total_steps))
+        # Fail here, naming the role, if a worker could not start.
+        ray.get([w.__ray_ready__.remote() for w in self.workers])
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """The same call on every rank, results in rank order."""
+        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def call_sharded(self, method: str, per_rank: list[Any]) -> list[Any]:
+        """Rank r gets ``per_rank[r]``; results in rank order."""
+        return ray.get([getattr(w, method).remote(arg) for w, arg in zip(self.workers, per_rank)])
+
+    def kill(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)

@@ -1,0 +1,59 @@
+"""Prompt datasets for RL: each row becomes token ids for the engines plus what the rewards need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from raylign.config.data import DatasetSpec
+from raylign.config.rl import RLDataConfig
+from raylign.data import RowRef, check_text, read_rows, require_key, validate_messages
+
+
+@dataclass
+class Prompt:
+    text: str  # what reward functions see as the prompt (the rendered prompt for chat rows)
+    token_ids: list[int]
+    label: Any  # the reference answer, given to reward sources
+    source: str  # data source name, for per-source evaluation
+    where: RowRef
+
+
+def _render(row: dict[str, Any], spec: DatasetSpec, cfg: RLDataConfig, tokenizer, where: RowRef) -> tuple[str, list[int]]:
+    value = require_key(row, spec.input_key, where)
+    if cfg.format == "plain":
+        text = cfg.prompt_template.format(input=check_text(value, spec.input_key, where))
+        return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+    if isinstance(value, list):
+        messages = validate_messages(value, spec.input_key, where)
+    else:
+        messages = [{"role": "user", "content": check_text(value, spec.input_key, where)}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def load_prompts(specs: list[DatasetSpec], cfg: RLDataConfig, tokenizer) -> list[Prompt]:
+    """Read every prompt row; a bad row is an error naming its file, row and key."""
+    prompts: list[Prompt] = []
+    for spec in specs:
+        count = 0
+        for row_number, row in read_rows(spec.path, split=spec.split):
+            where = RowRef(spec.path, row_number)
+            text, ids = _render(row, spec, cfg, tokenizer, where)
+            if len(ids) > cfg.max_prompt_length:
+                raise where.error(spec.input_key, f"prompt has {len(ids)} tokens, more than data.max_prompt_length "
+                                  f"({cfg.max_prompt_length})", "too_long")
+            source = row.get(cfg.source_key) or _default_source(spec.path)
+            prompts.append(Prompt(text, ids, row.get(spec.label_key), str(source), where))
+            count += 1
+            if spec.max_samples is not None and count >= spec.max_samples:
+                break
+        if count == 0:
+            raise ValueError(f"{spec.path}: no prompt rows")
+    return prompts
+
+
+def _default_source(path: str) -> str:
+    from pathlib import Path
+
+    return Path(path).stem

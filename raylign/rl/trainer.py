@@ -1,0 +1,380 @@
+"""The RL controller: one process that drives rollout engines, reward sources and model workers.
+
+One step, as data: prompt batch -> engines (n samples per prompt; token ids and log-probs)
+-> rewards -> experience (behaviour log-probs recomputed by the policy, reference log-probs,
+values) -> advantages -> policy / critic updates -> weight sync to the engines -> metrics,
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from raylign.config.base import save_yaml
+from raylign.config.rl import RLConfig
+from raylign.data import ResumableSampler
+from raylign.engine.checkpoint import latest_checkpoint, prune_checkpoints, step_directory, write_atomically
+from raylign.rl.advantages import compute_advantages, shaped_rewards
+from raylign.rl.evaluation import pass_at_k_metrics
+from raylign.rl.experience import Sample, micro_batches_for_ranks, pack_samples, response_mask, response_tensor
+from raylign.rl.prompts import Prompt, load_prompts
+from raylign.trainers.metrics import MetricsLogger, format_metrics
+from raylign.trainers.progress import Progress
+
+log = logging.getLogger("raylign")
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}
+
+
+class RLTrainer:
+    def __init__(self, cfg: RLConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.train.output_dir)
+        self.step = 0
+        self.groups: dict[str, Any] = {}
+
+    # ---- set-up --------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        import ray
+
+        from raylign.models import load_tokenizer, resolve_model_path
+        from raylign.rollout.pool import RolloutPool, launch_engines
+        from raylign.rollout.rewards import build_reward
+        from raylign.rl.group import WorkerGroup
+
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        save_yaml(cfg, self.out / "config.yaml")
+        _seed(cfg.train.seed)
+        self.model_path = str(resolve_model_path(cfg.model.path))
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path, padding_side="left")
+        self.train_prompts = load_prompts(cfg.data.train, cfg.data, self.tokenizer)
+        self.eval_prompts = load_prompts(cfg.data.eval, cfg.data, self.tokenizer) if cfg.data.eval else []
+        if len(self.train_prompts) < cfg.train.prompts_per_step:
+            raise ValueError(f"train.prompts_per_step ({cfg.train.prompts_per_step}) is larger than the prompt set "
+                             f"({len(self.train_prompts)} prompts)")
+        self.sampler = ResumableSampler(len(self.train_prompts), cfg.train.prompts_per_step, shuffle=True,
+                                        seed=cfg.data.seed, drop_last=True)
+        if not ray.is_initialized():
+            workers = cfg.placement.policy_workers + cfg.rollout.num_engines + 4
+            ray.init(address=cfg.placement.ray_address, include_dashboard=False,
+                     num_cpus=None if cfg.placement.ray_address else (cfg.placement.num_cpus or workers),
+                     runtime_env={"env_vars": WORKER_ENV})
+        self.reward = build_reward(cfg.reward)
+        dump = cfg.model_dump(mode="json")
+        dump["model"]["path"] = self.model_path
+        updates = cfg.train.max_steps * cfg.train.mini_batches * cfg.train.ppo_epochs
+        p = cfg.placement
+        self.groups["policy"] = WorkerGroup("policy", dump, p.policy_workers, updates, None,
+                                            num_cpus=p.cpus_per_worker, env=WORKER_ENV)
+        if cfg.uses_reference:
+            self.groups["reference"] = WorkerGroup("reference", dump, p.reference_workers, updates, None,
+                                                   num_cpus=p.cpus_per_worker, env=WORKER_ENV)
+        if cfg.uses_critic:
+            self.groups["critic"] = WorkerGroup("critic", dump, p.critic_workers, updates, None,
+                                                num_cpus=p.cpus_per_worker, env=WORKER_ENV)
+        self.engines = launch_engines(self.model_path, cfg.rollout, env_vars=WORKER_ENV)
+        self.pool = RolloutPool(self.engines)
+        self.groups["policy"].call("connect_engines", self.engines)
+        self.metrics = MetricsLogger(self.out, cfg.train.logging, dump)
+        self._maybe_resume()
+
+    def _maybe_resume(self) -> None:
+        ckpt = latest_checkpoint(self.out / "checkpoints") if self.cfg.train.resume else None
+        if ckpt is None:
+            return
+        for role in ("policy", "critic"):
+            if role in self.groups:
+                self.groups[role].call("load_checkpoint", str(ckpt / role))
+        state = torch.load(ckpt / "controller.pt", weights_only=False)
+        self.step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        _set_rng(state["rng"])
+        self.sync_weights()
+        log.info("resumed from %s at step %d", ckpt, self.step)
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self) -> dict[str, float]:
+        self.setup()
+        cfg = self.cfg
+        try:
+            if self.step == 0 and self.eval_prompts:
+                self.evaluate()
+            progress = Progress(cfg.train.max_steps, "rl", enabled=cfg.train.logging.progress_bar)
+            progress.advance_to(self.step)
+            batches = _endless(self.sampler)
+            metrics: dict[str, float] = {}
+            while self.step < cfg.train.max_steps:
+                metrics = self.train_step([self.train_prompts[i] for i in next(batches)], batches)
+                self.step += 1
+                self.metrics.log(metrics, self.step)
+                progress.advance_to(self.step, format_metrics(metrics, ["reward/mean", "response_length/mean",
+                                                                        "time/step_s"]))
+                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and self.step < cfg.train.max_steps:
+                    self.evaluate()
+                if cfg.train.save_every and self.step % cfg.train.save_every == 0:
+                    self.save_checkpoint()
+            progress.close()
+            final = self.evaluate() if self.eval_prompts else {}
+            if not (cfg.train.save_every and self.step % cfg.train.save_every == 0):
+                self.save_checkpoint()
+            if cfg.train.export:
+                self.groups["policy"].call("export_hf", str(self.out / "final"))
+                log.info("exported the final policy to %s", self.out / "final")
+            self._plot()
+            return {**metrics, **final}
+        finally:
+            self.shutdown()
+
+    def train_step(self, prompts: list[Prompt], more_batches) -> dict[str, float]:
+        cfg = self.cfg
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        samples, gen_metrics = self.rollout(prompts, more_batches, timings)
+        t = time.perf_counter()
+        exp = self.make_experience(samples)
+        timings["time/experience_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        train_metrics = self.update(samples, exp)
+        timings["time/train_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        sync_metrics = self.sync_weights()
+        timings["time/sync_s"] = time.perf_counter() - t
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        generated = sum(len(s.response_ids) for s in samples)
+        return {**gen_metrics, **exp["metrics"], **train_metrics, **sync_metrics, **timings,
+                "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
+                "throughput/generated_tokens_per_s": generated / max(timings["time/generate_s"], 1e-9)}
+
+    # ---- rollout and rewards ---------------------------------------------------------------
+
+    def generate(self, prompts: list[Prompt], sampling) -> list[Sample]:
+        completions = self.pool.generate_blocking([p.token_ids for p in prompts], sampling)
+        samples = []
+        for c in completions:
+            p = prompts[c.prompt_index]
+            samples.append(Sample(c.prompt_token_ids, c.response_token_ids, c.response_logprobs, c.prompt_index,
+                                  p.text, c.text, p.label, p.source, c.finish_reason))
+        return samples
+
+    def score(self, samples: list[Sample]) -> None:
+        result = self.reward.score([s.prompt_text for s in samples], [s.response_text for s in samples],
+                                   [s.label for s in samples], [{"source": s.source} for s in samples])
+        for i, s in enumerate(samples):
+            s.reward = float(result.rewards[i])
+            s.reward_metrics = {k: float(v[i]) for k, v in result.metrics.items()}
+
+    def rollout(self, prompts: list[Prompt], more_batches, timings: dict[str, float]) -> tuple[list[Sample], dict]:
+        cfg, n = self.cfg, self.cfg.sampling.n
+        t = time.perf_counter()
+        samples = self.generate(prompts, cfg.sampling)
+        timings["time/generate_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.score(samples)
+        timings["time/reward_s"] = time.perf_counter() - t
+        metrics = _reward_metrics(samples)
+        if not cfg.algorithm.dynamic_sampling:
+            return samples, metrics
+        kept, dropped = _split_by_variance(samples, n)
+        metrics["dynamic_sampling/kept_groups_first_round"] = len(kept) / n
+        rounds = 0
+        while len(kept) < len(prompts) * n and rounds < cfg.algorithm.max_refill_rounds:
+            rounds += 1
+            extra_prompts = [self.train_prompts[i] for i in next(more_batches)]
+            t = time.perf_counter()
+            extra = self.generate(extra_prompts, cfg.sampling)
+            timings["time/generate_s"] += time.perf_counter() - t
+            t = time.perf_counter()
+            self.score(extra)
+            timings["time/reward_s"] += time.perf_counter() - t
+            more_kept, more_dropped = _split_by_variance(extra, n)
+            kept += more_kept
+            dropped += more_dropped
+        short = max(0, len(prompts) * n - len(kept))
+        # Too few informative groups after the refills: top up with dropped groups (their advantages are 0).
+        chosen = (kept + dropped[:short])[: len(prompts) * n]
+        for g in range(len(chosen) // n):
+            for s in chosen[g * n:(g + 1) * n]:
+                s.group = g
+        metrics.update({"dynamic_sampling/refill_rounds": rounds, "dynamic_sampling/short_groups": short / n})
+        return chosen, metrics
+
+    # ---- experience ----------------------------------------------------------------------
+
+    def _forward_all(self, role: str, method: str, samples: list[Sample]) -> torch.Tensor:
+        """Run ``method`` over all samples, sharded across the role's ranks; ``[B, R]`` in sample order."""
+        group = self.groups[role]
+        plan = micro_batches_for_ranks(samples, len(group), self.cfg.train.micro_batch_tokens)
+        per_rank = [[pack_samples([samples[i] for i in micro]) for micro in rank_plan] for rank_plan in plan]
+        results = group.call_sharded(method, per_rank)
+        out = torch.zeros(len(samples), max(len(s.response_ids) for s in samples))
+        for rank_plan, rank_results in zip(plan, results):
+            for micro, values in zip(rank_plan, rank_results):
+                for row, i in enumerate(micro):
+                    length = len(samples[i].response_ids)
+                    out[i, :length] = values[row, :length]
+        return out
+
+    def make_experience(self, samples: list[Sample]) -> dict[str, Any]:
+        cfg = self.cfg
+        width = max(len(s.response_ids) for s in samples)
+        mask = response_mask(samples, width)
+        old = self._forward_all("policy", "compute_logprobs", samples)
+        ref = self._forward_all("reference", "compute_logprobs", samples) if cfg.uses_reference else None
+        values = self._forward_all("critic", "compute_values", samples) if cfg.uses_critic else None
+        rollout_lp = response_tensor([s.rollout_logprobs for s in samples], width)
+        lengths = mask.sum(dim=-1)
+        rewards, shaping = shaped_rewards(torch.tensor([s.reward for s in samples]), lengths, cfg)
+        advantages, returns, adv_metrics = compute_advantages(cfg, rewards, mask, cfg.sampling.n, old, ref, values)
+        diff = (rollout_lp - old) * mask
+        counted = mask.sum().clamp(min=1)
+        metrics = {**shaping, **adv_metrics,
+                   "mismatch/logprob_abs_diff": float(diff.abs().sum() / counted),
+                   "mismatch/logprob_max_abs_diff": float(diff.abs().max()),
+                   "mismatch/kl_k3": float(((torch.exp(-diff) - 1 + diff) * mask).sum() / counted)}
+        per_token = {"old_logprobs": old, "rollout_logprobs": rollout_lp, "advantages": advantages,
+                     "returns": returns}
+        if ref is not None:
+            per_token["ref_logprobs"] = ref
+        if values is not None:
+            per_token["values"] = values
+        return {"per_token": per_token, "metrics": metrics}
+
+    # ---- updates -------------------------------------------------------------------------
+
+    def update(self, samples: list[Sample], exp: dict[str, Any]) -> dict[str, float]:
+        cfg = self.cfg
+        size = len(samples) // cfg.train.mini_batches
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(cfg.train.ppo_epochs):
+            for m in range(cfg.train.mini_batches):
+                idx = list(range(m * size, (m + 1) * size))
+                for role, method in (("policy", "train_policy"), ("critic", "train_critic")):
+                    if role not in self.groups:
+                        continue
+                    results = self.groups[role].call_sharded(method, self._shard(samples, idx, exp["per_token"],
+                                                                                  len(self.groups[role])))
+                    for key in results[0]:
+                        value = sum(r[key] for r in results) / len(results)
+                        sums[f"{role}/{key}"] = sums.get(f"{role}/{key}", 0.0) + value
+                count += 1
+        return {k: v / count for k, v in sums.items()}
+
+    def _shard(self, samples: list[Sample], idx: list[int], per_token: dict[str, torch.Tensor], world: int):
+        chosen = [samples[i] for i in idx]
+        plan = micro_batches_for_ranks(chosen, world, self.cfg.train.micro_batch_tokens)
+        return [[pack_samples([chosen[j] for j in micro], {k: v[[idx[j] for j in micro]] for k, v in per_token.items()})
+                 for micro in rank_plan] for rank_plan in plan]
+
+    def sync_weights(self) -> dict[str, float]:
+        results = self.groups["policy"].call("sync_weights")
+        return results[0]
+
+    # ---- evaluation, checkpoints ---------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        cfg = self.cfg
+        sampling = cfg.sampling.model_copy(update={"n": cfg.train.eval_n, "temperature": cfg.train.eval_temperature})
+        samples = self.generate(self.eval_prompts, sampling)
+        self.score(samples)
+        metrics = pass_at_k_metrics(samples, cfg.train.eval_n, cfg.train.eval_threshold)
+        self.metrics.log(metrics, self.step)
+        log.info("step %d eval: %s", self.step, format_metrics(metrics))
+        return metrics
+
+    def save_checkpoint(self) -> Path:
+        root = self.out / "checkpoints"
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": _get_rng()}
+
+        def write(tmp: Path) -> None:
+            for role in ("policy", "critic"):
+                if role in self.groups:
+                    self.groups[role].call("save_checkpoint", str(tmp / role), {"step": self.step})
+            torch.save(state, tmp / "controller.pt")
+
+        path = write_atomically(step_directory(root, self.step), write, {"step": self.step})
+        prune_checkpoints(root, self.cfg.train.keep_last)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def _plot(self) -> None:
+        from raylign.trainers.plots import plot_metric
+
+        try:
+            path = plot_metric(self.out, "reward/mean", self.out / "reward_curve.png", title="mean reward per step")
+            log.info("reward curve: %s", path)
+        except ValueError as err:
+            log.warning("no reward curve: %s", err)
+
+    def shutdown(self) -> None:
+        import ray
+
+        if hasattr(self, "metrics"):
+            self.metrics.close()
+        if hasattr(self, "reward"):
+            self.reward.close()
+        for group in self.groups.values():
+            group.kill()
+        for engine in getattr(self, "engines", []):
+            ray.kill(engine)
+
+
+def _reward_metrics(samples: list[Sample]) -> dict[str, float]:
+    rewards = torch.tensor([s.reward for s in samples])
+    lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
+    metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(samples) > 1 else 0.0,
+               "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+               "response/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples)}
+    for key in samples[0].reward_metrics:
+        metrics[f"reward/{key}"] = sum(s.reward_metrics[key] for s in samples) / len(samples)
+    return metrics
+
+
+def _split_by_variance(samples: list[Sample], n: int) -> tuple[list[Sample], list[Sample]]:
+    from raylign.algorithms import filter_zero_variance_groups
+
+    result = filter_zero_variance_groups(torch.tensor([s.reward for s in samples]), group_size=n)
+    keep = set(result.kept_groups.tolist())
+    kept, dropped = [], []
+    for g in range(len(samples) // n):
+        group = samples[g * n:(g + 1) * n]
+        (kept if g in keep else dropped).extend(group)
+    return kept, dropped
+
+
+def _endless(sampler: ResumableSampler):
+    while True:
+        yield from sampler
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _get_rng() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _set_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def run_rl(cfg: RLConfig) -> dict[str, float]:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    return RLTrainer(cfg).run()

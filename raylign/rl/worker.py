@@ -1,0 +1,219 @@
+"""One Ray actor per data-parallel rank of a model: the policy, the critic or the frozen reference.
+
+Trainable roles wrap a training engine (``local``, ``fsdp2`` or ``deepspeed``) and join a
+torch.distributed group with their peers; the reference holds a frozen replica. The
+controller sends each rank its micro-batches (see :mod:`raylign.rl.experience`); the
+losses come from the algorithm library, composed as explicit terms.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raylign.algorithms import (
+    POLICY_LOSSES,
+    compute_entropy_bonus,
+    compute_kl_loss,
+    compute_loss_scale,
+    compute_value_loss,
+    mask_by_importance_ratio,
+    truncated_importance_weights,
+)
+from raylign.config.rl import RLConfig
+from raylign.rl.experience import gather_responses
+
+Batch = dict[str, torch.Tensor]
+
+
+class ModelWorker:
+    def __init__(self, role: str, cfg: dict[str, Any], rank: int, world_size: int, master_addr: str,
+                 master_port: int, total_steps: int):
+        os.environ.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "RANK": str(rank),
+                           "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": "1",
+                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+        torch.set_flush_denormal(True)
+        self.cfg = RLConfig.model_validate(cfg)
+        self.role, self.rank, self.world_size = role, rank, world_size
+        self.temperature = self.cfg.sampling.temperature or 1.0
+        torch.manual_seed(self.cfg.train.seed)
+        from raylign.models import load_causal_lm, load_score_model
+
+        if role == "reference":
+            model_cfg = self.cfg.reference or self.cfg.model.model_copy(update={"lora": self.cfg.model.lora.model_copy(update={"rank": 0})})
+            self.module = load_causal_lm(model_cfg).eval().requires_grad_(False)
+            self.engine = None
+            return
+        from raylign.engine import create_engine
+        from raylign.engine.distributed import init_distributed
+
+        init_distributed(self.cfg.engine.dist_timeout_s)
+        if role == "critic":
+            critic_cfg = self.cfg.model.model_copy(update={"path": self.cfg.critic.path or self.cfg.model.path})
+            model, optim = load_score_model(critic_cfg, num_labels=1), self.cfg.critic.optim
+        else:
+            model, optim = load_causal_lm(self.cfg.model), self.cfg.optim
+        self.engine = create_engine(model, self.cfg.engine, optim, total_steps)
+        self.module = self.engine.module
+        self._pool = None
+
+    # ---- forward passes ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logprobs(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
+        """Response log-probs ``[b, R]`` per micro-batch, at the sampling temperature."""
+        from raylign.models import token_logprobs
+
+        self.module.eval()
+        out = []
+        for batch in micro_batches:
+            lp = token_logprobs(self.module, batch["input_ids"], position_ids=batch["position_ids"],
+                                temperature=self.temperature)
+            out.append(gather_responses(lp, batch["resp_index"], batch["mask"]))
+        return out
+
+    @torch.no_grad()
+    def compute_values(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
+        """Critic values ``[b, R]``: V of the state before each response token."""
+        self.module.eval()
+        return [self._values(batch) for batch in micro_batches]
+
+    def _values(self, batch: Batch) -> torch.Tensor:
+        from raylign.models import token_scores
+
+        scores = token_scores(self.module, batch["input_ids"], position_ids=batch["position_ids"])
+        return gather_responses(scores, batch["resp_index"], batch["mask"], shift=-1)
+
+    # ---- updates -----------------------------------------------------------------------
+
+    def _scale(self, masks: list[torch.Tensor]):
+        import torch.distributed as dist
+
+        group = dist.group.WORLD if dist.is_initialized() and self.world_size > 1 else None
+        return compute_loss_scale(masks, process_group=group, max_response_length=self._max_len())
+
+    def _max_len(self) -> int:
+        a = self.cfg.algorithm
+        return int(a.constant_normalizer or self.cfg.sampling.max_new_tokens)
+
+    def train_policy(self, micro_batches: list[Batch]) -> dict[str, float]:
+        """One optimizer step of the policy over this rank's micro-batches."""
+        a = self.cfg.algorithm
+        masks, weights, sums = [], [], {}
+        for batch in micro_batches:
+            mask, token_weights = batch["mask"], None
+            if a.off_policy == "truncated_is":
+                token_weights, stats = truncated_importance_weights(
+                    batch["old_logprobs"], batch["rollout_logprobs"], mask, cap=a.tis_cap)
+                _accumulate(sums, stats)
+            elif a.off_policy == "ratio_mask":
+                mask, stats = mask_by_importance_ratio(batch["old_logprobs"], batch["rollout_logprobs"], mask,
+                                                       low=a.mask_low, high=a.mask_high)
+                _accumulate(sums, stats)
+            masks.append(mask)
+            weights.append(token_weights)
+        scale = self._scale(masks)
+        self.module.train()
+        for batch, mask, token_weights in zip(micro_batches, masks, weights):
+            loss, stats = self._policy_loss(batch, mask, token_weights, scale)
+            self.engine.backward(loss)
+            _accumulate(sums, {"policy_loss_total": loss.detach(), **stats})
+        step = self.engine.step()
+        return {**{k: v / len(micro_batches) for k, v in sums.items()}, **step}
+
+    def _policy_loss(self, batch: Batch, mask: torch.Tensor, token_weights, scale) -> tuple[torch.Tensor, dict]:
+        from raylign.models import token_logprobs
+
+        a = self.cfg.algorithm
+        lp, entropy = token_logprobs(self.module, batch["input_ids"], position_ids=batch["position_ids"],
+                                     temperature=self.temperature, with_entropy=True)
+        logprobs = gather_responses(lp, batch["resp_index"], batch["mask"])
+        clip = {"clip_eps_low": a.clip_eps_low, "clip_eps_high": a.clip_eps_high}
+        if a.policy_loss == "ppo":
+            clip["dual_clip_c"] = a.dual_clip_c
+        loss, stats = POLICY_LOSSES.get(a.policy_loss)(
+            logprobs, batch["old_logprobs"], batch["advantages"], mask, token_weights=token_weights,
+            aggregation=a.aggregation, scale=scale, **clip)
+        stats = {"policy_loss": loss.detach(), **stats}
+        if a.kl_mode == "loss" and a.kl_coef > 0:
+            kl_loss, kl_stats = compute_kl_loss(logprobs, batch["ref_logprobs"], mask, estimator=a.kl_estimator,
+                                                aggregation=a.aggregation, scale=scale)
+            loss = loss + a.kl_coef * kl_loss
+            stats.update(kl_stats)
+        ent_loss, ent_stats = compute_entropy_bonus(gather_responses(entropy, batch["resp_index"], batch["mask"]),
+                                                    mask, a.entropy_coef, aggregation=a.aggregation, scale=scale)
+        if a.entropy_coef > 0:
+            loss = loss + ent_loss
+        stats.update(ent_stats)
+        return loss, stats
+
+    def train_critic(self, micro_batches: list[Batch]) -> dict[str, float]:
+        a = self.cfg.algorithm
+        scale = self._scale([b["mask"] for b in micro_batches])
+        self.module.train()
+        sums: dict[str, float] = {}
+        for batch in micro_batches:
+            values = self._values(batch)
+            loss, stats = compute_value_loss(values, batch["values"], batch["returns"], batch["mask"],
+                                             clip_eps=a.value_clip, aggregation="token_mean", scale=scale)
+            self.engine.backward(a.vf_coef * loss)
+            _accumulate(sums, {"value_loss": loss.detach(), **stats})
+        step = self.engine.step()
+        return {**{k: v / len(micro_batches) for k, v in sums.items()}, **step}
+
+    # ---- weights, checkpoints ------------------------------------------------------------
+
+    def connect_engines(self, engines: list[Any]) -> None:
+        """Rank 0 opens the weight-sync groups to the rollout engines."""
+        if self.rank != 0:
+            return
+        from raylign.rollout.pool import RolloutPool
+
+        self._pool = RolloutPool(engines)
+        r = self.cfg.rollout
+        self._pool.connect_weight_sync(bucket_mb=r.bucket_mb, timeout_s=r.sync_timeout_s)
+
+    def sync_weights(self) -> dict[str, float]:
+        """Collective over the policy ranks: gather full weights, rank 0 pushes them in buckets."""
+        start = time.perf_counter()
+        state = self.engine.full_state_dict()
+        gathered = time.perf_counter()
+        if self.rank != 0:
+            return {}
+        stats = self._pool.sync_weights(state.items())
+        return {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start,
+                **{f"sync/{k}": float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))}}
+
+    def save_checkpoint(self, directory: str, client_state: dict[str, Any]) -> None:
+        self.engine.save_checkpoint(Path(directory), client_state)
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        return self.engine.load_checkpoint(Path(directory))
+
+    def export_hf(self, directory: str) -> None:
+        from raylign.models import load_tokenizer
+
+        tokenizer = load_tokenizer(self.cfg.model.tokenizer_path or self.cfg.model.path)
+        self.engine.export_hf(Path(directory), tokenizer)
+
+    def offload(self) -> None:
+        if self.engine is not None:
+            self.engine.offload()
+
+    def onload(self) -> None:
+        if self.engine is not None:
+            self.engine.onload()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close_weight_sync()
+
+
+def _accumulate(sums: dict[str, float], stats: dict[str, Any]) -> None:
+    for key, value in stats.items():
+        sums[key] = sums.get(key, 0.0) + float(value.item() if hasattr(value, "item") else value)

