@@ -97,6 +97,7 @@ class RLTrainConfig(Section):
     eval_threshold: float = Field(1.0, description="An eval sample counts as correct when its reward >= this.")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0 only at the end.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept.")
+    log_samples: int = Field(4, ge=0, description="Completions per step written to <output_dir>/samples.jsonl.")
     resume: bool = Field(True, description="Continue from the newest complete checkpoint.")
     export: bool = Field(True, description="Export the final policy to <output_dir>/final.")
     seed: int = Field(42, description="Seed of model init and sampling.")

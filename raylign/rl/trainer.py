@@ -8,6 +8,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -151,6 +152,7 @@ class RLTrainer:
         sync_metrics = self.sync_weights()
         timings["time/sync_s"] = time.perf_counter() - t
         elapsed = time.perf_counter() - start
+        self._write_samples(samples)
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         generated = sum(len(s.response_ids) for s in samples)
         return {**gen_metrics, **exp["metrics"], **train_metrics, **sync_metrics, **timings,
@@ -277,6 +279,15 @@ class RLTrainer:
         plan = micro_batches_for_ranks(chosen, world, self.cfg.train.micro_batch_tokens)
         return [[pack_samples([chosen[j] for j in micro], {k: v[[idx[j] for j in micro]] for k, v in per_token.items()})
                  for micro in rank_plan] for rank_plan in plan]
+
+    def _write_samples(self, samples: list[Sample]) -> None:
+        if not self.cfg.train.log_samples:
+            return
+        with open(self.out / "samples.jsonl", "a") as f:
+            for s in samples[: self.cfg.train.log_samples]:
+                f.write(json.dumps({"step": self.step + 1, "prompt": s.prompt_text, "response": s.response_text,
+                                    "label": s.label, "reward": s.reward, "finish_reason": s.finish_reason},
+                                   default=str) + "\n")
 
     def sync_weights(self) -> dict[str, float]:
         results = self.groups["policy"].call("sync_weights")

@@ -139,7 +139,11 @@ class HFEngine(RolloutEngine):
         stop_criteria = StopStringCriteria(self.tokenizer, sampling.stop, len(prompt))
         greedy = sampling.temperature == 0.0
         seed = request_seed(sampling, index)
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        # A seeded request draws from its own stream and leaves the global one untouched; an
+        # unseeded one must advance the global stream, or every call would repeat the same draws.
+        rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [],
+                                    enabled=seed is not None)
+        with rng:
             if seed is not None:
                 torch.manual_seed(seed)
             out = self.model.generate(

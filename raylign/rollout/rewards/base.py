@@ -1,0 +1,137 @@
+"""The interface every reward source implements, and the checks shared by all of them.
+
+A source scores a batch of (prompt, response, label, metadata) samples and returns one float
+per sample plus optional per-sample metrics. A source that cannot score raises
+:class:`RewardError` naming the sample and the cause; it never returns ``None`` or a default.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RewardError(RuntimeError):
+    """A reward source failed; the message names the source, the sample(s) and the cause."""
+
+
+@dataclass
+class RewardResult:
+    """One reward per sample, and named per-sample metrics (each as long as ``rewards``)."""
+
+    rewards: list[float]
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+
+def preview(text: Any, limit: int = 60) -> str:
+    """A short quoted form of a prompt for error messages."""
+    text = str(text)
+    short = text if len(text) <= limit else text[: limit - 3] + "..."
+    return repr(short)
+
+
+def describe_sample(prompts: Sequence[str], index: int, offset: int = 0) -> str:
+    """'sample 3 (prompt 'What is ...')' for sample ``index`` of ``prompts``; ``offset`` shifts the number."""
+    return f"sample {offset + index} (prompt {preview(prompts[index])})"
+
+
+def describe_batch(prompts: Sequence[str], offset: int = 0) -> str:
+    """'4 samples starting at sample 8 (prompt '...')': the size and first prompt of a batch."""
+    count = len(prompts)
+    noun = "sample" if count == 1 else "samples"
+    return f"{count} {noun} starting at {describe_sample(prompts, 0, offset)}"
+
+
+def check_batch(prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any],
+                metadata: Sequence[dict]) -> None:
+    """Equal lengths, string prompts and responses, dict metadata; else ValueError naming the sample."""
+    lengths = {"prompts": len(prompts), "responses": len(responses), "labels": len(labels), "metadata": len(metadata)}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"reward batch lists differ in length: {lengths}")
+    for i, (prompt, response, meta) in enumerate(zip(prompts, responses, metadata)):
+        if not isinstance(prompt, str):
+            raise ValueError(f"sample {i}: prompt must be a string, got {type(prompt).__name__}")
+        if not isinstance(response, str):
+            raise ValueError(f"{describe_sample(prompts, i)}: response must be a string, got {type(response).__name__}")
+        if not isinstance(meta, dict):
+            raise ValueError(f"{describe_sample(prompts, i)}: metadata must be a dict, got {type(meta).__name__}")
+
+
+def to_float_list(values: Any, expected_len: int, what: str, prompts: Sequence[str], offset: int = 0) -> list[float]:
+    """``values`` as a list of finite floats of length ``expected_len``; else RewardError saying ``what`` was wrong.
+
+    Accepts any sequence of numbers (lists, tuples, numpy arrays, 1-d tensors; bools count as 0/1).
+    """
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+        raise RewardError(f"{what}: expected a list of {expected_len} numbers, got {type(values).__name__}")
+    if len(values) != expected_len:
+        raise RewardError(f"{what}: expected {expected_len} values (one per sample), got {len(values)}")
+    out: list[float] = []
+    for i, value in enumerate(values):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise RewardError(
+                f"{what}: value for {describe_sample(prompts, i, offset)} is not a number: {value!r:.80}"
+            ) from None
+        if not math.isfinite(number):
+            raise RewardError(f"{what}: value for {describe_sample(prompts, i, offset)} is {number}")
+        out.append(number)
+    return out
+
+
+def concatenate_results(parts: list[RewardResult], description: str) -> RewardResult:
+    """One result from the results of consecutive chunks of a batch, which must report the same metrics."""
+    names = list(parts[0].metrics)
+    if any(set(p.metrics) != set(names) for p in parts):
+        seen = [sorted(p.metrics) for p in parts]
+        raise RewardError(f"{description}: chunks of one batch reported different metrics: {seen}")
+    return RewardResult(
+        rewards=[r for p in parts for r in p.rewards],
+        metrics={n: [v for p in parts for v in p.metrics[n]] for n in names},
+    )
+
+
+class RewardSource(ABC):
+    """Scores batches of samples. Subclasses implement :meth:`_score`; :meth:`score` checks in and out."""
+
+    #: Names the source in errors, e.g. "reward function 'reward_func' in /path/r.py".
+    description: str = "reward source"
+
+    def score(
+        self,
+        prompts: list[str],
+        responses: list[str],
+        labels: list[Any] | None = None,
+        metadata: list[dict] | None = None,
+    ) -> RewardResult:
+        """Rewards for each (prompt, response) with its label and metadata (``None``: no labels / empty dicts)."""
+        labels = [None] * len(prompts) if labels is None else list(labels)
+        metadata = [{} for _ in prompts] if metadata is None else list(metadata)
+        check_batch(prompts, responses, labels, metadata)
+        if not prompts:
+            return RewardResult(rewards=[], metrics={})
+        result = self._score(list(prompts), list(responses), labels, metadata)
+        rewards = to_float_list(result.rewards, len(prompts), f"{self.description}: rewards", prompts)
+        metrics = {
+            name: to_float_list(values, len(prompts), f"{self.description}: metric '{name}'", prompts)
+            for name, values in result.metrics.items()
+        }
+        return RewardResult(rewards=rewards, metrics=metrics)
+
+    @abstractmethod
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
+               metadata: list[dict]) -> RewardResult:
+        """Score a checked, non-empty batch."""
+
+    def close(self) -> None:
+        """Release worker processes, actors or connections; the source cannot score afterwards."""
+
+    def __enter__(self) -> "RewardSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

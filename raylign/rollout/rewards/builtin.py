@@ -1,0 +1,150 @@
+"""Verifiable rewards that need no model: math answers, exact match, and a format regex.
+
+Each gives 1.0 or 0.0 per sample. A label that cannot be read (a math label math-verify cannot
+parse, a missing label) is an error naming the sample: it is a data problem, not a wrong answer.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+from raylign.rollout.rewards.base import RewardError, RewardResult, RewardSource, describe_sample
+
+# The last number of a text: optional sign, digits with thousands commas, decimals, a fraction.
+_NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")
+_BOXED_OPENERS = ("\\boxed{", "\\fbox{")
+
+
+def last_boxed_content(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced; None if none."""
+    position, opener = max((text.rfind(o), o) for o in _BOXED_OPENERS)
+    if position < 0:
+        return None
+    start = position + len(opener)
+    depth = 1
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+    return None  # unclosed: the response was cut off inside the box
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in ``text`` ('1,000' -> '1000', '3 / 4' -> '3/4'); None if there is none."""
+    matches = _NUMBER.findall(text)
+    if not matches:
+        return None
+    return re.sub(r"[\s,]", "", matches[-1])
+
+
+def extract_math_answer(response: str) -> str | None:
+    """The final answer of a response: the last ``\\boxed{}`` content, else the last number, else None."""
+    boxed = last_boxed_content(response)
+    if boxed is not None and boxed.strip():
+        return "\\boxed{" + boxed + "}"
+    return last_number(response)
+
+
+def _math_verify_timeouts() -> dict[str, int | None]:
+    # math-verify bounds sympy's work with SIGALRM, which Python allows only in the main thread;
+    # elsewhere (server threads, actor threads) its parse would fail and quietly return nothing.
+    on_main = threading.current_thread() is threading.main_thread()
+    return {"parsing_timeout": 5 if on_main else None, "timeout_seconds": 5 if on_main else None}
+
+
+def _parse_math(text: str) -> list:
+    from math_verify import parse
+
+    timeouts = _math_verify_timeouts()
+    parsed = parse(text, parsing_timeout=timeouts["parsing_timeout"])
+    if not parsed and "$" not in text and "\\boxed" not in text:
+        parsed = parse(f"${text}$", parsing_timeout=timeouts["parsing_timeout"])
+    return parsed
+
+
+def math_answer_is_correct(response: str, label: Any) -> tuple[bool, bool]:
+    """(answer found, answer equals label) by math-verify; ValueError when the label cannot be parsed."""
+    from math_verify import verify
+
+    gold = _parse_math(str(label))
+    if not any(not isinstance(item, str) for item in gold):  # only the raw-text fallback: no expression
+        raise ValueError(f"math-verify cannot parse the label {str(label)!r:.80}")
+    answer = extract_math_answer(response)
+    if answer is None:
+        return False, False
+    target = _parse_math(answer)
+    if not target:
+        return False, False
+    return True, bool(verify(gold, target, timeout_seconds=_math_verify_timeouts()["timeout_seconds"]))
+
+
+class MathReward(RewardSource):
+    """1.0 when the response's final answer (last ``\\boxed{}``, else last number) equals the label.
+
+    Equality is math-verify's (Hugging Face, 2025): symbolic and numeric, so '1/2' equals '0.5'
+    and '\\frac{1}{2}'. Metric ``answer_found``: 1.0 when the response had an answer to check.
+    """
+
+    description = "math reward"
+
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
+               metadata: list[dict]) -> RewardResult:
+        rewards, found = [], []
+        for i, (response, label) in enumerate(zip(responses, labels)):
+            if label is None:
+                raise RewardError(f"{self.description}: {describe_sample(prompts, i)} has no label to check against")
+            try:
+                has_answer, correct = math_answer_is_correct(response, label)
+            except ValueError as err:
+                raise RewardError(f"{self.description}: {describe_sample(prompts, i)}: {err}") from None
+            rewards.append(1.0 if correct else 0.0)
+            found.append(1.0 if has_answer else 0.0)
+        return RewardResult(rewards=rewards, metrics={"answer_found": found})
+
+
+def normalize_whitespace(text: str) -> str:
+    """Strip the ends and turn every run of whitespace into one space."""
+    return " ".join(text.split())
+
+
+class ExactMatchReward(RewardSource):
+    """1.0 when the response equals the label after whitespace normalisation (and lower-casing if asked)."""
+
+    description = "exact-match reward"
+
+    def __init__(self, case_sensitive: bool = True):
+        self.case_sensitive = case_sensitive
+
+    def _normal(self, text: str) -> str:
+        text = normalize_whitespace(text)
+        return text if self.case_sensitive else text.casefold()
+
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
+               metadata: list[dict]) -> RewardResult:
+        rewards = []
+        for i, (response, label) in enumerate(zip(responses, labels)):
+            if label is None:
+                raise RewardError(f"{self.description}: {describe_sample(prompts, i)} has no label to compare with")
+            rewards.append(1.0 if self._normal(response) == self._normal(str(label)) else 0.0)
+        return RewardResult(rewards=rewards)
+
+
+class FormatReward(RewardSource):
+    """1.0 when the whole response matches ``pattern`` (``re.fullmatch`` with DOTALL); labels are ignored."""
+
+    description = "format reward"
+
+    def __init__(self, pattern: str):
+        try:
+            self.regex = re.compile(pattern, re.DOTALL)
+        except re.error as err:
+            raise ValueError(f"format reward: invalid regex {pattern!r}: {err}") from None
+
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
+               metadata: list[dict]) -> RewardResult:
+        return RewardResult(rewards=[1.0 if self.regex.fullmatch(r) else 0.0 for r in responses])

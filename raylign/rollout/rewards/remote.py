@@ -1,0 +1,163 @@
+"""Rewards from a remote scorer over HTTP (for example ``raylign serve-rm`` on another machine).
+
+Protocol: ``POST <url>`` with JSON ``{"prompts": [...], "responses": [...], "labels": [...]}``
+(plus ``"metadata": [...]`` when some sample has metadata); the answer is ``{"rewards": [...]}``
+with one number per sample, and optionally ``"metrics": {name: [...]}``. With an API key the
+request carries ``Authorization: Bearer <key>``.
+
+Transient failures (timeouts, connection errors, 429 and 5xx answers, malformed JSON, a wrong
+number of rewards) are retried ``max_retries`` times with exponential backoff; then, as for
+permanent failures (401, 403, 413, other 4xx), a RewardError names the batch (its size and first
+prompt) and the last cause.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+from raylign.rollout.rewards.base import (
+    RewardError,
+    RewardResult,
+    RewardSource,
+    concatenate_results,
+    describe_batch,
+)
+
+
+class _Retryable(Exception):
+    """A failure worth another attempt."""
+
+
+class _Permanent(Exception):
+    """A failure that another attempt would repeat."""
+
+
+def backoff_delay(retry: int, backoff_s: float) -> float:
+    """Seconds to wait before retry ``retry`` (1, 2, ...): ``backoff_s * 2**(retry - 1)``."""
+    return backoff_s * 2 ** (retry - 1)
+
+
+def _answer_text(response: Any, limit: int = 200) -> str:
+    text = response.text.strip().replace("\n", " ")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _classify_status(response: Any) -> None:
+    """Raise _Retryable / _Permanent for an error status; return for 2xx."""
+    status = response.status_code
+    if 200 <= status < 300:
+        return
+    detail = _answer_text(response)
+    if status == 401:
+        raise _Permanent(f"the server refused the API key (401 Unauthorized: {detail}); check api_key")
+    if status == 403:
+        raise _Permanent(f"the server refused access (403 Forbidden: {detail})")
+    if status == 413:
+        raise _Permanent(f"the request is larger than the server accepts (413: {detail}); lower batch_size")
+    if status == 429 or status >= 500:
+        raise _Retryable(f"the server answered {status}: {detail}")
+    raise _Permanent(f"the server answered {status}: {detail}")
+
+
+def parse_answer(response: Any, expected: int) -> RewardResult:
+    """Rewards (and metrics) from a 2xx answer; _Retryable if it is not the promised JSON."""
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        raise _Retryable(f"the answer is not valid JSON: {_answer_text(response)!r}") from None
+    if not isinstance(body, dict) or "rewards" not in body:
+        raise _Retryable(f"the answer has no 'rewards' field: {_answer_text(response)!r}")
+    rewards = _numbers(body["rewards"], expected, "rewards")
+    metrics = body.get("metrics") or {}
+    if not isinstance(metrics, dict):
+        raise _Retryable(f"'metrics' in the answer is a {type(metrics).__name__}, not an object")
+    return RewardResult(rewards, {str(k): _numbers(v, expected, f"metric '{k}'") for k, v in metrics.items()})
+
+
+def _numbers(values: Any, expected: int, what: str) -> list[float]:
+    if not isinstance(values, list):
+        raise _Retryable(f"'{what}' in the answer is a {type(values).__name__}, not a list")
+    if len(values) != expected:
+        raise _Retryable(f"the answer has {len(values)} {what} for {expected} samples")
+    bad = [i for i, v in enumerate(values)
+           if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+    if bad:
+        raise _Retryable(f"{what} value {values[bad[0]]!r} (position {bad[0]}) in the answer is not a finite number")
+    return [float(v) for v in values]
+
+
+def _plain_value(value: Any) -> Any:
+    """numpy / torch scalars and arrays as plain JSON values; anything else cannot be sent."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+class HttpRewardSource(RewardSource):
+    """Rewards from ``POST url``; batches of ``batch_size`` samples, each retried as described above."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 60.0, max_retries: int = 3,
+                 backoff_s: float = 1.0, batch_size: int = 64):
+        import httpx
+
+        if max_retries < 0 or timeout_s <= 0 or backoff_s < 0 or batch_size < 1:
+            raise ValueError("need max_retries >= 0, timeout_s > 0, backoff_s >= 0 and batch_size >= 1")
+        self.url, self.max_retries, self.backoff_s, self.batch_size = url, max_retries, backoff_s, batch_size
+        self.description = f"HTTP reward source {url}"
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
+               metadata: list[dict]) -> RewardResult:
+        parts = []
+        for start in range(0, len(prompts), self.batch_size):
+            end = start + self.batch_size
+            body = self._request_body(prompts[start:end], responses[start:end], labels[start:end],
+                                      metadata[start:end], start)
+            parts.append(self._post_with_retries(body, prompts[start:end], start))
+        return concatenate_results(parts, self.description)
+
+    def _request_body(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict],
+                      offset: int) -> bytes:
+        body: dict[str, Any] = {"prompts": prompts, "responses": responses, "labels": labels}
+        if any(metadata):  # left out when empty, so servers that know only the three lists accept it
+            body["metadata"] = metadata
+        try:
+            return json.dumps(body, allow_nan=False, default=_plain_value).encode()
+        except (TypeError, ValueError) as err:
+            raise RewardError(f"{self.description}: labels or metadata of {describe_batch(prompts, offset)} "
+                              f"cannot be sent as JSON: {err}") from None
+
+    def _post_once(self, body: bytes, expected: int) -> RewardResult:
+        import httpx
+
+        try:
+            response = self._client.post(self.url, content=body, headers={"Content-Type": "application/json"})
+        except httpx.TimeoutException as err:
+            raise _Retryable(f"no answer within timeout_s ({type(err).__name__})") from None
+        except httpx.TransportError as err:
+            raise _Retryable(f"connection failed: {type(err).__name__}: {err}") from None
+        _classify_status(response)
+        return parse_answer(response, expected)
+
+    def _post_with_retries(self, body: bytes, prompts: list[str], offset: int) -> RewardResult:
+        attempts = self.max_retries + 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._post_once(body, len(prompts))
+            except _Permanent as err:
+                raise RewardError(f"{self.description} failed on {describe_batch(prompts, offset)}: {err}") from None
+            except _Retryable as err:
+                last = err
+            if attempt < attempts:
+                time.sleep(backoff_delay(attempt, self.backoff_s))
+        raise RewardError(
+            f"{self.description} failed on {describe_batch(prompts, offset)} after {attempts} attempts; "
+            f"last cause: {last}"
+        )

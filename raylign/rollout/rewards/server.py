@@ -1,0 +1,101 @@
+"""The HTTP reward server behind ``raylign serve-rm``: any reward source behind ``POST /score``.
+
+Request ``{"prompts": [...], "responses": [...], "labels": [...], "metadata": [...]}`` (labels and
+metadata optional), answer ``{"rewards": [...], "metrics": {...}}``. Status codes: 401 without
+the right ``Authorization: Bearer <key>`` (when a key is set), 413 for a body over
+``max_request_bytes``, 422 for a malformed request, 500 when the scorer fails (its message in
+``detail``). ``GET /health`` answers ``{"status": "ok"}``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from raylign.rollout.rewards.base import RewardResult, RewardSource
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+# After a body passes the limit the rest is still read (and dropped), so the client gets the
+# 413 answer rather than a reset connection, unless it keeps sending past this many bytes.
+DRAIN_LIMIT_BYTES = 256 * 2**20
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[str]
+    responses: list[str]
+    labels: list[Any] | None = None
+    metadata: list[dict[str, Any]] | None = None
+
+
+def _authorized(request: Request, api_key: str) -> bool:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    # Constant-time comparison: response timing must not reveal how much of a guess was right.
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+async def read_body_limited(request: Request, max_bytes: int) -> bytes:
+    """The request body, or HTTPException 413 once it exceeds ``max_bytes`` (never held in full then)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= max_bytes:
+            chunks.append(chunk)
+        elif size > DRAIN_LIMIT_BYTES:
+            break
+    if size > max_bytes:
+        raise HTTPException(413, f"request body over the limit of {max_bytes} bytes; send fewer samples per request")
+    return b"".join(chunks)
+
+
+def parse_request(body: bytes) -> ScoreRequest:
+    """The request, or HTTPException 422 saying which field is wrong."""
+    try:
+        return ScoreRequest.model_validate_json(body)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors()[:5]
+        )
+        raise HTTPException(422, f"malformed request: {problems}") from None
+
+
+def create_app(scorer: RewardSource, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """A FastAPI app serving ``scorer`` on ``POST /score``; calls into the scorer run one at a time."""
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    app = FastAPI(title="raylign reward server")
+    # One scoring call at a time: a model on one device gains nothing from overlapping calls.
+    scoring_lock = threading.Lock()
+
+    def score_locked(request: ScoreRequest) -> RewardResult:
+        with scoring_lock:
+            return scorer.score(request.prompts, request.responses, request.labels, request.metadata)
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/score")
+    async def score(request: Request) -> Any:
+        if api_key is not None and not _authorized(request, api_key):
+            return JSONResponse({"detail": "missing or wrong API key (send 'Authorization: Bearer <key>')"},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        parsed = parse_request(await read_body_limited(request, max_request_bytes))
+        try:
+            result = await run_in_threadpool(score_locked, parsed)
+        except ValueError as err:  # the batch itself is inconsistent (lengths, types)
+            raise HTTPException(422, str(err)) from None
+        except Exception as err:  # noqa: BLE001 - the client must see why, and may retry
+            raise HTTPException(500, f"{type(err).__name__}: {err}") from None
+        return {"rewards": result.rewards, "metrics": result.metrics}
+
+    return app

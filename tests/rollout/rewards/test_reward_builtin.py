@@ -1,0 +1,95 @@
+"""Math (math-verify), exact-match and format rewards on hand-checked batches."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from raylign.rollout.rewards import ExactMatchReward, FormatReward, MathReward, RewardError
+from raylign.rollout.rewards.builtin import extract_math_answer, last_boxed_content, last_number
+
+
+def test_last_boxed_content_takes_the_last_box_with_nested_braces():
+    assert last_boxed_content("first \\boxed{3}, then \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}"
+    assert last_boxed_content("no box") is None
+    assert last_boxed_content("cut off \\boxed{\\frac{1}{2") is None
+
+
+def test_last_number_strips_thousands_commas_and_keeps_sign_and_fraction():
+    assert last_number("we had 3 apples, then 1,250 more, total -7.5") == "-7.5"
+    assert last_number("half is 1 / 2.") == "1/2"
+    assert last_number("nothing numeric") is None
+
+
+def test_extract_prefers_box_over_later_numbers():
+    assert extract_math_answer("\\boxed{12} (checked with 3 methods)") == "\\boxed{12}"
+
+
+def test_math_reward_hand_checked_batch():
+    responses = [
+        "So the result is \\boxed{42}.",
+        "So the result is \\boxed{41}.",
+        "Half of one is 1/2",
+        "I first guessed \\boxed{3} but it is \\boxed{5}",
+        "The answer is \\boxed{\\frac{1}{2}}",
+        "Adding them gives 1,000.",
+        "I do not know.",
+    ]
+    labels = ["42", "42", "0.5", "5", "0.5", 1000, "7"]
+    result = MathReward().score([f"q{i}" for i in range(7)], responses, labels)
+    assert result.rewards == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    assert result.metrics["answer_found"] == [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def test_math_reward_works_off_the_main_thread():
+    # math-verify's own timeouts use SIGALRM, which only the main thread may set.
+    out = {}
+
+    def run():
+        out["result"] = MathReward().score(["q", "q"], ["\\boxed{1/2}", "\\boxed{3}"], ["0.5", "4"])
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert out["result"].rewards == [1.0, 0.0]
+
+
+def test_math_reward_unparseable_or_missing_label_names_the_sample():
+    with pytest.raises(RewardError, match=r"sample 1 \(prompt 'second question'\).*cannot parse the label"):
+        MathReward().score(["first", "second question"], ["\\boxed{1}", "\\boxed{2}"], ["1", "\\frac{"])
+    with pytest.raises(RewardError, match=r"sample 0 \(prompt 'first'\) has no label"):
+        MathReward().score(["first"], ["\\boxed{1}"], [None])
+
+
+def test_exact_match_normalises_whitespace():
+    prompts = ["a", "b", "c", "d"]
+    responses = ["  Paris \n", "New   York", "paris", "Pari s"]
+    labels = ["Paris", "New York", "Paris", "Paris"]
+    assert ExactMatchReward().score(prompts, responses, labels).rewards == [1.0, 1.0, 0.0, 0.0]
+    assert ExactMatchReward(case_sensitive=False).score(prompts, responses, labels).rewards == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_format_reward_default_think_then_answer():
+    from raylign.config.reward import DEFAULT_FORMAT_REGEX
+
+    responses = [
+        "<think>2 + 2 is 4</think> The answer is 4.",
+        "<think>line one\nline two</think>\n\\boxed{4}",
+        "The answer is 4.",
+        "<think>only thinking</think>   ",
+        "<think>unclosed thinking 4",
+    ]
+    rewards = FormatReward(DEFAULT_FORMAT_REGEX).score(["p"] * 5, responses).rewards
+    assert rewards == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_format_reward_custom_regex_must_match_whole_response():
+    reward = FormatReward(r"<answer>\d+</answer>")
+    assert reward.score(["p"] * 3, ["<answer>12</answer>", "x <answer>12</answer>", "<answer>a</answer>"]).rewards == [
+        1.0, 0.0, 0.0]
+
+
+def test_batch_lists_of_different_lengths_are_rejected():
+    with pytest.raises(ValueError, match="differ in length"):
+        ExactMatchReward().score(["a", "b"], ["a"], ["a", "b"])

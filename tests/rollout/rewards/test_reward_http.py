@@ -1,0 +1,156 @@
+"""HTTP reward source against real uvicorn servers on 127.0.0.1: rewards, retries, and clear failures."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request, Response
+
+from raylign.rollout.rewards import ExactMatchReward, HttpRewardSource, RewardError, RewardResult, RewardSource
+from raylign.rollout.rewards.remote import backoff_delay
+from raylign.rollout.rewards.server import create_app
+
+PROMPTS = ["Capital of France?", "Capital of Peru?"]
+RESPONSES = ["Paris", "Quito"]
+LABELS = ["Paris", "Lima"]
+
+
+class FailingScorer(RewardSource):
+    """Counts its calls and always fails, as a broken reward model would."""
+
+    description = "failing scorer"
+
+    def __init__(self):
+        self.calls = 0
+
+    def _score(self, prompts, responses, labels, metadata) -> RewardResult:
+        self.calls += 1
+        raise RewardError("the model ran out of memory")
+
+
+def misbehaving_app(mode: str, attempts: list[int], release: threading.Event) -> FastAPI:
+    """A server that counts requests and then stalls, sends broken JSON, or the wrong number of rewards."""
+    app = FastAPI()
+
+    @app.post("/score")
+    async def score(request: Request) -> Any:
+        attempts.append(1)
+        n = len((await request.json())["prompts"])
+        if mode == "stall":
+            while not release.is_set():  # until the test ends, far past the client's timeout
+                await asyncio.sleep(0.05)
+            return {"rewards": [0.0] * n}
+        if mode == "malformed":
+            return Response('{"rewards": [1.0, ', media_type="application/json")
+        if mode == "short":
+            return {"rewards": [1.0] * (n - 1)}
+        raise AssertionError(mode)
+
+    return app
+
+
+def client(url: str, **kwargs) -> HttpRewardSource:
+    settings = {"timeout_s": 5.0, "max_retries": 2, "backoff_s": 0.01} | kwargs
+    return HttpRewardSource(url, **settings)
+
+
+def test_good_server_returns_the_scorers_rewards(loopback_server):
+    with loopback_server(create_app(ExactMatchReward())) as server:
+        source = client(server.url, batch_size=1)  # two requests of one sample
+        result = source.score(PROMPTS, RESPONSES, LABELS)
+    assert result.rewards == [1.0, 0.0]
+
+
+def test_server_answering_500_is_retried_then_error_names_batch_and_cause(loopback_server):
+    scorer = FailingScorer()
+    with loopback_server(create_app(scorer)) as server:
+        with pytest.raises(RewardError) as caught:
+            client(server.url, max_retries=2).score(PROMPTS, RESPONSES, LABELS)
+    assert scorer.calls == 3  # first try + 2 retries
+    message = str(caught.value)
+    assert "2 samples starting at sample 0 (prompt 'Capital of France?')" in message
+    assert "after 3 attempts" in message and "500" in message and "ran out of memory" in message
+
+
+@pytest.mark.parametrize(
+    ("mode", "cause"),
+    [
+        ("stall", r"no answer within timeout_s"),
+        ("malformed", r"not valid JSON"),
+        ("short", r"the answer has 1 rewards for 2 samples"),
+    ],
+)
+def test_misbehaving_server_is_retried_then_error_names_batch_and_cause(loopback_server, mode, cause):
+    attempts: list[int] = []
+    release = threading.Event()
+    with loopback_server(misbehaving_app(mode, attempts, release)) as server:
+        try:
+            with pytest.raises(RewardError, match=rf"2 samples starting at sample 0 \(prompt 'Capital of France\?'\) "
+                                                  rf"after 2 attempts; last cause: .*{cause}"):
+                client(server.url, max_retries=1, timeout_s=0.5).score(PROMPTS, RESPONSES, LABELS)
+        finally:
+            release.set()
+    assert len(attempts) == 2
+
+
+def test_retries_back_off_exponentially(loopback_server):
+    assert [backoff_delay(k, 0.5) for k in (1, 2, 3)] == [0.5, 1.0, 2.0]
+    attempts: list[int] = []
+    with loopback_server(misbehaving_app("malformed", attempts, threading.Event())) as server:
+        started = time.monotonic()
+        with pytest.raises(RewardError):
+            client(server.url, max_retries=3, backoff_s=0.1).score(PROMPTS, RESPONSES, LABELS)
+        elapsed = time.monotonic() - started
+    assert len(attempts) == 4
+    assert elapsed >= 0.1 + 0.2 + 0.4
+
+
+def test_wrong_api_key_is_401_and_not_retried(loopback_server):
+    app = create_app(ExactMatchReward(), api_key="s3cret")
+    requests: list[str] = []
+
+    @app.middleware("http")
+    async def count_requests(request, call_next):
+        requests.append(request.headers.get("authorization", ""))
+        return await call_next(request)
+
+    with loopback_server(app) as server:
+        with pytest.raises(RewardError, match=r"refused the API key \(401 Unauthorized.*check api_key"):
+            client(server.url, api_key="wrong", max_retries=3).score(PROMPTS, RESPONSES, LABELS)
+        assert requests == ["Bearer wrong"]  # one request: a wrong key is not retried
+        no_header = httpx.post(server.url, json={"prompts": PROMPTS, "responses": RESPONSES})
+        assert no_header.status_code == 401
+        good = client(server.url, api_key="s3cret").score(PROMPTS, RESPONSES, LABELS)
+    assert good.rewards == [1.0, 0.0]
+
+
+def test_oversize_request_is_413_with_a_hint(loopback_server):
+    with loopback_server(create_app(ExactMatchReward(), max_request_bytes=2048)) as server:
+        big = ["x" * 3000, "y"]
+        with pytest.raises(RewardError, match=r"larger than the server accepts \(413.*lower batch_size"):
+            client(server.url).score(PROMPTS, big, LABELS)
+        raw = httpx.post(server.url, json={"prompts": PROMPTS, "responses": big})
+        assert raw.status_code == 413
+        # the same data in requests of one short sample each fits
+        assert client(server.url, batch_size=1).score(PROMPTS, RESPONSES, LABELS).rewards == [1.0, 0.0]
+
+
+def test_malformed_request_is_422_naming_the_field(loopback_server):
+    with loopback_server(create_app(ExactMatchReward())) as server:
+        answer = httpx.post(server.url, json={"prompts": PROMPTS})
+    assert answer.status_code == 422 and "responses" in answer.json()["detail"]
+
+
+def test_unreachable_server_is_retried_then_reported(unused_loopback_url):
+    with pytest.raises(RewardError, match=r"after 3 attempts; last cause: connection failed"):
+        client(unused_loopback_url, max_retries=2).score(PROMPTS, RESPONSES, LABELS)
+
+
+def test_labels_that_are_not_json_name_the_batch():
+    with pytest.raises(RewardError, match=r"cannot be sent as JSON"):
+        client("http://127.0.0.1:9/score").score(PROMPTS, RESPONSES, [object(), None])
