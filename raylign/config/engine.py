@@ -17,9 +17,17 @@ class EngineConfig(Section):
         1, ge=1, description="Data-parallel ranks on this machine; the CLI starts them with torchrun when > 1."
     )
     zero_stage: Literal[1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage (deepspeed backend).")
-    offload_optimizer: bool = Field(False, description="Keep optimizer state on the CPU (deepspeed, fsdp2).")
-    offload_params: bool = Field(False, description="Keep parameters on the CPU between uses (fsdp2, ZeRO-3).")
+    offload_optimizer: bool = Field(
+        False,
+        description="Keep optimizer state on the CPU. deepspeed: ZeRO-Offload with DeepSpeedCPUAdam (JIT-compiled "
+        "once, cached under TORCH_EXTENSIONS_DIR); fsdp2: CPUOffloadPolicy, which moves parameters too.",
+    )
+    offload_params: bool = Field(
+        False, description="Keep parameters on the CPU between uses (fsdp2: CPUOffloadPolicy; deepspeed: ZeRO-3 only)."
+    )
     reduce_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Dtype of gradient reduction across ranks."
+        "float32",
+        description="Dtype of gradient reduction across ranks (fsdp2 reduce-scatter; deepspeed communication "
+        "dtype of bf16 models).",
     )
     dist_timeout_s: int = Field(1800, ge=10, description="torch.distributed collective timeout in seconds.")

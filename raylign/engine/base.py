@@ -3,6 +3,11 @@
 A trainer never touches optimizers, sharding or checkpoint formats directly: it calls
 ``engine.module(...)`` for the forward pass, ``engine.backward(loss)`` per micro-batch and
 ``engine.step()`` once per optimizer step. Backends: ``local``, ``fsdp2``, ``deepspeed``.
+
+Gradient semantics are the same on every backend: gradients of all ``backward`` calls since
+the last ``step`` are summed, and data-parallel ranks average their sums. So if each rank
+scales its micro-batch losses to be its share of the mean, the update equals the one a single
+process computes on the whole batch.
 """
 
 from __future__ import annotations
@@ -13,51 +18,138 @@ from typing import Any
 
 import torch
 
+from raylign.engine import checkpoint as ckpt
+from raylign.engine.distributed import barrier, is_main_process
+from raylign.engine.export import to_hf_state_dict, write_hf_folder
+from raylign.engine.optim import current_lr
+
+SCHEDULER_FILE = "scheduler.pt"
+
+
+def floating_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's floating-point parameters (the first one found)."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    raise ValueError(f"{type(model).__name__} has no floating-point parameters")
+
 
 class TrainEngine(ABC):
     """Contract shared by all backends.
 
     Gradient accumulation is the caller's business: it calls ``backward`` on each
     micro-batch loss (already scaled as it wants the gradients summed) and ``step`` once.
+    Every method that touches weights is collective: all ranks call it, in the same order.
     """
 
+    backend_name: str
     module: torch.nn.Module  # the (wrapped) model to run forward passes through
     rank: int
     world_size: int
     device: torch.device
+    optimizer: Any  # torch optimizer, or DeepSpeed's wrapper around one
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    model_dtype: torch.dtype  # dtype the caller built the model in; exports and weight sync use it
+    max_grad_norm: float  # 0 disables clipping
+
+    # ------------------------------------------------------------------ training
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate gradients of ``loss``; gradients are summed over calls until ``step``."""
 
     @abstractmethod
+    def _clip_and_update(self, max_grad_norm: float) -> float:
+        """Clip to the global norm, apply the optimizer, zero grads; returns the pre-clip norm."""
+
     def step(self) -> dict[str, float]:
-        """Clip, optimizer step, scheduler step, zero grads. Returns {'grad_norm', 'lr'}."""
+        """Clip, optimizer step, scheduler step, zero grads. Returns {'grad_norm', 'lr'}.
+
+        ``lr`` is the rate this step used; ``grad_norm`` the global L2 norm before clipping.
+        """
+        lr = current_lr(self.optimizer)
+        grad_norm = self._clip_and_update(self.max_grad_norm)
+        self.scheduler.step()
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    # ------------------------------------------------------------------ checkpoints
 
     @abstractmethod
+    def _save_engine_state(self, directory: Path) -> None:
+        """Collective: weights and optimizer state in this backend's format, into ``directory``."""
+
+    @abstractmethod
+    def _load_engine_state(self, directory: Path) -> None:
+        """Collective: restore what :meth:`_save_engine_state` wrote."""
+
     def save_checkpoint(self, directory: str | Path, client_state: dict[str, Any]) -> None:
         """Write weights, optimizer, scheduler, RNG and ``client_state`` into ``directory``.
 
         Collective: every rank calls it. ``directory`` is final only once complete
         (see :mod:`raylign.engine.checkpoint` for the atomic protocol).
         """
+        meta = {"backend": self.backend_name, "world_size": self.world_size, "format_version": 1}
+        ckpt.write_atomically(directory, lambda temp: self._write_checkpoint_files(temp, client_state), meta)
 
-    @abstractmethod
+    def _write_checkpoint_files(self, temp: Path, client_state: dict[str, Any]) -> None:
+        self._save_engine_state(temp)
+        if is_main_process():
+            torch.save(self.scheduler.state_dict(), temp / SCHEDULER_FILE)
+        ckpt.save_rank_state(temp, client_state)
+
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
-        """Restore what ``save_checkpoint`` wrote; returns the ``client_state``."""
+        """Restore what ``save_checkpoint`` wrote; returns the ``client_state``.
+
+        Needs the same backend and world size as the run that saved it.
+        """
+        directory = Path(directory)
+        meta = ckpt.read_meta(directory)
+        ckpt.check_world_size(directory, meta, self.backend_name)
+        self._load_engine_state(directory)
+        self.scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
+        barrier()
+        # Last, so that nothing above consumes random numbers after the restore.
+        return ckpt.load_rank_state(directory)
+
+    # ------------------------------------------------------------------ weights out
 
     @abstractmethod
+    def _gather_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: unsharded weights under the wrapped model's own names, on rank 0 (CPU)."""
+
+    @property
+    def hf_model(self) -> torch.nn.Module:
+        """The caller's model (a transformers model, possibly wrapped by PEFT), without engine wrappers."""
+        return self.module
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded model weights (HF names, LoRA merged) on rank 0; empty dict elsewhere."""
+        """Unsharded model weights (HF names, LoRA merged) on rank 0; empty dict elsewhere.
 
-    @abstractmethod
+        Collective. Floating tensors come in ``model_dtype``, the dtype the model was built in.
+        """
+        raw = self._gather_state_dict()
+        if not is_main_process():
+            return {}
+        return to_hf_state_dict(raw, self.hf_model, self.model_dtype)
+
     def export_hf(self, directory: str | Path, tokenizer: Any | None = None) -> None:
-        """Save a plain HF folder (config, safetensors, tokenizer) that transformers and vLLM load."""
+        """Save a plain HF folder (config, safetensors, tokenizer) that transformers and vLLM load.
 
-    def offload(self) -> None:
+        Collective; rank 0 writes.
+        """
+        state_dict = self.full_state_dict()
+        if is_main_process():
+            write_hf_folder(directory, state_dict, self.hf_model, self.model_dtype, tokenizer)
+        barrier()
+
+    # ------------------------------------------------------------------ colocation
+
+    def offload(self) -> None:  # noqa: B027 - a no-op is right for backends whose state stays on the CPU
         """Move parameters and optimizer state to the CPU (no-op where they already are)."""
 
-    def onload(self) -> None:
+    def onload(self) -> None:  # noqa: B027
         """Undo :meth:`offload`."""
 
     def train(self) -> None:

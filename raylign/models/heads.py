@@ -106,17 +106,6 @@ def _backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return backbone, head
 
 
-def _final_hidden_states(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-) -> tuple[torch.Tensor, nn.Module]:
-    backbone, head = _backbone_and_head(model)
-    outputs = backbone(input_ids=input_ids, **attention_kwargs(attention_mask, position_ids))
-    return outputs.last_hidden_state, head
-
-
 def _squeeze_single_label(scores: torch.Tensor) -> torch.Tensor:
     return scores.squeeze(-1) if scores.shape[-1] == 1 else scores
 
@@ -132,8 +121,17 @@ def token_scores(
     Position t scores the prefix ending at token t (critic value V(s_t), or PRM logits at a step
     end). Padding positions are 0. Accepts padded and packed batches like ``token_logprobs``.
     """
-    hidden, head = _final_hidden_states(model, input_ids, attention_mask, position_ids)
-    scores = _squeeze_single_label(head(hidden).float())
+    _, head = _backbone_and_head(model)
+    # Run the model's own forward and read the head's per-position output: FSDP2 gathers the
+    # root's weights (embeddings, final norm, head) only inside the root forward, so calling the
+    # backbone and the head separately would meet sharded weights.
+    captured: dict[str, torch.Tensor] = {}
+    handle = head.register_forward_hook(lambda _m, _i, out: captured.__setitem__("out", out))
+    try:
+        model(input_ids=input_ids, **attention_kwargs(attention_mask, position_ids))
+    finally:
+        handle.remove()
+    scores = _squeeze_single_label(captured["out"].float())
     if attention_mask is None:
         return scores
     real = attention_mask.bool()
@@ -165,6 +163,5 @@ def sequence_scores(
     when the pad token is the eos token that ends every sample).
     """
     last = last_token_indices(attention_mask)
-    hidden, head = _final_hidden_states(model, input_ids, attention_mask, position_ids)
-    pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-    return _squeeze_single_label(head(pooled).float())
+    scores = token_scores(model, input_ids, attention_mask, position_ids)
+    return scores[torch.arange(scores.shape[0], device=scores.device), last]

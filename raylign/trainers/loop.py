@@ -213,12 +213,18 @@ class OfflineTrainer:
         self.engine.eval()
         mine = self.eval_samples[self.rank :: self.world_size]
         size = self.train_cfg.eval_batch_size
+        # Sharded models need every rank in every forward pass: all ranks run as many batches as
+        # rank 0 (which holds the most samples); a rank out of samples runs a stand-in and drops it.
+        num_batches = math.ceil(math.ceil(len(self.eval_samples) / self.world_size) / size)
         sums: dict[str, float] = {}
         units = 0.0
-        for j in range(0, len(mine), size):
-            batch = _to_device(self.collate(mine[j : j + size]), self.engine.device)
-            units += self.batch_units(batch)
+        for j in range(num_batches):
+            chunk = mine[j * size : (j + 1) * size]
+            batch = _to_device(self.collate(chunk or self.eval_samples[:1]), self.engine.device)
             loss_sum, stats = self.compute_loss(self.engine.module, batch)
+            if not chunk:
+                continue
+            units += self.batch_units(batch)
             for key, value in {"loss": float(loss_sum), **stats}.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
         keys = sorted(set(sums) | {"loss"})

@@ -1,0 +1,59 @@
+"""Training engines: one interface (:class:`TrainEngine`), three backends.
+
+    engine = create_engine(model, engine_cfg, optim_cfg, total_steps)
+    for batch in micro_batches:
+        engine.backward(loss_fn(engine.module(**batch)) / len(micro_batches))
+    metrics = engine.step()
+
+``local`` runs the plain model in one process; ``fsdp2`` shards it with torch ``fully_shard``;
+``deepspeed`` uses ZeRO 1/2/3. The sharded backends join (or create) the process group
+described by torchrun / Ray environment variables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raylign.config.engine import EngineConfig
+from raylign.config.optim import OptimConfig
+from raylign.engine.base import TrainEngine
+from raylign.engine.checkpoint import latest_checkpoint, resume_latest, save_step_checkpoint
+from raylign.engine.distributed import init_distributed, is_main_process
+
+__all__ = [
+    "TrainEngine",
+    "create_engine",
+    "init_distributed",
+    "is_main_process",
+    "latest_checkpoint",
+    "resume_latest",
+    "save_step_checkpoint",
+]
+
+
+def create_engine(
+    model: torch.nn.Module, engine_cfg: EngineConfig, optim_cfg: OptimConfig, total_steps: int
+) -> TrainEngine:
+    """Wrap ``model`` (built by the caller on every rank with the same seed) in the configured backend.
+
+    ``total_steps`` is the number of optimizer steps the schedule spans.
+    """
+    if engine_cfg.backend == "local":
+        from raylign.engine.distributed import get_world_size
+        from raylign.engine.local import LocalEngine
+
+        if get_world_size() > 1:
+            raise ValueError(
+                f"engine.backend 'local' runs in one process, but {get_world_size()} ranks are running: "
+                "use 'fsdp2' or 'deepspeed' for several processes"
+            )
+        return LocalEngine(model, engine_cfg, optim_cfg, total_steps)
+    if engine_cfg.backend == "fsdp2":
+        from raylign.engine.fsdp2 import FSDP2Engine
+
+        return FSDP2Engine(model, engine_cfg, optim_cfg, total_steps)
+    if engine_cfg.backend == "deepspeed":
+        from raylign.engine.deepspeed import DeepSpeedZeroEngine
+
+        return DeepSpeedZeroEngine(model, engine_cfg, optim_cfg, total_steps)
+    raise ValueError(f"engine.backend must be one of local, fsdp2, deepspeed (got {engine_cfg.backend!r})")

@@ -1,0 +1,254 @@
+"""Atomic training checkpoints.
+
+Layout: the checkpoint of optimizer step N is ``<root>/step_<N>/``. It is written into
+``<root>/.step_<N>.tmp/`` and renamed into place only once every rank has finished and rank 0
+has written ``COMPLETE`` inside it. A crash at any point before the rename leaves only the
+hidden temp folder, which :func:`latest_checkpoint` ignores, so resume always picks a whole
+checkpoint. The folder must be on a filesystem all ranks share.
+
+Inside a checkpoint, besides the backend's own files (``engine_state.pt`` for ``local``, a
+DCP folder for ``fsdp2``, DeepSpeed's files for ``deepspeed``):
+
+- ``meta.json``: backend and world size (resume must use the same world size);
+- ``scheduler.pt``: the learning-rate scheduler;
+- ``rng_rank<r>.pt``: python, numpy, torch (and CUDA) generator states of rank r;
+- ``client_state_rank<r>.pt``: the caller's dict (loader position, step counters) of rank r;
+- ``COMPLETE``: written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from raylign.engine.distributed import barrier, broadcast_object, get_rank, get_world_size, is_main_process
+
+if TYPE_CHECKING:
+    from raylign.engine.base import TrainEngine
+
+COMPLETE_MARKER = "COMPLETE"
+META_FILE = "meta.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: names the folder and what is wrong."""
+
+
+def step_directory(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step}"
+
+
+def temp_directory(final: str | Path) -> Path:
+    """Where a checkpoint is assembled before it is renamed to ``final``."""
+    final = Path(final)
+    return final.parent / f".{final.name}.tmp"
+
+
+def is_complete(directory: str | Path) -> bool:
+    return (Path(directory) / COMPLETE_MARKER).is_file()
+
+
+def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every complete checkpoint under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete ``step_<N>`` folder under ``root``; temp and unmarked folders are ignored."""
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the ``keep_last`` newest complete checkpoints and leftover temp folders.
+
+    Rank 0 only; call it when no save is in progress. ``keep_last <= 0`` keeps everything.
+    """
+    removed: list[Path] = []
+    root = Path(root)
+    if keep_last > 0:
+        for _, folder in complete_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(folder)
+            removed.append(folder)
+    for pattern in (".step_*.tmp", ".step_*.old"):  # left by crashes during a save or a replace
+        for stale in root.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
+            removed.append(stale)
+    return removed
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prepare_temp_directory(final: Path) -> Path:
+    temp = temp_directory(final)
+    if is_main_process():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if temp.exists():
+            shutil.rmtree(temp)  # left by an earlier crash
+        temp.mkdir()
+    barrier()
+    return temp
+
+
+def _commit(temp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Rank 0: mark ``temp`` complete, then rename it onto ``final`` (replacing an older one)."""
+    (temp / META_FILE).write_text(json.dumps(meta, indent=2))
+    # Flush every file before the marker, so that even a machine crash (not only a process
+    # crash) cannot leave a marked checkpoint with missing data.
+    for folder, _, files in os.walk(temp):
+        for name in files:
+            _fsync_path(Path(folder) / name)
+    marker = temp / COMPLETE_MARKER
+    marker.write_text("ok\n")
+    _fsync_path(marker)
+    _fsync_path(temp)
+    replaced = final.parent / f".{final.name}.old"
+    if final.exists():
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        final.rename(replaced)
+    temp.rename(final)
+    _fsync_path(final.parent)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+
+
+def write_atomically(final: str | Path, write: Callable[[Path], None], meta: dict[str, Any]) -> Path:
+    """Collective: every rank calls ``write(temp_folder)``; the folder appears at ``final`` when all are done."""
+    final = Path(final)
+    temp = _prepare_temp_directory(final)
+    write(temp)
+    barrier()
+    if is_main_process():
+        _commit(temp, final, meta)
+    barrier()
+    return final
+
+
+def read_meta(directory: str | Path) -> dict[str, Any]:
+    directory = Path(directory)
+    if not is_complete(directory):
+        raise CheckpointError(
+            f"checkpoint {directory} is incomplete or missing (no {COMPLETE_MARKER} marker); "
+            "use latest_checkpoint(root) to find a usable one"
+        )
+    return json.loads((directory / META_FILE).read_text())
+
+
+# --------------------------------------------------------------------------- RNG and client state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Generator states of python, numpy, torch and (if present) every CUDA device."""
+    numpy_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    saved = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": saved["bit_generator"],
+            "state": {"key": saved["key"].numpy().astype(np.uint32), "pos": saved["pos"]},
+            "has_gauss": saved["has_gauss"],
+            "gauss": saved["gauss"],
+        }
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_rank_state(directory: Path, client_state: dict[str, Any]) -> None:
+    """This rank's RNG states and the caller's dict."""
+    rank = get_rank()
+    torch.save(capture_rng_state(), directory / f"rng_rank{rank}.pt")
+    torch.save(client_state, directory / f"client_state_rank{rank}.pt")
+
+
+def load_rank_state(directory: Path) -> dict[str, Any]:
+    """Restore this rank's RNG states; returns the caller's dict."""
+    rank = get_rank()
+    rng_file = directory / f"rng_rank{rank}.pt"
+    if not rng_file.is_file():
+        raise CheckpointError(f"checkpoint {directory} has no state for rank {rank} ({rng_file.name} missing)")
+    # The python generator state is a tuple of ints, which the safe loader accepts.
+    restore_rng_state(torch.load(rng_file, weights_only=True))
+    # The caller's dict may hold any picklable object; this run wrote it itself.
+    return torch.load(directory / f"client_state_rank{rank}.pt", weights_only=False)
+
+
+def check_world_size(directory: Path, meta: dict[str, Any], backend: str) -> None:
+    world_size = get_world_size()
+    if meta.get("backend") != backend:
+        raise CheckpointError(
+            f"checkpoint {directory} was written by the {meta.get('backend')!r} backend; this run uses {backend!r}"
+        )
+    if meta.get("world_size") != world_size:
+        raise CheckpointError(
+            f"checkpoint {directory} was written by {meta.get('world_size')} ranks; this run has {world_size}. "
+            "Resume with the same number of processes (or export and restart from the weights)."
+        )
+
+
+# --------------------------------------------------------------------------- step-level helpers
+
+
+def save_step_checkpoint(
+    engine: TrainEngine, root: str | Path, step: int, client_state: dict[str, Any], keep_last: int = 0
+) -> Path:
+    """Collective: save ``<root>/step_<step>`` atomically, then prune to the ``keep_last`` newest."""
+    final = step_directory(root, step)
+    engine.save_checkpoint(final, client_state)
+    if is_main_process():
+        prune_checkpoints(root, keep_last)
+    barrier()
+    return final
+
+
+def resume_latest(engine: TrainEngine, root: str | Path) -> dict[str, Any] | None:
+    """Collective: load the newest complete checkpoint under ``root``; None when there is none."""
+    # Rank 0 decides and tells the others, so all ranks load the same folder even if the
+    # listing changes under them.
+    latest = broadcast_object(latest_checkpoint(root) if is_main_process() else None)
+    if latest is None:
+        return None
+    return engine.load_checkpoint(latest)

@@ -1,0 +1,186 @@
+"""DeepSpeed ZeRO backend (stages 1, 2 and 3).
+
+The optimizer is torch's own AdamW handed to DeepSpeed as a client optimizer, so nothing has
+to be compiled. With ``offload_optimizer`` it is ``DeepSpeedCPUAdam`` instead (DeepSpeed
+requires it for ZeRO-Offload): that op is JIT-compiled once, 1-2 minutes, and cached under
+``TORCH_EXTENSIONS_DIR`` (torch's default ``~/.cache/torch_extensions``); point it at a
+persistent folder on machines that start bare. On a CPU-only machine DeepSpeed also compiles
+its small shared-memory communication op on first use, cached the same way.
+
+Gradient accumulation is the caller's, as in the other backends. DeepSpeed runs with
+``gradient_accumulation_steps=1`` and ``managed_gradient_accumulation=false``: ``backward``
+only accumulates (no loss scaling by 1/GAS, and no premature reduction that would drop earlier
+micro-batches, which DeepSpeed's managed mode does when ``backward`` is called several times
+with GAS=1), and ``step`` reduces, clips to ``max_grad_norm`` (global norm over all
+partitions), and updates. Data-parallel ranks average their gradients, like FSDP2.
+
+A bf16 model runs with DeepSpeed's bf16 mode: bf16 weights for compute, fp32 master
+partitions in the optimizer.
+
+On CPU the accelerator is DeepSpeed's ``cpu`` one with the gloo backend; oneCCL is not needed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raylign.config.engine import EngineConfig
+from raylign.config.optim import OptimConfig
+from raylign.engine.base import TrainEngine, floating_dtype
+from raylign.engine.checkpoint import CheckpointError
+from raylign.engine.distributed import ensure_process_group
+from raylign.engine.optim import build_param_groups, build_scheduler
+
+CHECKPOINT_TAG = "zero"
+
+
+def _import_deepspeed() -> Any:
+    if not torch.cuda.is_available():
+        # Without this DeepSpeed probes for other accelerators and warns on every import.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError as err:
+        message = "the deepspeed backend needs the deepspeed package: pip install 'raylign[deepspeed]'"
+        raise ImportError(message) from err
+    return deepspeed
+
+
+def deepspeed_config(
+    engine_cfg: EngineConfig, optim_cfg: OptimConfig, model_dtype: torch.dtype, device: torch.device
+) -> dict[str, Any]:
+    """The DeepSpeed JSON config that gives this engine's step semantics."""
+    if engine_cfg.offload_params and engine_cfg.zero_stage != 3:
+        raise ValueError(
+            f"engine.offload_params needs engine.zero_stage 3 (got {engine_cfg.zero_stage}): "
+            "only ZeRO-3 partitions parameters"
+        )
+    if model_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the deepspeed backend trains float32 or bfloat16 models, got {model_dtype}")
+    pin = device.type == "cuda"
+    zero: dict[str, Any] = {"stage": engine_cfg.zero_stage, "overlap_comm": False}
+    if engine_cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if engine_cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,  # bookkeeping only: batches are the caller's
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": optim_cfg.max_grad_norm,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if model_dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+        config["communication_data_type"] = "fp32" if engine_cfg.reduce_dtype == "float32" else "bf16"
+    return config
+
+
+def client_optimizer(groups: list[dict[str, Any]], optim_cfg: OptimConfig, offload: bool) -> torch.optim.Optimizer:
+    """torch AdamW; DeepSpeedCPUAdam (same AdamW math, JIT-compiled) when the optimizer is offloaded."""
+    kwargs = {"lr": optim_cfg.lr, "betas": optim_cfg.betas, "eps": optim_cfg.eps}
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def _require_caller_owned_accumulation(engine: Any, version: str) -> None:
+    """Older DeepSpeed ignores ``managed_gradient_accumulation``; with GAS=1 it would then keep only
+    the last micro-batch's gradients of a step, silently. Refuse to run rather than train wrong."""
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if managed is None or managed():
+        raise RuntimeError(
+            f"deepspeed {version} does not support managed_gradient_accumulation=false, which the deepspeed "
+            "backend needs for caller-owned gradient accumulation; install deepspeed>=0.19.8"
+        )
+
+
+class DeepSpeedZeroEngine(TrainEngine):
+    backend_name = "deepspeed"
+
+    def __init__(
+        self, model: torch.nn.Module, engine_cfg: EngineConfig, optim_cfg: OptimConfig, total_steps: int
+    ) -> None:
+        deepspeed = _import_deepspeed()
+        self.rank, self.world_size, self.device = ensure_process_group(engine_cfg.dist_timeout_s)
+        # Reuses the process group created above (gloo on CPU, nccl on GPU).
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+        self.model_dtype = floating_dtype(model)
+        self.max_grad_norm = optim_cfg.max_grad_norm
+        self.zero_stage = engine_cfg.zero_stage
+        self.offload_params = engine_cfg.offload_params
+        config = deepspeed_config(engine_cfg, optim_cfg, self.model_dtype, self.device)
+        groups = build_param_groups(model.named_parameters(), optim_cfg.weight_decay)
+        optimizer = client_optimizer(groups, optim_cfg, engine_cfg.offload_optimizer)
+        # The schedule is driven here, not by DeepSpeed, so it matches the other backends exactly;
+        # it edits the client optimizer's param groups, which DeepSpeed's wrapper shares.
+        self.scheduler = build_scheduler(optimizer, optim_cfg, total_steps)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        _require_caller_owned_accumulation(self.engine, deepspeed.__version__)
+        self.module = self.engine
+        self._deepspeed = deepspeed
+
+    @property
+    def hf_model(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def _clip_and_update(self, max_grad_norm: float) -> float:
+        self.engine.step()  # reduce, clip (config gradient_clipping), update, zero grads
+        norm = self.engine.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+
+    def _save_engine_state(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state={}, save_latest=False)
+
+    def _load_engine_state(self, directory: Path) -> None:
+        path, _ = self.engine.load_checkpoint(
+            str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise CheckpointError(f"DeepSpeed found no '{CHECKPOINT_TAG}' checkpoint in {directory}")
+
+    def _gather_state_dict(self) -> dict[str, torch.Tensor]:
+        module = self.engine.module
+        if self.zero_stage < 3:  # every rank holds the full (updated) weights
+            if self.rank != 0:
+                return {}
+            return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+        return self._gather_zero3_state_dict(module)
+
+    def _gather_zero3_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """All-gather one submodule's partitioned parameters at a time, so the peak extra memory
+        is one layer rather than the whole model; only rank 0 keeps the copies."""
+        wanted = set(module.state_dict().keys())
+        gathered: dict[str, torch.Tensor] = {}
+        for prefix, submodule in module.named_modules():
+            own = list(submodule.named_parameters(recurse=False))
+            with self._deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
+                if self.rank == 0:
+                    for name, tensor in own + list(submodule.named_buffers(recurse=False)):
+                        key = f"{prefix}.{name}" if prefix else name
+                        if key in wanted:
+                            gathered[key] = tensor.detach().to("cpu", copy=True)
+        return gathered
+
+    def offload(self) -> None:
+        """ZeRO states (weights, fp32 masters, optimizer moments, grads) to the CPU with DeepSpeed's
+        ``offload_states``. No-op on CPU runs, and with ``offload_params`` (already on the CPU)."""
+        if self.device.type != "cpu" and not self.offload_params:
+            self.engine.offload_states(pin_memory=True)
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.device.type != "cpu" and not self.offload_params:
+            self.engine.reload_states()

@@ -1,0 +1,155 @@
+"""Process-group set-up and the few collectives trainers need outside the engines.
+
+Works the same under ``torchrun`` and inside Ray actors: both set ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT`` and ``LOCAL_RANK`` (Ray callers set them by hand). Without
+``WORLD_SIZE`` everything is a single process and the helpers are no-ops.
+
+On CPU the backend is gloo. On CUDA it is ``cpu:gloo,cuda:nccl``: nccl for GPU tensors, gloo
+for the CPU tensors that CPU-offloaded optimizers and small metric reductions use.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Sequence
+from typing import Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+ReduceOp = Literal["sum", "mean", "max", "min"]
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _env_int(name: str) -> int:
+    text = os.environ.get(name, "")
+    try:
+        return int(text)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name}={text!r} must be an integer") from None
+
+
+def select_device() -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` when GPUs are visible, else the CPU.
+
+    A Ray actor usually sees exactly one GPU (Ray sets ``CUDA_VISIBLE_DEVICES``), so with a
+    single visible GPU the index is 0 whatever ``LOCAL_RANK`` says.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    index = 0 if count == 1 else int(os.environ.get("LOCAL_RANK", "0"))
+    if index >= count:
+        raise RuntimeError(f"LOCAL_RANK={index} but only {count} GPUs are visible (CUDA_VISIBLE_DEVICES)")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def init_distributed(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
+    """Join the process group described by the environment; returns ``(rank, world_size, device)``.
+
+    Without ``WORLD_SIZE`` in the environment this is a single process and no group is created.
+    Calling it again after the group exists just reports the current values.
+    """
+    device = select_device()
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), device
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1, device
+    world_size = _env_int("WORLD_SIZE")
+    rank = _env_int("RANK")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise RuntimeError(f"WORLD_SIZE is set but {name} is not: set both MASTER_ADDR and MASTER_PORT")
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return rank, world_size, device
+
+
+def _free_local_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ensure_process_group(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
+    """Like :func:`init_distributed`, but create a one-rank group when none is described.
+
+    The sharded backends need a process group even when only one process runs
+    (``raylign train ... --engine.backend fsdp2`` without torchrun).
+    """
+    if "WORLD_SIZE" in os.environ or (dist.is_available() and dist.is_initialized()):
+        return init_distributed(timeout_s)
+    device = select_device()
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://127.0.0.1:{_free_local_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return 0, 1, device
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main_process() -> bool:
+    """True on rank 0 (and in a single process): the rank that writes files and logs."""
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Rank ``src``'s picklable ``obj`` on every rank (identity in a single process)."""
+    if not is_distributed() or dist.get_world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_reduce_scalars(values: Sequence[float], op: ReduceOp = "mean") -> list[float]:
+    """Reduce python numbers across ranks in one collective (float64, so counts stay exact)."""
+    if not is_distributed() or dist.get_world_size() == 1:
+        return [float(v) for v in values]
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    dist.all_reduce(tensor, op=_TORCH_OPS[op])
+    if op == "mean":
+        tensor /= dist.get_world_size()
+    return tensor.tolist()
+
+
+def all_reduce_dict(values: dict[str, float], op: ReduceOp = "mean") -> dict[str, float]:
+    """:func:`all_reduce_scalars` for a metrics dict; every rank must pass the same keys."""
+    keys = sorted(values)
+    reduced = all_reduce_scalars([values[k] for k in keys], op)
+    return dict(zip(keys, reduced, strict=True))
+
+
+def destroy_distributed() -> None:
+    if is_distributed():
+        dist.destroy_process_group()

@@ -1,0 +1,140 @@
+"""FSDP2 backend: torch ``fully_shard`` on every decoder layer and on the root.
+
+Each rank holds a 1/world_size shard of every parameter, gradient and optimizer state
+(ZeRO-3 style); a layer's full weights exist only while that layer runs. Gradients are
+reduce-scattered and averaged across ranks in every ``backward``, and summed over the
+micro-batches until ``step``.
+
+A bf16 model is trained with fp32 sharded master weights: the engine upcasts it before
+sharding and a ``MixedPrecisionPolicy`` casts each layer's gathered weights to bf16 for
+compute, so the forward pass runs in bf16 while small AdamW updates are not rounded away.
+Exports and :meth:`full_state_dict` hand weights back in bf16.
+
+Checkpoints are sharded (torch.distributed.checkpoint) and must be loaded on the same
+world size; :meth:`export_hf` gathers full weights to rank 0 for anything else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from raylign.config.engine import EngineConfig
+from raylign.config.optim import OptimConfig
+from raylign.engine.base import TrainEngine, floating_dtype
+from raylign.engine.distributed import ensure_process_group
+from raylign.engine.optim import build_adamw, build_scheduler, clip_grad_norm, move_optimizer_state
+
+DCP_FOLDER = "dcp"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks to shard one by one: modules whose class the model lists in
+    ``_no_split_modules`` (transformers marks its decoder layers so), innermost first."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"fsdp2: cannot find the decoder layers of {type(model).__name__}: it declares no "
+            f"_no_split_modules matching its modules (declared: {sorted(names) or 'none'})"
+        )
+    # modules() is pre-order; nested blocks must be sharded before the blocks that hold them.
+    return layers[::-1]
+
+
+def mixed_precision_policy(model_dtype: torch.dtype, reduce_dtype: str) -> MixedPrecisionPolicy:
+    """Compute in the model's own low precision; fp32 models compute in fp32."""
+    param_dtype = None if model_dtype == torch.float32 else model_dtype
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[reduce_dtype])
+
+
+def offload_policy(engine_cfg: EngineConfig, device: torch.device) -> OffloadPolicy:
+    """Keep shards and the optimizer step on the CPU when asked (params and optimizer go together
+    in FSDP2). Pinned memory speeds up GPU copies; it does not exist without a GPU."""
+    if engine_cfg.offload_params or engine_cfg.offload_optimizer:
+        return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return OffloadPolicy()
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, offload: OffloadPolicy) -> None:
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+
+
+class FSDP2Engine(TrainEngine):
+    backend_name = "fsdp2"
+
+    def __init__(
+        self, model: torch.nn.Module, engine_cfg: EngineConfig, optim_cfg: OptimConfig, total_steps: int
+    ) -> None:
+        self.rank, self.world_size, self.device = ensure_process_group(engine_cfg.dist_timeout_s)
+        self.model_dtype = floating_dtype(model)
+        self.max_grad_norm = optim_cfg.max_grad_norm
+        self.offload_policy = offload_policy(engine_cfg, self.device)
+        model.float()  # sharded fp32 master weights; no-op for fp32 models
+        if not isinstance(self.offload_policy, CPUOffloadPolicy):
+            model.to(self.device)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        precision = mixed_precision_policy(self.model_dtype, engine_cfg.reduce_dtype)
+        shard_model(model, self.mesh, precision, self.offload_policy)
+        self.module = model
+        self.optimizer = build_adamw(model.named_parameters(), optim_cfg)
+        self.scheduler = build_scheduler(self.optimizer, optim_cfg, total_steps)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _clip_and_update(self, max_grad_norm: float) -> float:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        grad_norm = clip_grad_norm(params, max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _sharded_state(self) -> dict[str, dict]:
+        return {
+            "model": get_model_state_dict(self.module),
+            "optimizer": get_optimizer_state_dict(self.module, self.optimizer),
+        }
+
+    def _save_engine_state(self, directory: Path) -> None:
+        dcp.save(self._sharded_state(), checkpoint_id=str(directory / DCP_FOLDER))
+
+    def _load_engine_state(self, directory: Path) -> None:
+        state = self._sharded_state()  # templates with this run's sharding; DCP fills them in place
+        dcp.load(state, checkpoint_id=str(directory / DCP_FOLDER))
+        set_model_state_dict(self.module, state["model"])
+        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
+
+    def _gather_state_dict(self) -> dict[str, torch.Tensor]:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.module, options=options)
+
+    def offload(self) -> None:
+        """Sharded parameters and optimizer state to the CPU; no-op on CPU runs or with CPU offload."""
+        if self._moves_needed():
+            self.module.to("cpu")
+            move_optimizer_state(self.optimizer, torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self._moves_needed():
+            self.module.to(self.device)
+            move_optimizer_state(self.optimizer, self.device)
+
+    def _moves_needed(self) -> bool:
+        return self.device.type != "cpu" and not isinstance(self.offload_policy, CPUOffloadPolicy)

@@ -1,0 +1,118 @@
+"""Single-process backend: the plain model, torch AdamW, no sharding.
+
+For laptops, tests and small models. A bf16 (or fp16) model keeps its low-precision weights for
+the forward pass, but the optimizer updates fp32 master copies that are copied back after each
+step: without them an AdamW update smaller than the weight's rounding step (about
+``|w| / 256`` in bf16) would be lost, and small learning rates would not train at all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from raylign.config.engine import EngineConfig
+from raylign.config.optim import OptimConfig
+from raylign.engine.base import TrainEngine, floating_dtype
+from raylign.engine.distributed import select_device
+from raylign.engine.optim import build_adamw, build_scheduler, clip_grad_norm, move_optimizer_state
+
+ENGINE_STATE_FILE = "engine_state.pt"
+
+
+class Fp32MasterWeights:
+    """fp32 copies of low-precision trainable parameters; the optimizer works on the copies."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
+        self.model_params = [p for _, p in named_params]
+        self.named_masters = [
+            (name, torch.nn.Parameter(p.detach().float().clone(), requires_grad=True)) for name, p in named_params
+        ]
+        self.masters = [m for _, m in self.named_masters]
+
+    def pull_grads(self) -> None:
+        for master, param in zip(self.masters, self.model_params, strict=True):
+            master.grad = None if param.grad is None else param.grad.float()
+            param.grad = None
+
+    def push_weights(self) -> None:
+        with torch.no_grad():
+            for master, param in zip(self.masters, self.model_params, strict=True):
+                param.copy_(master)
+
+    def to(self, device: torch.device) -> None:
+        for master in self.masters:
+            master.data = master.data.to(device)
+
+
+class LocalEngine(TrainEngine):
+    """One process; ``engine_cfg`` sharding fields do not apply and are ignored."""
+
+    backend_name = "local"
+
+    def __init__(
+        self, model: torch.nn.Module, engine_cfg: EngineConfig, optim_cfg: OptimConfig, total_steps: int
+    ) -> None:
+        self.rank, self.world_size = 0, 1
+        self.device = select_device()
+        self.model_dtype = floating_dtype(model)
+        self.max_grad_norm = optim_cfg.max_grad_norm
+        self.module = model.to(self.device)
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.master = Fp32MasterWeights(trainable) if self.model_dtype != torch.float32 else None
+        self.optimizer = build_adamw(self.master.named_masters if self.master else trainable, optim_cfg)
+        self.scheduler = build_scheduler(self.optimizer, optim_cfg, total_steps)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _trainable_params(self) -> list[torch.Tensor]:
+        if self.master is not None:
+            return self.master.masters
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _clip_and_update(self, max_grad_norm: float) -> float:
+        if self.master is not None:
+            self.master.pull_grads()
+        grad_norm = clip_grad_norm(self._trainable_params(), max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.master.push_weights()
+        return grad_norm
+
+    def _save_engine_state(self, directory: Path) -> None:
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.master is not None:
+            state["master"] = [m.detach() for m in self.master.masters]
+        torch.save(state, directory / ENGINE_STATE_FILE)
+
+    def _load_engine_state(self, directory: Path) -> None:
+        state = torch.load(directory / ENGINE_STATE_FILE, map_location=self.device, weights_only=True)
+        self.module.load_state_dict(state["model"])
+        if self.master is not None:
+            with torch.no_grad():
+                for master, saved in zip(self.master.masters, state["master"], strict=True):
+                    master.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def _gather_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def offload(self) -> None:
+        """Parameters, fp32 masters and optimizer state to the CPU (nothing to do on a CPU run)."""
+        self._move_to(torch.device("cpu"))
+
+    def onload(self) -> None:
+        self._move_to(self.device)
+
+    def _move_to(self, device: torch.device) -> None:
+        if self.device.type == "cpu":
+            return
+        self.module.to(device)
+        if self.master is not None:
+            self.master.to(device)
+        move_optimizer_state(self.optimizer, device)
+        if device.type == "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()

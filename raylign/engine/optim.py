@@ -1,0 +1,120 @@
+"""AdamW parameter groups, learning-rate schedules and global-norm gradient clipping.
+
+Shared by every backend so that the same config gives the same update everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from raylign.config.optim import OptimConfig
+
+
+def is_no_decay_parameter(name: str, param: torch.Tensor) -> bool:
+    """Biases and normalisation weights (any tensor with fewer than 2 dims) get no weight decay.
+
+    Decaying a norm's gain pulls it towards zero, which shrinks activations rather than
+    regularising; biases have too few entries to overfit.
+    """
+    return param.ndim < 2 or name.endswith(".bias")
+
+
+def build_param_groups(
+    named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float
+) -> list[dict[str, Any]]:
+    """Two AdamW groups: decayed matrices and undecayed biases/norms; frozen parameters left out."""
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for name, param in named_params:
+        if not param.requires_grad:
+            continue
+        (no_decay if is_no_decay_parameter(name, param) else decay).append(param)
+    if not decay and not no_decay:
+        raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def build_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig) -> torch.optim.AdamW:
+    """torch AdamW (decoupled weight decay, Loshchilov & Hutter 2019) over :func:`build_param_groups`."""
+    groups = build_param_groups(named_params, cfg.weight_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Factor applied to ``cfg.lr`` for optimizer step ``step`` (0-based).
+
+    With ``W = warmup_steps``, ``T = total_steps`` and ``m = min_lr_ratio``:
+
+    - warmup, ``step < W``:  ``(step + 1) / W``  (the first step already moves, the W-th reaches lr)
+    - after, ``p = min(1, (step - W) / max(1, T - W))``:
+        cosine: ``m + (1 - m) * (1 + cos(pi * p)) / 2``;  linear: ``1 - (1 - m) * p``;  constant: ``1``.
+    """
+    warmup = cfg.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.scheduler == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    floor = cfg.min_lr_ratio
+    if cfg.scheduler == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: Any, cfg: OptimConfig, total_steps: int) -> LambdaLR:
+    """A ``LambdaLR`` of :func:`lr_multiplier`; step it once after each optimizer step."""
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be at least 1 (got {total_steps})")
+    if cfg.warmup_steps > total_steps:
+        raise ValueError(f"optim.warmup_steps={cfg.warmup_steps} exceeds the run's total_steps={total_steps}")
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
+
+
+def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all gradients together, ``sqrt(sum_i ||g_i||^2)``, across every shard.
+
+    FSDP2 gradients are DTensor shards: their norm is a partial value that ``full_tensor``
+    all-reduces, so each rank gets the norm of the whole model.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
+    """Scale gradients by ``min(1, max_norm / (norm + 1e-6))``; returns the norm before clipping.
+
+    ``max_norm <= 0`` only measures. Same rule as ``torch.nn.utils.clip_grad_norm_``.
+    """
+    params = list(params)
+    norm = global_grad_norm(params)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
+
+
+def current_lr(optimizer: Any) -> float:
+    """The learning rate the next optimizer step will use (all groups share it)."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move AdamW moments to ``device`` (the ``step`` counters stay where torch keeps them)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor):
+                state[key] = value.to(device)

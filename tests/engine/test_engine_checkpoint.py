@@ -1,0 +1,129 @@
+"""Atomic checkpoint protocol, pruning, RNG and client-state round trips (single process)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from raylign.config.optim import OptimConfig
+from raylign.engine import create_engine
+from raylign.engine.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    resume_latest,
+    save_step_checkpoint,
+    temp_directory,
+)
+
+from .engine_testing import local_cfg, tiny_model, token_batch
+
+OPTIM = OptimConfig(lr=1e-2, warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0)
+
+
+def make_engine(seed: int = 0):
+    return create_engine(tiny_model(seed), local_cfg(), OPTIM, total_steps=10)
+
+
+def train_step(engine, seed: int) -> None:
+    ids = token_batch(seed)
+    engine.backward(engine.module(input_ids=ids, labels=ids).loss)
+    engine.step()
+
+
+def weights(engine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+
+def make_complete(folder) -> None:
+    folder.mkdir(parents=True)
+    (folder / "COMPLETE").write_text("ok\n")
+
+
+def test_latest_checkpoint_ignores_temp_unmarked_and_foreign_folders(tmp_path):
+    make_complete(tmp_path / "step_2")
+    make_complete(tmp_path / "step_10")
+    (tmp_path / "step_11").mkdir()  # no COMPLETE marker
+    make_complete(tmp_path / ".step_12.tmp")  # an interrupted save, even if its files were all written
+    make_complete(tmp_path / "step_final")
+    (tmp_path / "step_13").write_text("a file, not a folder")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_10"  # numeric, not lexical, order
+
+
+def test_latest_checkpoint_of_missing_or_empty_root_is_none(tmp_path):
+    assert latest_checkpoint(tmp_path / "absent") is None
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_saved_checkpoint_is_complete_and_keep_last_prunes_older_ones(tmp_path):
+    engine = make_engine()
+    stale = temp_directory(tmp_path / "step_9")
+    stale.mkdir(parents=True)  # left by an earlier crashed save
+    for step in range(1, 5):
+        train_step(engine, step)
+        save_step_checkpoint(engine, tmp_path, step, {"step": step}, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4"]
+    final = tmp_path / "step_4"
+    assert (final / "COMPLETE").is_file()
+    assert json.loads((final / "meta.json").read_text()) == {"backend": "local", "world_size": 1, "format_version": 1}
+
+
+def test_saving_the_same_step_again_replaces_it(tmp_path):
+    engine = make_engine()
+    train_step(engine, 1)
+    save_step_checkpoint(engine, tmp_path, 1, {"version": "first"})
+    train_step(engine, 2)
+    save_step_checkpoint(engine, tmp_path, 1, {"version": "second"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+    assert make_engine().load_checkpoint(tmp_path / "step_1") == {"version": "second"}
+
+
+def test_resume_continues_bitwise_like_an_uninterrupted_run(tmp_path):
+    uninterrupted = make_engine()
+    for step in range(1, 5):
+        train_step(uninterrupted, step)
+        if step == 2:
+            save_step_checkpoint(uninterrupted, tmp_path, step, {"step": step})
+    resumed = make_engine(seed=1)  # different initial weights: everything must come from the checkpoint
+    client_state = resume_latest(resumed, tmp_path)
+    assert client_state == {"step": 2}
+    for step in range(3, 5):
+        train_step(resumed, step)
+    expected = weights(uninterrupted)
+    for name, tensor in weights(resumed).items():
+        assert torch.equal(tensor, expected[name]), name
+    assert resumed.scheduler.last_epoch == uninterrupted.scheduler.last_epoch == 4
+
+
+def test_rng_states_and_client_state_round_trip(tmp_path):
+    engine = make_engine()
+    client_state = {"step": 3, "loader": {"epoch": 1, "index": 17, "order": [4, 2, 9]}}
+    save_step_checkpoint(engine, tmp_path, 3, client_state)
+    draws_after_save = (random.random(), float(np.random.rand()), torch.rand(3))
+    random.seed(123)
+    np.random.seed(123)
+    torch.manual_seed(123)
+    assert make_engine().load_checkpoint(tmp_path / "step_3") == client_state
+    draws_after_load = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert draws_after_load[:2] == draws_after_save[:2]
+    assert torch.equal(draws_after_load[2], draws_after_save[2])
+
+
+def test_loading_an_incomplete_checkpoint_names_it(tmp_path):
+    engine = make_engine()
+    save_step_checkpoint(engine, tmp_path, 1, {})
+    (tmp_path / "step_1" / "COMPLETE").unlink()
+    with pytest.raises(CheckpointError, match=r"step_1 is incomplete or missing \(no COMPLETE marker\)"):
+        engine.load_checkpoint(tmp_path / "step_1")
+
+
+def test_loading_a_checkpoint_of_another_world_size_is_refused(tmp_path):
+    engine = make_engine()
+    save_step_checkpoint(engine, tmp_path, 1, {})
+    meta_file = tmp_path / "step_1" / "meta.json"
+    meta_file.write_text(json.dumps({"backend": "local", "world_size": 2, "format_version": 1}))
+    with pytest.raises(CheckpointError, match="written by 2 ranks; this run has 1"):
+        engine.load_checkpoint(tmp_path / "step_1")
