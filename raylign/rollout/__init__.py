@@ -1,30 +1,39 @@
-"""Rollout: generation engines behind one async interface, and trainer -> engine weight sync."""
+"""Rollout: generation engines behind one async interface, and trainer -> engine weight sync.
 
-from raylign.config.rollout import RolloutConfig, SamplingConfig
-from raylign.rollout.base import Completion, RolloutEngine
-from raylign.rollout.buckets import Bucket, TensorMeta, group_into_buckets, pack_bucket, unpack_bucket
-from raylign.rollout.hf_engine import HFEngine
-from raylign.rollout.pool import RolloutPool, engine_class, launch_engines, split_by_token_load
-from raylign.rollout.vllm_engine import VLLMEngine
-from raylign.rollout.weight_sync import SyncStats, WeightSyncSender, with_tied_lm_head
+Names are imported on first use: reward-function worker processes import
+``raylign.rollout.rewards`` and must not pay for torch, vLLM and the engines at start-up.
+"""
 
-__all__ = [
-    "Bucket",
-    "Completion",
-    "HFEngine",
-    "RolloutConfig",
-    "RolloutEngine",
-    "RolloutPool",
-    "SamplingConfig",
-    "SyncStats",
-    "TensorMeta",
-    "VLLMEngine",
-    "WeightSyncSender",
-    "engine_class",
-    "group_into_buckets",
-    "launch_engines",
-    "pack_bucket",
-    "split_by_token_load",
-    "unpack_bucket",
-    "with_tied_lm_head",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "RolloutConfig": "raylign.config.rollout",
+    "SamplingConfig": "raylign.config.rollout",
+    "Completion": "raylign.rollout.base",
+    "RolloutEngine": "raylign.rollout.base",
+    "Bucket": "raylign.rollout.buckets",
+    "TensorMeta": "raylign.rollout.buckets",
+    "group_into_buckets": "raylign.rollout.buckets",
+    "pack_bucket": "raylign.rollout.buckets",
+    "unpack_bucket": "raylign.rollout.buckets",
+    "HFEngine": "raylign.rollout.hf_engine",
+    "RolloutPool": "raylign.rollout.pool",
+    "engine_class": "raylign.rollout.pool",
+    "launch_engines": "raylign.rollout.pool",
+    "split_by_token_load": "raylign.rollout.pool",
+    "VLLMEngine": "raylign.rollout.vllm_engine",
+    "SyncStats": "raylign.rollout.weight_sync",
+    "WeightSyncSender": "raylign.rollout.weight_sync",
+    "with_tied_lm_head": "raylign.rollout.weight_sync",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'raylign.rollout' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
