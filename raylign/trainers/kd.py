@@ -1,0 +1,101 @@
+"""Knowledge distillation: match a frozen teacher's next-token distributions on SFT-style data.
+
+Data, batching and units are SFT's (the target tokens of each sample); at every position
+that predicts a target token the student minimises a divergence from the teacher
+(``kd.loss``: forward KL, reverse KL or generalised JSD, from
+:mod:`raylign.algorithms.distillation`), optionally plus ``kd.nll_coef`` times the
+cross-entropy on the target token. The loss is the mean over all target tokens of the
+global batch. Teacher and student must share the tokenizer: the vocabularies are compared
+before anything is trained, and distributions are compared over the tokenizer's tokens (a
+model's padded extra logits are left out). The teacher is a whole, unsharded copy on every
+rank. As in the GKD paper, the divergence is not rescaled by ``temperature ** 2``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from raylign.algorithms import DISTILLATION_LOSSES
+from raylign.config.kd import KDConfig, TeacherConfig
+from raylign.config.model import ModelConfig
+from raylign.models import attention_kwargs, load_causal_lm, load_tokenizer
+from raylign.trainers.loop import Batch
+from raylign.trainers.sft import SFTTrainer
+
+MAX_LISTED_TOKENS = 5
+
+
+def check_same_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> None:
+    """Raise ValueError unless both tokenizers map the same token strings to the same ids."""
+    student_vocab, teacher_vocab = student.get_vocab(), teacher.get_vocab()
+    if student_vocab == teacher_vocab:
+        return
+    only_student = sorted(set(student_vocab) - set(teacher_vocab))[:MAX_LISTED_TOKENS]
+    only_teacher = sorted(set(teacher_vocab) - set(student_vocab))[:MAX_LISTED_TOKENS]
+    moved = sorted(t for t in set(student_vocab) & set(teacher_vocab) if student_vocab[t] != teacher_vocab[t])
+    raise ValueError(
+        "teacher and student tokenizers differ, so their distributions cannot be compared token by token: "
+        f"student has {len(student_vocab)} tokens, teacher {len(teacher_vocab)}; only in the student: "
+        f"{only_student}; only in the teacher: {only_teacher}; tokens with different ids: "
+        f"{moved[:MAX_LISTED_TOKENS]} ({len(moved)} in all). Distil into a student built on the teacher's tokenizer."
+    )
+
+
+def teacher_model_config(teacher: TeacherConfig) -> ModelConfig:
+    return ModelConfig(path=teacher.path, tokenizer_path=teacher.tokenizer_path, dtype=teacher.dtype,
+                       attn_implementation=teacher.attn_implementation, trust_remote_code=teacher.trust_remote_code)
+
+
+def _output_size(model: nn.Module) -> int:
+    """Tokens the LM head predicts (from the config: sharded or partitioned weights hide the real shape)."""
+    return int(model.config.get_text_config().vocab_size)
+
+
+class KDTrainer(SFTTrainer):
+    name = "kd"
+    cfg: KDConfig
+
+    def build_tokenizer(self):
+        tokenizer = super().build_tokenizer()
+        t = self.cfg.teacher
+        check_same_vocabulary(tokenizer, load_tokenizer(t.tokenizer_path or t.path))
+        return tokenizer
+
+    def on_setup(self) -> None:
+        self.teacher = load_causal_lm(teacher_model_config(self.cfg.teacher), device=self.engine.device).eval()
+        self.teacher.requires_grad_(False)
+        self.vocab_size = len(self.tokenizer)
+        for role, model in (("teacher", self.teacher), ("student", self.engine.hf_model)):
+            if _output_size(model) < self.vocab_size:
+                raise ValueError(
+                    f"the {role} predicts {_output_size(model)} tokens but the tokenizer has {self.vocab_size}"
+                )
+
+    def compute_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        kd = self.cfg.kd
+        inputs = {"input_ids": batch["input_ids"],
+                  **attention_kwargs(batch.get("attention_mask"), batch.get("position_ids"))}
+        # Logits at t predict token t+1: keep the positions whose next token is a target.
+        predicts_target = batch["loss_mask"][:, 1:].bool()
+        student = model(**inputs).logits[:, :-1][predicts_target][:, : self.vocab_size].float()
+        with torch.no_grad():
+            teacher = self.teacher(**inputs).logits[:, :-1][predicts_target][:, : self.vocab_size].float()
+        tokens = student.shape[0]
+        options = {"temperature": kd.temperature, **({"beta": kd.beta} if kd.loss == "generalized_jsd" else {})}
+        mask = torch.ones((1, tokens), dtype=torch.long, device=student.device)
+        divergence, metrics = DISTILLATION_LOSSES.get(kd.loss)(student[None], teacher[None], mask, **options)
+        loss_sum = divergence * tokens
+        stats = {"divergence": float(metrics["divergence"]) * tokens}
+        if kd.nll_coef:
+            targets = batch["input_ids"][:, 1:][predicts_target]
+            nll = F.cross_entropy(student, targets, reduction="sum")
+            loss_sum = loss_sum + kd.nll_coef * nll
+            stats["nll"] = float(nll.detach())
+        return loss_sum, stats
+
+
+def run_kd(cfg: KDConfig) -> dict[str, float]:
+    return KDTrainer(cfg).run()

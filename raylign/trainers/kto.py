@@ -1,0 +1,124 @@
+"""KTO: align a policy with unpaired desirable / undesirable completions.
+
+Per example, the implied reward is ``r = log pi(y|x) - log pi_ref(y|x)`` (summed over the
+completion tokens) under a frozen reference model, and the loss (:func:`raylign.algorithms.kto_loss`)
+is ``lambda_D (1 - sigma(beta (r - z0)))`` for desirable and ``lambda_U (1 - sigma(beta (z0 - r)))``
+for undesirable examples, averaged over all examples of the global batch.
+
+The reference point ``z0`` estimates ``KL(pi || pi_ref)`` on mismatched prompt/completion
+pairs (prompt i with completion i-1) of the micro-batch; in training it is averaged over the
+micro-batches that the data-parallel ranks run together, so it is taken over
+``micro_batch_size x ranks`` examples (as in the paper's per-step batch estimate, which TRL
+gathers across processes). It is detached. The reference model is a whole, unsharded copy
+on every rank.
+
+Metrics (means per example): ``kl`` (z0), ``reward_signed`` (``beta * r`` with the sign of the
+label, which rises as desirable completions gain and undesirable ones lose probability) and
+``desirable_fraction``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raylign.algorithms import kto_loss
+from raylign.config.kto import KTOConfig
+from raylign.config.model import LoraConfig
+from raylign.data.kto import build_kto_datasets, collate_kto
+from raylign.models import load_causal_lm, load_tokenizer, token_logprobs
+from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
+
+
+def sequence_logprob_sums(
+    logprobs: torch.Tensor, loss_mask: torch.Tensor, seq_lens: torch.Tensor | None
+) -> torch.Tensor:
+    """Sum of the masked token log-probs of each sample, ``[num samples]``.
+
+    Padded batches hold one sample per row; a packed batch is one row of ``seq_lens`` samples.
+    """
+    masked = logprobs * loss_mask.to(logprobs.dtype)
+    if seq_lens is None:
+        return masked.sum(-1)
+    owner = torch.repeat_interleave(torch.arange(len(seq_lens), device=masked.device), seq_lens.to(masked.device))
+    return torch.zeros(len(seq_lens), dtype=masked.dtype, device=masked.device).index_add(0, owner, masked[0])
+
+
+def completion_logps(model: nn.Module, batch: Batch, prefix: str = "") -> torch.Tensor:
+    """Summed completion log-probs of the batch's samples (keys ``prefix + input_ids`` etc.)."""
+    logprobs = token_logprobs(
+        model,
+        batch[prefix + "input_ids"],
+        attention_mask=batch.get(prefix + "attention_mask"),
+        position_ids=batch.get(prefix + "position_ids"),
+    )
+    return sequence_logprob_sums(logprobs, batch[prefix + "loss_mask"], batch.get(prefix + "seq_lens"))
+
+
+class KTOTrainer(OfflineTrainer):
+    name = "kto"
+    cfg: KTOConfig
+
+    def build_tokenizer(self):
+        m = self.cfg.model
+        return load_tokenizer(m.tokenizer_path or m.path, padding_side="right")
+
+    def build_model(self) -> nn.Module:
+        return load_causal_lm(self.cfg.model)
+
+    def build_datasets(self) -> tuple[list, list, dict[str, Any]]:
+        data = build_kto_datasets(self.cfg.data, self.tokenizer)
+        return data.train, data.eval, {**data_stats_dict(data.stats), **data.label_stats()}
+
+    def on_setup(self) -> None:
+        """The frozen reference: the starting weights (or ``kto.reference_path``), without LoRA."""
+        path = self.cfg.kto.reference_path or self.cfg.model.path
+        ref_cfg = self.cfg.model.model_copy(
+            update={"path": path, "lora": LoraConfig(), "gradient_checkpointing": False}
+        )
+        self.reference = load_causal_lm(ref_cfg, device=self.engine.device).eval()
+        self.reference.requires_grad_(False)
+
+    def collate(self, samples: list) -> Batch:
+        return collate_kto(samples, self.tokenizer.pad_token_id, self.cfg.data.packing,
+                           with_kl_pairs=self.cfg.kto.estimate_kl, max_length=self.cfg.data.max_length)
+
+    def batch_units(self, batch: Batch) -> float:
+        return float(batch["desirable"].numel())  # examples
+
+    def _kl_process_group(self, model: nn.Module) -> dist.ProcessGroup | None:
+        # Ranks run the same number of training micro-batches, so z0 can be averaged over all of
+        # them; in evaluation the counts may differ and a collective would hang.
+        if self.world_size > 1 and model.training:
+            return dist.group.WORLD
+        return None
+
+    def compute_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        kto = self.cfg.kto
+        policy = completion_logps(model, batch)
+        with torch.no_grad():
+            reference = completion_logps(self.reference, batch)
+            policy_kl = completion_logps(model, batch, "kl_") if kto.estimate_kl else None
+            reference_kl = completion_logps(self.reference, batch, "kl_") if kto.estimate_kl else None
+        desirable = batch["desirable"]
+        loss, metrics = kto_loss(
+            policy, reference, desirable,
+            policy_kl_logps=policy_kl, ref_kl_logps=reference_kl,
+            beta=kto.beta, desirable_weight=kto.desirable_weight, undesirable_weight=kto.undesirable_weight,
+            process_group=self._kl_process_group(model),
+        )
+        examples = self.batch_units(batch)
+        sign = desirable.to(policy.dtype) * 2 - 1
+        signed_rewards = (kto.beta * (policy - reference).detach() * sign).sum()
+        return loss * examples, {
+            "kl": float(metrics["kl"]) * examples,
+            "reward_signed": float(signed_rewards),
+            "desirable_fraction": float(desirable.sum()),
+        }
+
+
+def run_kto(cfg: KTOConfig) -> dict[str, float]:
+    return KTOTrainer(cfg).run()
