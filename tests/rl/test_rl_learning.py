@@ -1,0 +1,88 @@
+"""RL learns: GRPO and PPO raise the reward of a tiny model on a task with a known answer.
+
+The task is reversing 3-4 letters over an 8-letter alphabet; the reward is the fraction of
+answer letters in the right place (examples/rewards/letter_match.py). A short SFT warm-up
+teaches the answer format and leaves the model about a quarter right, so the reward has
+room to rise. Learning is judged on the mean reward of the first and last five steps:
+each step averages 128-256 samples whose rewards have a standard deviation of about 0.3, so
+a five-step mean has a noise of about 0.01; the margin of 0.06 is six times that, and half
+of the rise measured on this machine (about 0.12 in 40 steps for both algorithms).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from raylign.config.base import parse_config
+from raylign.config.commands import SFTConfig
+from raylign.config.rl import RLConfig
+from raylign.models.tiny import build_tiny_model
+from raylign.rl.trainer import RLTrainer
+from raylign.tasks.strings import make_string_rows
+from raylign.trainers.metrics import read_metrics
+from raylign.trainers.sft import SFTTrainer
+
+REWARD_FILE = Path(__file__).resolve().parents[2] / "examples" / "rewards" / "letter_match.py"
+MARGIN = 0.06
+
+pytestmark = pytest.mark.slow
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def warm_model_and_prompts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rl_learning")
+    rows = make_string_rows("reverse", 2200, seed=0, alphabet="abcdefgh", min_len=3, max_len=4)
+    write_jsonl(tmp / "sft.jsonl", rows[:2000])
+    prompts = write_jsonl(tmp / "prompts.jsonl", [{"prompt": r["prompt"], "label": r["completion"]} for r in rows[2000:]])
+    base = build_tiny_model(tmp / "base", hidden_size=64, num_heads=4, num_kv_heads=2)
+    sft = parse_config(SFTConfig, {
+        "model": {"path": str(base), "dtype": "float32"},
+        "data": {"train": [str(tmp / "sft.jsonl")], "max_length": 64, "min_response_tokens": 8},
+        "optim": {"lr": 3e-3, "warmup_steps": 5},
+        "train": {"output_dir": str(tmp / "sft"), "max_steps": 150, "global_batch_size": 32, "micro_batch_size": 32,
+                  "logging": {"progress_bar": False}},
+    })
+    SFTTrainer(sft).run()
+    return tmp / "sft" / "final", prompts
+
+
+def run_rl(preset: str, model: Path, prompts: Path, out: Path, prompts_per_step: int, n: int) -> list[float]:
+    cfg = parse_config(RLConfig, {
+        **RLConfig.preset_defaults({"preset": preset}),
+        "preset": preset,
+        "model": {"path": str(model), "dtype": "float32"},
+        "reward": {"sources": [{"kind": "function", "path": str(REWARD_FILE)}]},
+        "rollout": {"engine": "hf", "dtype": "float32"},
+        "sampling": {"n": n, "max_new_tokens": 10, "temperature": 1.0},
+        "data": {"train": [str(prompts)]},
+        "optim": {"lr": 1e-3, "scheduler": "constant"},
+        "critic": {"optim": {"lr": 1e-3, "scheduler": "constant"}},
+        "train": {"output_dir": str(out), "max_steps": 40, "prompts_per_step": prompts_per_step, "export": False,
+                  "logging": {"progress_bar": False, "tensorboard": False}},
+    })
+    RLTrainer(cfg).run()
+    return [r["reward/mean"] for r in read_metrics(out) if "reward/mean" in r]
+
+
+def assert_learned(rewards: list[float]) -> None:
+    assert len(rewards) == 40
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last >= first + MARGIN, (first, last, rewards)
+
+
+def test_grpo_raises_the_reward(warm_model_and_prompts, tmp_path, ray_session):
+    model, prompts = warm_model_and_prompts
+    assert_learned(run_rl("grpo", model, prompts, tmp_path / "grpo", prompts_per_step=32, n=8))
+
+
+def test_ppo_raises_the_reward(warm_model_and_prompts, tmp_path, ray_session):
+    model, prompts = warm_model_and_prompts
+    assert_learned(run_rl("ppo", model, prompts, tmp_path / "ppo", prompts_per_step=128, n=1))
