@@ -1,14 +1,4 @@
-"""Reward for the copy / reverse letter tasks: the fraction of answer letters in the right place.
+"""Reward for the copy / reverse letter tasks (raylign.tasks.strings): the fraction of answer
+letters in the right place. A reward file only has to define ``reward_func``."""
 
-Partial credit gives a dense signal (a tiny model rarely gets a whole answer right at first);
-an exact answer scores 1.0 and an overlong one is penalised by its extra letters.
-"""
-
-
-def reward_func(prompts, responses, labels, **metadata):
-    rewards = []
-    for response, label in zip(responses, labels):
-        got, want = response.split(), str(label).split()
-        hits = sum(a == b for a, b in zip(got, want))
-        rewards.append(hits / max(len(want), len(got), 1))
-    return rewards
+from raylign.tasks.strings import letter_match_reward as reward_func  # noqa: F401

@@ -44,3 +44,17 @@ def make_string_rows(
 def exact_match(response: str, answer: str) -> bool:
     """True when the response, stripped of surrounding whitespace, equals the answer."""
     return response.strip() == answer.strip()
+
+
+def letter_match_reward(prompts, responses, labels, **metadata) -> list[float]:
+    """Reward for the letter tasks: the fraction of answer letters in the right place.
+
+    Partial credit gives a dense signal (a tiny model rarely gets a whole answer right at
+    first); an exact answer scores 1.0 and extra letters lower the score.
+    """
+    rewards = []
+    for response, label in zip(responses, labels):
+        got, want = response.split(), str(label).split()
+        hits = sum(a == b for a, b in zip(got, want))
+        rewards.append(hits / max(len(want), len(got), 1))
+    return rewards
