@@ -188,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     if command.distributed and engine is not None and engine.num_processes > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(name, rest, engine.num_processes)
     setup_logging()
+    from raylign.rollout.rewards.base import RewardError
+
     try:
         command.runner()(cfg)
-    except (ValueError, FileNotFoundError, ConfigError) as err:
+    except (ValueError, FileNotFoundError, ConfigError, RewardError) as err:
         if os.environ.get("RAYLIGN_DEBUG"):
             raise
         logging.getLogger("raylign").error("%s (set RAYLIGN_DEBUG=1 for the traceback)", err)

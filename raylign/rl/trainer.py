@@ -75,14 +75,16 @@ class RLTrainer:
         dump["model"]["path"] = self.model_path
         updates = cfg.train.max_steps * cfg.train.mini_batches * cfg.train.ppo_epochs
         p = cfg.placement
-        self.groups["policy"] = WorkerGroup("policy", dump, p.policy_workers, updates, None,
-                                            num_cpus=p.cpus_per_worker, env=WORKER_ENV)
-        if cfg.uses_reference:
-            self.groups["reference"] = WorkerGroup("reference", dump, p.reference_workers, updates, None,
-                                                   num_cpus=p.cpus_per_worker, env=WORKER_ENV)
-        if cfg.uses_critic:
-            self.groups["critic"] = WorkerGroup("critic", dump, p.critic_workers, updates, None,
-                                                num_cpus=p.cpus_per_worker, env=WORKER_ENV)
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+        if gpus and p.colocate:
+            raise ValueError("placement.colocate is not supported on GPU clusters yet: engines and trainers would "
+                             "need fractional GPU shares; use separate placement (placement.colocate: false)")
+        roles = [("policy", p.policy_workers, True), ("reference", p.reference_workers, cfg.uses_reference),
+                 ("critic", p.critic_workers, cfg.uses_critic)]
+        for role, workers, wanted in roles:
+            if wanted:
+                self.groups[role] = WorkerGroup(role, dump, workers, updates, None, num_cpus=p.cpus_per_worker,
+                                                num_gpus=gpus, env=WORKER_ENV)
         self.engines = launch_engines(self.model_path, cfg.rollout, env_vars=WORKER_ENV)
         self.pool = RolloutPool(self.engines)
         self.groups["policy"].call("connect_engines", self.engines)
@@ -143,6 +145,7 @@ class RLTrainer:
         start = time.perf_counter()
         samples, gen_metrics = self.rollout(prompts, more_batches, timings)
         t = time.perf_counter()
+        self._make_room_for("training")
         exp = self.make_experience(samples)
         timings["time/experience_s"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -180,6 +183,7 @@ class RLTrainer:
     def rollout(self, prompts: list[Prompt], more_batches, timings: dict[str, float]) -> tuple[list[Sample], dict]:
         cfg, n = self.cfg, self.cfg.sampling.n
         t = time.perf_counter()
+        self._make_room_for("generation")
         samples = self.generate(prompts, cfg.sampling)
         timings["time/generate_s"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -290,8 +294,23 @@ class RLTrainer:
                                    default=str) + "\n")
 
     def sync_weights(self) -> dict[str, float]:
+        if self.cfg.placement.colocate:
+            self.pool.wake_up()
         results = self.groups["policy"].call("sync_weights")
         return results[0]
+
+    def _make_room_for(self, phase: str) -> None:
+        """Colocated placement (the hybrid engine): only one side holds its memory at a time.
+
+        Before generation the training workers offload weights and optimizer state; before
+        experience and training the engines sleep (free weights and KV cache; a no-op where the
+        engine cannot sleep, e.g. vLLM on CPU). The engines wake up for the next weight sync."""
+        if not self.cfg.placement.colocate:
+            return
+        for group in self.groups.values():
+            group.call("offload" if phase == "generation" else "onload")
+        if phase == "training":
+            self.pool.sleep()
 
     # ---- evaluation, checkpoints ---------------------------------------------------------
 

