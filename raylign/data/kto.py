@@ -22,8 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from raylign.config.data import DataConfig, DatasetSpec
 from raylign.data.collate import collate_packed, collate_padded
 from raylign.data.errors import DataError, RowRef
-from raylign.data.mixing import mix_datasets, split_holdout
-from raylign.data.rows import DataStats, collect_samples, optional_text, require_key, require_text
+from raylign.data.rows import DataStats, build_splits, collect_samples, optional_text, require_key, require_text
 from raylign.data.sft import Sample, make_sft_sample
 
 
@@ -102,23 +101,8 @@ def load_kto_samples(
 
 def build_kto_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> KTOData:
     """Read and tokenise every dataset; hold out ``eval_fraction`` or read ``cfg.eval``; mix train by weight."""
-    stats = DataStats()
-    per_dataset: list[list[KTOSample]] = []
-    eval_samples: list[KTOSample] = []
-    for number, spec in enumerate(cfg.train):
-        file_stats = DataStats()
-        samples = load_kto_samples(spec, cfg, tokenizer, file_stats)
-        stats.merge(file_stats)
-        train_idx, eval_idx = split_holdout(len(samples), cfg.eval_fraction, seed=cfg.seed + number)
-        per_dataset.append([samples[i] for i in train_idx])
-        eval_samples.extend(samples[i] for i in eval_idx)
-    for spec in cfg.eval:
-        file_stats = DataStats()
-        eval_samples.extend(load_kto_samples(spec, cfg, tokenizer, file_stats))
-        stats.merge(file_stats)
-    weights = None if cfg.train[0].weight is None else [spec.weight for spec in cfg.train]
-    mixture = mix_datasets([len(s) for s in per_dataset], weights, seed=cfg.seed)
-    return KTOData(train=[per_dataset[d][i] for d, i in mixture], eval=eval_samples, stats=stats)
+    train, eval_samples, stats = build_splits(cfg, lambda spec, st: load_kto_samples(spec, cfg, tokenizer, st))
+    return KTOData(train=train, eval=eval_samples, stats=stats)
 
 
 def mismatched_samples(samples: list[KTOSample], max_length: int) -> list[Sample]:

@@ -36,8 +36,7 @@ from raylign.data.chat import Message, tokenize_conversation, validate_messages
 from raylign.data.collate import collate_packed, collate_padded
 from raylign.data.errors import DataError, RowRef
 from raylign.data.formatting import encode_plain
-from raylign.data.mixing import mix_datasets, split_holdout
-from raylign.data.rows import DataStats, check_text, collect_samples, optional_text, require_key
+from raylign.data.rows import DataStats, build_splits, check_text, collect_samples, optional_text, require_key
 
 REPLY_ROLES = ("assistant", "tool")
 
@@ -289,23 +288,9 @@ def build_pair_datasets(
     ``cfg.eval_fraction`` of each train dataset before mixing (as for SFT data). With
     ``margin_key`` every row must hold a number under that key.
     """
-    stats = DataStats()
-    per_dataset: list[list[PairSample]] = []
-    held_out: list[PairSample] = []
-    for number, spec in enumerate(cfg.train):
-        file_stats = DataStats()
-        samples = load_pair_samples(spec, cfg, tokenizer, file_stats, margin_key)
-        stats.merge(file_stats)
-        train_idx, eval_idx = split_holdout(len(samples), cfg.eval_fraction, seed=cfg.seed + number)
-        per_dataset.append([samples[i] for i in train_idx])
-        held_out.extend(samples[i] for i in eval_idx)
-    for spec in cfg.eval:
-        file_stats = DataStats()
-        held_out.extend(load_pair_samples(spec, cfg, tokenizer, file_stats, margin_key))
-        stats.merge(file_stats)
-    weights = None if cfg.train[0].weight is None else [spec.weight for spec in cfg.train]
-    mixture = mix_datasets([len(s) for s in per_dataset], weights, seed=cfg.seed)
-    return PairData(train=[per_dataset[d][i] for d, i in mixture], eval=held_out, stats=stats)
+    train, eval_samples, stats = build_splits(
+        cfg, lambda spec, st: load_pair_samples(spec, cfg, tokenizer, st, margin_key))
+    return PairData(train=train, eval=eval_samples, stats=stats)
 
 
 # ---- batching --------------------------------------------------------------------------

@@ -31,8 +31,7 @@ from raylign.config.prm import PRMSection
 from raylign.data.collate import collate_packed, collate_padded
 from raylign.data.errors import DataError, RowRef
 from raylign.data.formatting import truncate_prompt_response
-from raylign.data.mixing import mix_datasets, split_holdout
-from raylign.data.rows import DataStats, check_text, collect_samples, require_list, require_text
+from raylign.data.rows import DataStats, build_splits, check_text, collect_samples, require_list, require_text
 
 POSITIVE_MARKS = ("+",)
 NEGATIVE_MARKS = ("-", "\u2212")  # ASCII hyphen-minus and the minus sign
@@ -249,23 +248,9 @@ def build_prm_datasets(
     cfg: DataConfig, prm: PRMSection, tokenizer: PreTrainedTokenizerBase, separator_id: int
 ) -> PRMData:
     """Read and tokenise every dataset; hold out ``eval_fraction`` or read ``cfg.eval``; mix train by weight."""
-    stats = DataStats()
-    per_dataset: list[list[PRMSample]] = []
-    eval_samples: list[PRMSample] = []
-    for number, spec in enumerate(cfg.train):
-        file_stats = DataStats()
-        samples = load_prm_samples(spec, cfg, prm, tokenizer, separator_id, file_stats)
-        stats.merge(file_stats)
-        train_idx, eval_idx = split_holdout(len(samples), cfg.eval_fraction, seed=cfg.seed + number)
-        per_dataset.append([samples[i] for i in train_idx])
-        eval_samples.extend(samples[i] for i in eval_idx)
-    for spec in cfg.eval:
-        file_stats = DataStats()
-        eval_samples.extend(load_prm_samples(spec, cfg, prm, tokenizer, separator_id, file_stats))
-        stats.merge(file_stats)
-    weights = None if cfg.train[0].weight is None else [spec.weight for spec in cfg.train]
-    mixture = mix_datasets([len(s) for s in per_dataset], weights, seed=cfg.seed)
-    return PRMData(train=[per_dataset[d][i] for d, i in mixture], eval=eval_samples, stats=stats)
+    train, eval_samples, stats = build_splits(
+        cfg, lambda spec, st: load_prm_samples(spec, cfg, prm, tokenizer, separator_id, st))
+    return PRMData(train=train, eval=eval_samples, stats=stats)
 
 
 # ---- batching -------------------------------------------------------------------------------

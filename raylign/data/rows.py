@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 from raylign.config.data import DataConfig, DatasetSpec
 from raylign.data.errors import RowDropped, RowError, RowRef
+from raylign.data.mixing import mix_datasets, split_holdout
 from raylign.data.readers import read_rows
 
 MAX_SKIP_EXAMPLES = 5
@@ -163,3 +164,31 @@ def collect_samples(
         if spec.max_samples is not None and len(samples) >= spec.max_samples:
             break
     return samples
+
+
+def build_splits(
+    cfg: DataConfig, load_samples: Callable[[DatasetSpec, DataStats], list[Any]]
+) -> tuple[list[Any], list[Any], DataStats]:
+    """Read every dataset with ``load_samples(spec, stats)``; mix the train sets by weight; set eval aside.
+
+    Eval samples come from ``cfg.eval`` (concatenated, unweighted) or, when that is empty, from
+    holding out ``cfg.eval_fraction`` of each train dataset before mixing, so no eval sample is
+    ever trained on. See :mod:`raylign.data.mixing` for the mixing semantics.
+    """
+    stats = DataStats()
+    per_dataset: list[list[Any]] = []
+    eval_samples: list[Any] = []
+    for number, spec in enumerate(cfg.train):
+        file_stats = DataStats()
+        samples = load_samples(spec, file_stats)
+        stats.merge(file_stats)
+        train_idx, eval_idx = split_holdout(len(samples), cfg.eval_fraction, seed=cfg.seed + number)
+        per_dataset.append([samples[i] for i in train_idx])
+        eval_samples.extend(samples[i] for i in eval_idx)
+    for spec in cfg.eval:
+        file_stats = DataStats()
+        eval_samples.extend(load_samples(spec, file_stats))
+        stats.merge(file_stats)
+    weights = None if cfg.train[0].weight is None else [spec.weight for spec in cfg.train]
+    mixture = mix_datasets([len(s) for s in per_dataset], weights, seed=cfg.seed)
+    return [per_dataset[d][i] for d, i in mixture], eval_samples, stats

@@ -19,8 +19,7 @@ from raylign.config.data import DataConfig, DatasetSpec
 from raylign.data.chat import Message, tokenize_conversation, validate_messages
 from raylign.data.errors import DataError, RowRef
 from raylign.data.formatting import encode_plain, truncate_prompt_response
-from raylign.data.mixing import mix_datasets, split_holdout
-from raylign.data.rows import DataStats, collect_samples, optional_text, require_text
+from raylign.data.rows import DataStats, build_splits, collect_samples, optional_text, require_text
 
 
 @dataclass
@@ -137,22 +136,5 @@ def build_sft_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> S
     from holding out ``cfg.eval_fraction`` of each train dataset before mixing, so no eval
     sample is ever trained on. See :mod:`raylign.data.mixing` for the mixing semantics.
     """
-    stats = DataStats()
-    per_dataset: list[list[Sample]] = []
-    held_out: list[Sample] = []
-    for number, spec in enumerate(cfg.train):
-        file_stats = DataStats()
-        samples = load_sft_samples(spec, cfg, tokenizer, file_stats)
-        stats.merge(file_stats)
-        train_idx, eval_idx = split_holdout(len(samples), cfg.eval_fraction, seed=cfg.seed + number)
-        per_dataset.append([samples[i] for i in train_idx])
-        held_out.extend(samples[i] for i in eval_idx)
-    eval_samples = held_out
-    for spec in cfg.eval:
-        file_stats = DataStats()
-        eval_samples.extend(load_sft_samples(spec, cfg, tokenizer, file_stats))
-        stats.merge(file_stats)
-    weights = None if cfg.train[0].weight is None else [spec.weight for spec in cfg.train]
-    mixture = mix_datasets([len(s) for s in per_dataset], weights, seed=cfg.seed)
-    train = [per_dataset[d][i] for d, i in mixture]
+    train, eval_samples, stats = build_splits(cfg, lambda spec, st: load_sft_samples(spec, cfg, tokenizer, st))
     return SFTData(train=train, eval=eval_samples, stats=stats)
