@@ -138,6 +138,15 @@ class RLConfig(Section):
     def uses_reference(self) -> bool:
         return self.algorithm.kl_mode != "none" and self.algorithm.kl_coef > 0
 
+    @property
+    def ray_cpus_needed(self) -> float:
+        """Ray CPU slots the run's actors reserve: model workers, rollout engines, reward-model actors."""
+        p, r = self.placement, self.rollout
+        workers = (p.policy_workers + (p.reference_workers if self.uses_reference else 0)
+                   + (p.critic_workers if self.uses_critic else 0))
+        reward_models = sum(s.num_cpus for s in self.reward.sources if s.kind == "reward_model")
+        return workers * p.cpus_per_worker + r.num_engines * r.num_cpus_per_engine + reward_models
+
     @model_validator(mode="after")
     def _possible(self) -> RLConfig:
         a, t, s, p = self.algorithm, self.train, self.sampling, self.placement
@@ -154,6 +163,28 @@ class RLConfig(Section):
         if (samples // t.mini_batches) % p.policy_workers:
             raise ValueError(f"each mini-batch ({samples // t.mini_batches} samples) must split evenly over "
                              f"placement.policy_workers ({p.policy_workers})")
+        # Every rank of a role must get the same number of samples, or a shard can be too small for the
+        # number of micro-batches its peers need (see raylign.rl.experience.micro_batches_for_ranks).
+        if self.uses_critic and (samples // t.mini_batches) % p.critic_workers:
+            raise ValueError(f"each mini-batch ({samples // t.mini_batches} samples) must split evenly over "
+                             f"placement.critic_workers ({p.critic_workers})")
+        if self.uses_reference and samples % p.reference_workers:
+            raise ValueError(f"train.prompts_per_step x sampling.n ({samples}) must split evenly over "
+                             f"placement.reference_workers ({p.reference_workers})")
+        if a.overlong_buffer > s.max_new_tokens:
+            raise ValueError(f"algorithm.overlong_buffer ({a.overlong_buffer}) must not exceed "
+                             f"sampling.max_new_tokens ({s.max_new_tokens}): the penalty zone ends at the limit")
+        longest = self.data.max_prompt_length + s.max_new_tokens
+        if t.micro_batch_tokens < longest:
+            raise ValueError(f"train.micro_batch_tokens ({t.micro_batch_tokens}) must hold the longest sample: "
+                             f"data.max_prompt_length + sampling.max_new_tokens = {longest}")
+        if p.ray_address is None and p.num_cpus is not None and p.num_cpus < self.ray_cpus_needed:
+            raise ValueError(f"placement.num_cpus ({p.num_cpus}) is below the {self.ray_cpus_needed:g} CPU slots the "
+                             "run's actors reserve (training workers x placement.cpus_per_worker + rollout.num_engines "
+                             "x rollout.num_cpus_per_engine + reward-model actors); they would wait for CPUs forever")
+        if a.dynamic_sampling and s.n < 2:
+            raise ValueError("algorithm.dynamic_sampling drops groups whose rewards are all equal: sampling.n must "
+                             f"be at least 2 (got {s.n}), or every group is dropped")
         if self.rollout.engine == "hf" and self.rollout.tensor_parallel_size != 1:
             raise ValueError("rollout.tensor_parallel_size must be 1 with the hf engine")
         if a.mask_low >= a.mask_high:

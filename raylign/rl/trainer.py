@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -66,9 +67,10 @@ class RLTrainer:
         self.sampler = ResumableSampler(len(self.train_prompts), cfg.train.prompts_per_step, shuffle=True,
                                         seed=cfg.data.seed, drop_last=True)
         if not ray.is_initialized():
-            workers = cfg.placement.policy_workers + cfg.rollout.num_engines + 4
+            # Every actor must fit, or its start waits forever for a CPU slot.
+            local_cpus = cfg.placement.num_cpus or max(1, math.ceil(cfg.ray_cpus_needed))
             ray.init(address=cfg.placement.ray_address, include_dashboard=False,
-                     num_cpus=None if cfg.placement.ray_address else (cfg.placement.num_cpus or workers),
+                     num_cpus=None if cfg.placement.ray_address else local_cpus,
                      runtime_env={"env_vars": WORKER_ENV})
         self.reward = build_reward(cfg.reward)
         dump = cfg.model_dump(mode="json")

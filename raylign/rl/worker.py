@@ -44,9 +44,12 @@ class ModelWorker:
         torch.manual_seed(self.cfg.train.seed)
         from raylign.models import load_causal_lm, load_score_model
 
+        self._pool = None
         if role == "reference":
-            model_cfg = self.cfg.reference or self.cfg.model.model_copy(update={"lora": self.cfg.model.lora.model_copy(update={"rank": 0})})
-            self.module = load_causal_lm(model_cfg).eval().requires_grad_(False)
+            model_cfg = self.cfg.reference or self.cfg.model.model_copy(
+                update={"lora": self.cfg.model.lora.model_copy(update={"rank": 0})})
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self.module = load_causal_lm(model_cfg, device=self.device).eval().requires_grad_(False)
             self.engine = None
             return
         from raylign.engine import create_engine
@@ -60,7 +63,7 @@ class ModelWorker:
             model, optim = load_causal_lm(self.cfg.model), self.cfg.optim
         self.engine = create_engine(model, self.cfg.engine, optim, total_steps)
         self.module = self.engine.module
-        self._pool = None
+        self.device = self.engine.device
 
     # ---- forward passes ----------------------------------------------------------------
 
@@ -71,17 +74,20 @@ class ModelWorker:
 
         self.module.eval()
         out = []
-        for batch in micro_batches:
+        for batch in self._to_device(micro_batches):
             lp = token_logprobs(self.module, batch["input_ids"], position_ids=batch["position_ids"],
                                 temperature=self.temperature)
-            out.append(gather_responses(lp, batch["resp_index"], batch["mask"]))
+            out.append(gather_responses(lp, batch["resp_index"], batch["mask"]).cpu())
         return out
 
     @torch.no_grad()
     def compute_values(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
         """Critic values ``[b, R]``: V of the state before each response token."""
         self.module.eval()
-        return [self._values(batch) for batch in micro_batches]
+        return [self._values(batch).cpu() for batch in self._to_device(micro_batches)]
+
+    def _to_device(self, micro_batches: list[Batch]) -> list[Batch]:
+        return [{k: v.to(self.device) for k, v in batch.items()} for batch in micro_batches]
 
     def _values(self, batch: Batch) -> torch.Tensor:
         from raylign.models import token_scores
@@ -104,6 +110,7 @@ class ModelWorker:
     def train_policy(self, micro_batches: list[Batch]) -> dict[str, float]:
         """One optimizer step of the policy over this rank's micro-batches."""
         a = self.cfg.algorithm
+        micro_batches = self._to_device(micro_batches)
         masks, weights, sums = [], [], {}
         for batch in micro_batches:
             mask, token_weights = batch["mask"], None
@@ -154,6 +161,7 @@ class ModelWorker:
 
     def train_critic(self, micro_batches: list[Batch]) -> dict[str, float]:
         a = self.cfg.algorithm
+        micro_batches = self._to_device(micro_batches)
         scale = self._scale([b["mask"] for b in micro_batches])
         self.module.train()
         sums: dict[str, float] = {}

@@ -1,0 +1,215 @@
+"""``raylign rl`` configs: presets fill what the user left unset, and impossible combinations fail
+at parse time (before any Ray worker starts) with a message that names the fields."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from raylign.cli.main import main
+from raylign.config.base import ConfigError
+
+from .rl_helpers import resolve, rl_config_data, write_yaml
+
+# What each preset stands for, from its paper (see raylign/rl/presets.py for the references):
+# estimator, policy loss, KL to the reference (where and which estimator), loss aggregation.
+EXPECTED_PRESETS = {
+    "ppo": {"advantage": "gae", "policy_loss": "ppo", "kl_mode": "reward", "kl_estimator": "k1", "kl_coef": 0.01,
+            "aggregation": "token_mean", "n": 1},
+    "grpo": {"advantage": "grpo", "normalize_std": True, "policy_loss": "ppo", "kl_mode": "loss",
+             "kl_estimator": "k3", "kl_coef": 0.001, "aggregation": "seq_mean_token_mean", "n": 4},
+    "dr_grpo": {"advantage": "dr_grpo", "policy_loss": "ppo", "kl_mode": "none", "kl_coef": 0.0,
+                "aggregation": "constant_normalizer", "n": 4},
+    "reinforce_pp": {"advantage": "reinforce_plus_plus", "policy_loss": "ppo", "kl_mode": "reward",
+                     "kl_estimator": "k2", "kl_coef": 0.01, "aggregation": "token_mean", "n": 1},
+    "reinforce_pp_baseline": {"advantage": "reinforce_plus_plus_baseline", "policy_loss": "ppo", "kl_mode": "loss",
+                              "kl_estimator": "k3", "kl_coef": 0.001, "aggregation": "token_mean", "n": 4},
+    "rloo": {"advantage": "rloo", "policy_loss": "ppo", "kl_mode": "reward", "kl_estimator": "k1", "kl_coef": 0.01,
+             "aggregation": "token_mean", "n": 4},
+    "gspo": {"advantage": "grpo", "policy_loss": "gspo", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4,
+             "kl_mode": "none", "kl_coef": 0.0, "aggregation": "seq_mean_token_mean", "n": 4},
+    "dapo": {"advantage": "grpo", "policy_loss": "ppo", "clip_eps_low": 0.2, "clip_eps_high": 0.28,
+             "kl_mode": "none", "kl_coef": 0.0, "aggregation": "token_mean", "dynamic_sampling": True,
+             "overlong_buffer": 16, "n": 4},
+}
+USES_CRITIC = {"ppo"}
+USES_REFERENCE = {"ppo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"}
+
+
+@pytest.fixture
+def base(rl_model_dir, prompt_file, tmp_path):
+    return rl_config_data(rl_model_dir, prompt_file, tmp_path / "run")
+
+
+def _error(tmp_path, data, overrides=None) -> str:
+    with pytest.raises(ConfigError) as err:
+        resolve(tmp_path, data, overrides)
+    return str(err.value)
+
+
+# ---- presets ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", sorted(EXPECTED_PRESETS))
+def test_preset_resolves_to_its_algorithm(preset, base, tmp_path):
+    base["preset"] = preset
+    base["sampling"].pop("max_new_tokens")  # the default (256) leaves room for DAPO's overlong buffer
+    cfg = resolve(tmp_path, base)
+    expected = dict(EXPECTED_PRESETS[preset])
+    assert cfg.sampling.n == expected.pop("n")
+    got = {key: getattr(cfg.algorithm, key) for key in expected}
+    assert got == expected
+    assert cfg.uses_critic == (preset in USES_CRITIC)
+    assert cfg.uses_reference == (preset in USES_REFERENCE)
+
+
+def test_yaml_values_beat_the_preset_and_keep_its_other_fields(base, tmp_path):
+    base["algorithm"] = {"kl_coef": 0.05, "kl_estimator": "k2"}
+    base["sampling"]["n"] = 8
+    cfg = resolve(tmp_path, base)
+    assert (cfg.algorithm.kl_coef, cfg.algorithm.kl_estimator, cfg.sampling.n) == (0.05, "k2", 8)
+    # fields the user did not write still come from the grpo preset, not the schema defaults
+    assert cfg.algorithm.aggregation == "seq_mean_token_mean"
+    assert cfg.sampling.max_new_tokens == 16
+
+
+def test_command_line_beats_yaml_and_picks_the_preset(base, tmp_path):
+    base["algorithm"] = {"kl_coef": 0.05}
+    cfg = resolve(tmp_path, base, {"preset": "rloo", "algorithm.kl_coef": 0.2, "algorithm.aggregation": "token_mean"})
+    assert cfg.preset == "rloo"
+    assert (cfg.algorithm.advantage, cfg.algorithm.kl_estimator) == ("rloo", "k1")
+    assert (cfg.algorithm.kl_coef, cfg.algorithm.aggregation) == (0.2, "token_mean")
+
+
+def test_ppo_with_more_samples_per_prompt_keeps_the_critic(base, tmp_path):
+    base["preset"] = "ppo"
+    base["sampling"]["n"] = 2
+    cfg = resolve(tmp_path, base)
+    assert (cfg.sampling.n, cfg.algorithm.advantage, cfg.uses_critic) == (2, "gae", True)
+
+
+# ---- impossible combinations -----------------------------------------------------------------
+
+
+def test_critic_with_grpo_is_refused(base, tmp_path):
+    base["critic"]["path"] = str(base["model"]["path"])
+    message = _error(tmp_path, base)
+    assert "critic.path" in message and "algorithm.advantage" in message and "grpo" in message
+
+
+@pytest.mark.parametrize("preset", ["grpo", "rloo", "dr_grpo"])
+def test_one_sample_per_prompt_with_a_group_estimator_is_refused(preset, base, tmp_path):
+    base["preset"] = preset
+    base["sampling"]["n"] = 1
+    message = _error(tmp_path, base)
+    assert "sampling.n" in message and preset in message and "got 1" in message
+
+
+def test_rollout_batch_must_divide_into_mini_batches(base, tmp_path):
+    base["train"].update(prompts_per_step=3, mini_batches=5)  # 3 x 4 = 12 samples
+    message = _error(tmp_path, base)
+    for field in ("train.prompts_per_step", "sampling.n", "train.mini_batches", "(12)", "(5)"):
+        assert field in message
+
+
+def test_mini_batch_must_divide_over_policy_workers(base, tmp_path):
+    base["train"].update(prompts_per_step=3, mini_batches=2)  # mini-batches of 6 samples
+    base["placement"] = {"policy_workers": 4}
+    message = _error(tmp_path, base)
+    assert "placement.policy_workers (4)" in message and "6 samples" in message
+
+
+def test_mini_batch_must_divide_over_critic_workers(base, tmp_path):
+    base["preset"] = "ppo"  # n = 1: mini-batches of 3 samples
+    base["train"]["prompts_per_step"] = 3
+    base["placement"] = {"critic_workers": 2}
+    assert "placement.critic_workers (2)" in _error(tmp_path, base)
+
+
+def test_rollout_batch_must_divide_over_reference_workers(base, tmp_path):
+    base["train"]["prompts_per_step"] = 3  # 12 samples
+    base["placement"] = {"reference_workers": 5}
+    assert "placement.reference_workers (5)" in _error(tmp_path, base)
+
+
+def test_reference_workers_do_not_matter_without_a_reference(base, tmp_path):
+    base["preset"] = "dr_grpo"  # no KL: no reference model is started
+    base["train"]["prompts_per_step"] = 3
+    base["placement"] = {"reference_workers": 5}
+    assert resolve(tmp_path, base).placement.reference_workers == 5
+
+
+def test_dapo_overlong_buffer_must_fit_in_the_generation_limit(base, tmp_path):
+    base["preset"] = "dapo"
+    base["sampling"]["max_new_tokens"] = 8  # the preset's buffer is 16 tokens
+    message = _error(tmp_path, base)
+    assert "algorithm.overlong_buffer (16)" in message and "sampling.max_new_tokens (8)" in message
+
+
+def test_dynamic_sampling_needs_groups(base, tmp_path):
+    base["preset"] = "reinforce_pp"  # n = 1
+    base["algorithm"] = {"dynamic_sampling": True}
+    message = _error(tmp_path, base)
+    assert "algorithm.dynamic_sampling" in message and "sampling.n" in message
+
+
+def test_micro_batch_budget_must_hold_the_longest_sample(base, tmp_path):
+    base["data"]["max_prompt_length"] = 100
+    base["train"]["micro_batch_tokens"] = 100  # + 16 new tokens would not fit
+    message = _error(tmp_path, base)
+    assert "train.micro_batch_tokens (100)" in message and "= 116" in message
+
+
+def test_ray_cpu_slots_count_every_actor(base, tmp_path):
+    base["preset"] = "ppo"
+    base["placement"] = {"policy_workers": 2, "critic_workers": 2, "reference_workers": 4, "cpus_per_worker": 0.5}
+    base["rollout"].update(num_engines=3, num_cpus_per_engine=2.0)
+    base["reward"]["sources"].append({"kind": "reward_model", "model_path": "rm", "num_cpus": 1.5})
+    # (2 + 2 + 4) workers x 0.5 + 3 engines x 2 + 1.5 for the reward model
+    assert resolve(tmp_path, base).ray_cpus_needed == 11.5
+
+
+def test_ray_cpu_slots_leave_out_roles_that_do_not_run(base, tmp_path):
+    base["preset"] = "dr_grpo"  # no critic, no reference
+    base["placement"] = {"policy_workers": 2, "critic_workers": 4, "reference_workers": 4}
+    assert resolve(tmp_path, base).ray_cpus_needed == 2 + 1  # the policy workers and one engine
+
+
+def test_local_ray_too_small_for_the_actors_is_refused(base, tmp_path):
+    base["placement"] = {"policy_workers": 2, "num_cpus": 3}  # grpo: 2 policy + 1 reference + 1 engine
+    message = _error(tmp_path, base)
+    assert "placement.num_cpus (3)" in message and "4 CPU slots" in message
+
+
+def test_cpu_slots_are_not_checked_on_an_existing_cluster(base, tmp_path):
+    base["placement"] = {"policy_workers": 2, "num_cpus": 3, "ray_address": "auto"}
+    assert resolve(tmp_path, base).placement.num_cpus == 3
+
+
+# ---- through the command line ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["--sampling.n", "1"], "sampling.n"),
+        (["--critic.path", "some/critic"], "critic.path"),
+        (["--train.mini_batches", "3"], "train.mini_batches"),
+        (["--placement.policy_workers", "3"], "placement.policy_workers"),
+    ],
+)
+def test_cli_exits_2_naming_the_field_before_anything_runs(overrides, named, base, tmp_path, capsys):
+    path = write_yaml(tmp_path / "rl.yaml", base)
+    assert main(["rl", "--config", str(path), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raylign rl: invalid config") and named in err
+    assert not (tmp_path / "run").exists()  # the controller would create output_dir first
+
+
+def test_cli_prints_the_resolved_preset(base, tmp_path, capsys):
+    path = write_yaml(tmp_path / "rl.yaml", base)
+    assert main(["rl", "--config", str(path), "--preset", "dr_grpo", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["algorithm"]["advantage"] == "dr_grpo"
+    assert printed["algorithm"]["aggregation"] == "constant_normalizer"
+
