@@ -238,21 +238,24 @@ class RLTrainer:
         cfg = self.cfg
         width = max(len(s.response_ids) for s in samples)
         mask = response_mask(samples, width)
-        old = self._forward_all("policy", "compute_logprobs", samples)
+        # On-policy updates (one pass over one mini-batch, no off-policy correction) need no separate
+        # behaviour forward pass: the policy has not moved since generation, so the training forward's
+        # own detached log-probs are the behaviour log-probs (ratio 1). The engine's log-probs stand in
+        # for them in the KL-in-reward term; the trainer-vs-engine mismatch is then measured in training.
+        old = self._forward_all("policy", "compute_logprobs", samples) if self._needs_behaviour_pass() else None
         ref = self._forward_all("reference", "compute_logprobs", samples) if cfg.uses_reference else None
         values = self._forward_all("critic", "compute_values", samples) if cfg.uses_critic else None
         rollout_lp = response_tensor([s.rollout_logprobs for s in samples], width)
         lengths = mask.sum(dim=-1)
         rewards, shaping = shaped_rewards(torch.tensor([s.reward for s in samples]), lengths, cfg)
-        advantages, returns, adv_metrics = compute_advantages(cfg, rewards, mask, cfg.sampling.n, old, ref, values)
-        diff = (rollout_lp - old) * mask
-        counted = mask.sum().clamp(min=1)
-        metrics = {**shaping, **adv_metrics,
-                   "mismatch/logprob_abs_diff": float(diff.abs().sum() / counted),
-                   "mismatch/logprob_max_abs_diff": float(diff.abs().max()),
-                   "mismatch/kl_k3": float(((torch.exp(-diff) - 1 + diff) * mask).sum() / counted)}
-        per_token = {"old_logprobs": old, "rollout_logprobs": rollout_lp, "advantages": advantages,
-                     "returns": returns}
+        behaviour = old if old is not None else rollout_lp
+        advantages, returns, adv_metrics = compute_advantages(cfg, rewards, mask, cfg.sampling.n, behaviour, ref,
+                                                              values)
+        metrics = {**shaping, **adv_metrics}
+        per_token = {"rollout_logprobs": rollout_lp, "advantages": advantages, "returns": returns}
+        if old is not None:
+            metrics.update(_mismatch_metrics(old, rollout_lp, mask))
+            per_token["old_logprobs"] = old
         if ref is not None:
             per_token["ref_logprobs"] = ref
         if values is not None:
@@ -285,6 +288,10 @@ class RLTrainer:
         plan = micro_batches_for_ranks(chosen, world, self.cfg.train.micro_batch_tokens)
         return [[pack_samples([chosen[j] for j in micro], {k: v[[idx[j] for j in micro]] for k, v in per_token.items()})
                  for micro in rank_plan] for rank_plan in plan]
+
+    def _needs_behaviour_pass(self) -> bool:
+        t, a = self.cfg.train, self.cfg.algorithm
+        return t.ppo_epochs > 1 or t.mini_batches > 1 or a.off_policy != "none"
 
     def _write_samples(self, samples: list[Sample]) -> None:
         if not self.cfg.train.log_samples:
@@ -372,6 +379,15 @@ def _reward_metrics(samples: list[Sample]) -> dict[str, float]:
     for key in samples[0].reward_metrics:
         metrics[f"reward/{key}"] = sum(s.reward_metrics[key] for s in samples) / len(samples)
     return metrics
+
+
+def _mismatch_metrics(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's log-probs are from the trainer's on the same tokens."""
+    diff = (rollout_lp - trainer_lp) * mask
+    counted = mask.sum().clamp(min=1)
+    return {"mismatch/logprob_abs_diff": float(diff.abs().sum() / counted),
+            "mismatch/logprob_max_abs_diff": float(diff.abs().max()),
+            "mismatch/kl_k3": float(((torch.exp(-diff) - 1 + diff) * mask).sum() / counted)}
 
 
 def _split_by_variance(samples: list[Sample], n: int) -> tuple[list[Sample], list[Sample]]:

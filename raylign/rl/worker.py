@@ -140,13 +140,20 @@ class ModelWorker:
         lp, entropy = token_logprobs(self.module, batch["input_ids"], position_ids=batch["position_ids"],
                                      temperature=self.temperature, with_entropy=True)
         logprobs = gather_responses(lp, batch["resp_index"], batch["mask"])
+        old_logprobs = batch.get("old_logprobs")
+        stats: dict = {}
+        if old_logprobs is None:  # on-policy: the behaviour policy is this policy before the step
+            old_logprobs = logprobs.detach()
+            diff = (batch["rollout_logprobs"] - old_logprobs) * mask
+            stats["mismatch_abs_diff"] = diff.abs().sum() / mask.sum().clamp(min=1)
+            stats["mismatch_max_abs_diff"] = diff.abs().max()
         clip = {"clip_eps_low": a.clip_eps_low, "clip_eps_high": a.clip_eps_high}
         if a.policy_loss == "ppo":
             clip["dual_clip_c"] = a.dual_clip_c
-        loss, stats = POLICY_LOSSES.get(a.policy_loss)(
-            logprobs, batch["old_logprobs"], batch["advantages"], mask, token_weights=token_weights,
+        loss, loss_stats = POLICY_LOSSES.get(a.policy_loss)(
+            logprobs, old_logprobs, batch["advantages"], mask, token_weights=token_weights,
             aggregation=a.aggregation, scale=scale, **clip)
-        stats = {"policy_loss": loss.detach(), **stats}
+        stats.update({"policy_loss": loss.detach(), **loss_stats})
         if a.kl_mode == "loss" and a.kl_coef > 0:
             kl_loss, kl_stats = compute_kl_loss(logprobs, batch["ref_logprobs"], mask, estimator=a.kl_estimator,
                                                 aggregation=a.aggregation, scale=scale)

@@ -126,9 +126,47 @@ class HFEngine(RolloutEngine):
         sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
         indices = default_prompt_indices(prompt_token_ids, prompt_indices)
         check_prompts(prompt_token_ids, self.vocab_size, indices)
+        if sampling.seed is None and len(prompt_token_ids) > 1:
+            # Unseeded prompts share one generate call (left-padded): far fewer, larger forward passes.
+            return self._generate_batch([list(p) for p in prompt_token_ids], list(indices), sampling)
         completions: list[Completion] = []
         for index, ids in zip(indices, prompt_token_ids):
             completions.extend(self._generate_one_prompt(list(ids), index, sampling))
+        return completions
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], indices: list[int], sampling: SamplingConfig) -> list[Completion]:
+        from transformers import StoppingCriteriaList
+
+        width = max(len(p) for p in prompts)
+        pad = self.model.generation_config.pad_token_id
+        pad = next(iter(self.eos_ids)) if pad is None else pad
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        stop_criteria = StopStringCriteria(self.tokenizer, sampling.stop, width)
+        greedy = sampling.temperature == 0.0
+        per_prompt = 1 if greedy else sampling.n  # greedy samples are all the same
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_k=None if greedy else max(sampling.top_k, 0),
+            top_p=None if greedy else sampling.top_p,
+            max_new_tokens=sampling.max_new_tokens,
+            num_return_sequences=per_prompt,
+            stopping_criteria=StoppingCriteriaList([stop_criteria]) if sampling.stop else None,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        responses = out.sequences[:, width:]
+        logprobs = sampled_token_logprobs(out.scores, responses).cpu()
+        completions = []
+        for i, (prompt, index) in enumerate(zip(prompts, indices)):
+            for sample in range(sampling.n):
+                row = i * per_prompt + (0 if greedy else sample)  # generate repeats each input per_prompt times
+                completions.append(self._completion(prompt, index, sample, responses[row].tolist(),
+                                                    logprobs[row].tolist(), sampling, stop_criteria.stopped_at.get(row)))
         return completions
 
     @torch.no_grad()

@@ -115,3 +115,20 @@ def test_weight_update_rejects_unknown_names(tied_model_dir):
 @pytest.fixture(scope="module")
 def tokenizer_eos(engine):
     return engine.tokenizer.eos_token_id
+
+
+def test_unseeded_prompts_share_one_batched_call_with_exact_logprobs(engine, reference_model):
+    settings = dict(temperature=0.7, top_k=20, top_p=0.9)
+    out = generate(engine, PROMPTS, n=2, max_new_tokens=6, **settings)  # unseeded: one left-padded call
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(i, j) for i in range(3) for j in range(2)]
+    for c in out:
+        assert c.prompt_token_ids == PROMPTS[c.prompt_index]
+        expected = reference_logprobs(reference_model, c.prompt_token_ids, c.response_token_ids, **settings)
+        assert c.response_logprobs == pytest.approx(expected, abs=LOGPROB_TOL)
+
+
+def test_unseeded_calls_draw_fresh_samples(engine):
+    # Regression: restoring the RNG after every unseeded call made each call repeat the same draws.
+    first = generate(engine, PROMPTS, n=4, temperature=1.0, max_new_tokens=8)
+    second = generate(engine, PROMPTS, n=4, temperature=1.0, max_new_tokens=8)
+    assert [c.response_token_ids for c in first] != [c.response_token_ids for c in second]

