@@ -268,6 +268,7 @@ class RLTrainer:
         cfg = self.cfg
         size = len(samples) // cfg.train.mini_batches
         sums: dict[str, float] = {}
+        maxes: dict[str, float] = {}
         count = 0
         for _ in range(cfg.train.ppo_epochs):
             for m in range(cfg.train.mini_batches):
@@ -278,10 +279,18 @@ class RLTrainer:
                     results = self.groups[role].call_sharded(method, self._shard(samples, idx, exp["per_token"],
                                                                                   len(self.groups[role])))
                     for key in results[0]:
-                        value = sum(r[key] for r in results) / len(results)
-                        sums[f"{role}/{key}"] = sums.get(f"{role}/{key}", 0.0) + value
+                        name = f"{role}/{key}"
+                        if "_max" in key:  # a maximum over ranks and updates, not a mean
+                            maxes[name] = max([maxes.get(name, -math.inf)] + [r[key] for r in results])
+                        else:
+                            sums[name] = sums.get(name, 0.0) + sum(r[key] for r in results) / len(results)
                 count += 1
-        return {k: v / count for k, v in sums.items()}
+        metrics = {**{k: v / count for k, v in sums.items()}, **maxes}
+        # On-policy runs measure the engine-vs-trainer mismatch inside the training forward pass.
+        for key in ("abs_diff", "max_abs_diff"):
+            if f"policy/mismatch_{key}" in metrics:
+                metrics[f"mismatch/logprob_{key}"] = metrics.pop(f"policy/mismatch_{key}")
+        return metrics
 
     def _shard(self, samples: list[Sample], idx: list[int], per_token: dict[str, torch.Tensor], world: int):
         chosen = [samples[i] for i in idx]

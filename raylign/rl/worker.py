@@ -111,17 +111,17 @@ class ModelWorker:
         """One optimizer step of the policy over this rank's micro-batches."""
         a = self.cfg.algorithm
         micro_batches = self._to_device(micro_batches)
-        masks, weights, sums = [], [], {}
+        masks, weights, sums, maxes = [], [], {}, {}
         for batch in micro_batches:
             mask, token_weights = batch["mask"], None
             if a.off_policy == "truncated_is":
                 token_weights, stats = truncated_importance_weights(
                     batch["old_logprobs"], batch["rollout_logprobs"], mask, cap=a.tis_cap)
-                _accumulate(sums, stats)
+                _accumulate(sums, stats, maxes)
             elif a.off_policy == "ratio_mask":
                 mask, stats = mask_by_importance_ratio(batch["old_logprobs"], batch["rollout_logprobs"], mask,
                                                        low=a.mask_low, high=a.mask_high)
-                _accumulate(sums, stats)
+                _accumulate(sums, stats, maxes)
             masks.append(mask)
             weights.append(token_weights)
         scale = self._scale(masks)
@@ -129,9 +129,9 @@ class ModelWorker:
         for batch, mask, token_weights in zip(micro_batches, masks, weights):
             loss, stats = self._policy_loss(batch, mask, token_weights, scale)
             self.engine.backward(loss)
-            _accumulate(sums, {"policy_loss_total": loss.detach(), **stats})
+            _accumulate(sums, {"policy_loss_total": loss.detach(), **stats}, maxes)
         step = self.engine.step()
-        return {**{k: v / len(micro_batches) for k, v in sums.items()}, **step}
+        return {**_average(sums, maxes, len(micro_batches)), **step}
 
     def _policy_loss(self, batch: Batch, mask: torch.Tensor, token_weights, scale) -> tuple[torch.Tensor, dict]:
         from raylign.models import token_logprobs
@@ -229,6 +229,15 @@ class ModelWorker:
             self._pool.close_weight_sync()
 
 
-def _accumulate(sums: dict[str, float], stats: dict[str, Any]) -> None:
+def _accumulate(sums: dict[str, float], stats: dict[str, Any], maxes: dict[str, float] | None = None) -> None:
+    """Sum each statistic over micro-batches; statistics named ``*_max*`` keep their maximum instead."""
     for key, value in stats.items():
-        sums[key] = sums.get(key, 0.0) + float(value.item() if hasattr(value, "item") else value)
+        value = float(value.item() if hasattr(value, "item") else value)
+        if maxes is not None and "_max" in key:
+            maxes[key] = max(maxes.get(key, value), value)
+        else:
+            sums[key] = sums.get(key, 0.0) + value
+
+
+def _average(sums: dict[str, float], maxes: dict[str, float], count: int) -> dict[str, float]:
+    return {**{k: v / count for k, v in sums.items()}, **maxes}
