@@ -21,6 +21,17 @@ from pydantic import Field, field_validator, model_validator
 from raylign.config.base import Section
 
 
+def check_prompt_template(value: str) -> str:
+    """A plain-format prompt template must be a format string with exactly the field ``{input}``."""
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+    except ValueError as err:
+        raise ValueError(f"not a valid format string ({err}); write {{{{ and }}}} for literal braces") from None
+    if fields != {"input"}:
+        raise ValueError(f"must contain the field {{input}} and no other fields; found {sorted(fields)}")
+    return value
+
+
 class DatasetSpec(Section):
     """One dataset file or folder, with the names of the keys its rows use."""
 
@@ -135,13 +146,7 @@ class DataConfig(Section):
     @field_validator("prompt_template")
     @classmethod
     def _template_has_only_input(cls, value: str) -> str:
-        try:
-            fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
-        except ValueError as err:
-            raise ValueError(f"not a valid format string ({err}); write {{{{ and }}}} for literal braces") from None
-        if fields != {"input"}:
-            raise ValueError(f"must contain the field {{input}} and no other fields; found {sorted(fields)}")
-        return value
+        return check_prompt_template(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:

@@ -8,13 +8,12 @@ described in :mod:`raylign.pipeline`.
 
 from __future__ import annotations
 
-import string
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from raylign.config.base import Section
-from raylign.config.data import DatasetSpec
+from raylign.config.data import DatasetSpec, check_prompt_template
 from raylign.config.reward import RewardConfig
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 
@@ -70,13 +69,7 @@ class PromptDataConfig(Section):
     @field_validator("prompt_template")
     @classmethod
     def _template_has_only_input(cls, value: str) -> str:
-        try:
-            fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
-        except ValueError as err:
-            raise ValueError(f"not a valid format string ({err}); write {{{{ and }}}} for literal braces") from None
-        if fields != {"input"}:
-            raise ValueError(f"must contain the field {{input}} and no other fields; found {sorted(fields)}")
-        return value
+        return check_prompt_template(value)
 
     @field_validator("passthrough_keys")
     @classmethod
