@@ -78,7 +78,9 @@ class PlacementConfig(Section):
     policy_workers: int = Field(1, ge=1, description="Data-parallel policy ranks (Ray actors).")
     critic_workers: int = Field(1, ge=1, description="Data-parallel critic ranks (PPO).")
     reference_workers: int = Field(1, ge=1, description="Reference-model ranks.")
-    colocate: bool = Field(False, description="Share devices between training and generation, offloading what is idle.")
+    colocate: bool = Field(False, description="Hybrid engine: each policy rank runs its rollout engine in its own "
+                           "process and device; weights are handed over in memory, trainers offload and engines "
+                           "sleep by phase. rollout.num_engines is then the number of policy workers.")
     cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPU slots per training worker.")
     ray_address: str | None = Field(None, description="Join this Ray cluster; None starts a local Ray.")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of a local Ray (default: enough for the run).")
@@ -91,6 +93,8 @@ class RLTrainConfig(Section):
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per RL step (the rollout batch is split).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of a micro-batch (balanced packing).")
+    pack_row_tokens: int = Field(0, ge=0, description="Tokens per packed row within a micro-batch; 0: the longest "
+                                 "sample's length. Attention cost grows with the square of a row's length.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (and at start and end); 0 only start/end.")
     eval_n: int = Field(1, ge=1, description="Samples per eval prompt (pass@k for k <= eval_n).")
     eval_temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 greedy).")
@@ -145,7 +149,8 @@ class RLConfig(Section):
         workers = (p.policy_workers + (p.reference_workers if self.uses_reference else 0)
                    + (p.critic_workers if self.uses_critic else 0))
         reward_models = sum(s.num_cpus for s in self.reward.sources if s.kind == "reward_model")
-        return workers * p.cpus_per_worker + r.num_engines * r.num_cpus_per_engine + reward_models
+        engines = 0 if p.colocate else r.num_engines * r.num_cpus_per_engine  # colocated: inside the policy
+        return workers * p.cpus_per_worker + engines + reward_models
 
     @model_validator(mode="after")
     def _possible(self) -> RLConfig:
@@ -187,6 +192,12 @@ class RLConfig(Section):
                              f"be at least 2 (got {s.n}), or every group is dropped")
         if self.rollout.engine == "hf" and self.rollout.tensor_parallel_size != 1:
             raise ValueError("rollout.tensor_parallel_size must be 1 with the hf engine")
+        if p.colocate and self.rollout.num_engines not in (1, p.policy_workers):
+            raise ValueError(f"placement.colocate runs one rollout engine in each policy worker: rollout.num_engines "
+                             f"({self.rollout.num_engines}) must be 1 or placement.policy_workers ({p.policy_workers})")
+        if p.colocate and self.rollout.tensor_parallel_size != 1:
+            raise ValueError("placement.colocate hands weights to the engine in the policy worker's process: "
+                             f"rollout.tensor_parallel_size must be 1 (got {self.rollout.tensor_parallel_size})")
         if a.mask_low >= a.mask_high:
             raise ValueError(f"algorithm.mask_low ({a.mask_low}) must be below algorithm.mask_high ({a.mask_high})")
         return self

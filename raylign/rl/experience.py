@@ -2,8 +2,14 @@
 
 Per-token quantities are response-aligned ``[batch, max_response_len]`` tensors with a
 ``mask``; the algorithm library works on exactly these. For the model forward passes the
-samples of a micro-batch are packed into one padding-free row, and ``resp_index`` maps each
-response token to its position in that row.
+samples of a micro-batch are packed into rows (several samples per row, position ids restarting
+at each sample), and ``resp_index`` maps each response token to its position in the flattened
+``[rows * row_length]`` batch.
+
+Why several short rows rather than one long one: with ``sdpa`` or ``eager`` attention the cost
+of a row grows with the square of its length, and a packed row attends over a block-diagonal
+mask it still has to evaluate in full. Rows about as long as the longest sample cost close to a
+padded batch while wasting almost no tokens on padding.
 """
 
 from __future__ import annotations
@@ -45,35 +51,68 @@ def response_mask(samples: list[Sample], width: int | None = None) -> torch.Tens
     return response_tensor([[1.0] * len(s.response_ids) for s in samples], width)
 
 
-def pack_samples(samples: list[Sample], per_token: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """One packed micro-batch: ``input_ids``/``position_ids`` ``[1, T]``, ``resp_index`` and ``mask``
-    ``[b, R]``, plus the given response-aligned tensors cut to width ``R``."""
-    ids: list[int] = []
-    positions: list[int] = []
+def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
+    """First-fit decreasing: sample indices per row, each row holding at most ``row_tokens`` tokens.
+
+    ``row_tokens`` below the longest sample is raised to it. Rows are returned in order of their
+    first sample, samples within a row in their original order.
+    """
+    capacity = max([row_tokens, *lengths])
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(capacity - lengths[i])
+    return sorted((sorted(r) for r in rows), key=lambda r: r[0])
+
+
+def pack_samples(
+    samples: list[Sample], per_token: dict[str, torch.Tensor] | None = None, row_tokens: int = 0
+) -> dict[str, torch.Tensor]:
+    """One packed micro-batch.
+
+    ``input_ids``/``position_ids`` are ``[rows, L]``: samples placed first-fit into rows of
+    ``row_tokens`` tokens (0, or anything below the longest sample: rows as long as the longest
+    sample), right-padded with token 0 at positions restarting from 0. ``resp_index`` and
+    ``mask`` are ``[b, R]``: ``resp_index`` holds each response token's position in the
+    flattened ``[rows * L]`` batch. The given response-aligned tensors are cut to width ``R``.
+    """
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    layout = pack_rows(lengths, row_tokens)
+    row_length = max(sum(lengths[i] for i in row) for row in layout)
     width = max(len(s.response_ids) for s in samples)
+    input_ids = torch.zeros(len(layout), row_length, dtype=torch.long)
+    position_ids = torch.zeros(len(layout), row_length, dtype=torch.long)
     resp_index = torch.zeros(len(samples), width, dtype=torch.long)
-    for i, s in enumerate(samples):
-        start = len(ids) + len(s.prompt_ids)
-        seq = s.prompt_ids + s.response_ids
-        ids.extend(seq)
-        positions.extend(range(len(seq)))
-        resp_index[i, : len(s.response_ids)] = torch.arange(start, start + len(s.response_ids))
-    batch = {
-        "input_ids": torch.tensor([ids], dtype=torch.long),
-        "position_ids": torch.tensor([positions], dtype=torch.long),
-        "resp_index": resp_index,
-        "mask": response_mask(samples, width),
-    }
+    for r, row in enumerate(layout):
+        offset = 0
+        for i in row:
+            s = samples[i]
+            input_ids[r, offset: offset + lengths[i]] = torch.tensor(s.prompt_ids + s.response_ids)
+            position_ids[r, offset: offset + lengths[i]] = torch.arange(lengths[i])
+            start = r * row_length + offset + len(s.prompt_ids)
+            resp_index[i, : len(s.response_ids)] = torch.arange(start, start + len(s.response_ids))
+            offset += lengths[i]
+        position_ids[r, offset:] = torch.arange(row_length - offset)
+    batch = {"input_ids": input_ids, "position_ids": position_ids, "resp_index": resp_index,
+             "mask": response_mask(samples, width)}
     for name, tensor in (per_token or {}).items():
         batch[name] = tensor[:, :width].contiguous()
     return batch
 
 
 def gather_responses(packed: torch.Tensor, resp_index: torch.Tensor, mask: torch.Tensor, shift: int = 0) -> torch.Tensor:
-    """Pick response positions out of a packed ``[1, T]`` tensor: ``[b, R]``, 0 where masked.
-    ``shift=-1`` reads the position before each token (a critic's value of the state)."""
+    """Pick response positions out of a packed ``[rows, L]`` tensor: ``[b, R]``, 0 where masked.
+    ``shift=-1`` reads the position before each token (a critic's value of the state; a response
+    always follows at least one prompt token of its own row)."""
     index = (resp_index + shift).clamp(min=0)
-    return packed[0, index] * mask.to(packed.dtype)
+    return packed.reshape(-1)[index] * mask.to(packed.dtype)
 
 
 def micro_batches_for_ranks(

@@ -77,21 +77,45 @@ class RLTrainer:
         dump["model"]["path"] = self.model_path
         updates = cfg.train.max_steps * cfg.train.mini_batches * cfg.train.ppo_epochs
         p = cfg.placement
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-        if gpus and p.colocate:
-            raise ValueError("placement.colocate is not supported on GPU clusters yet: engines and trainers would "
-                             "need fractional GPU shares; use separate placement (placement.colocate: false)")
-        roles = [("policy", p.policy_workers, True), ("reference", p.reference_workers, cfg.uses_reference),
-                 ("critic", p.critic_workers, cfg.uses_critic)]
-        for role, workers, wanted in roles:
-            if wanted:
+        roles = [(role, workers) for role, workers, wanted in (
+            ("policy", p.policy_workers, True), ("reference", p.reference_workers, cfg.uses_reference),
+            ("critic", p.critic_workers, cfg.uses_critic)) if wanted]
+        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        shared = self._colocated_gpu_bundles(len(roles)) if has_gpus and p.colocate else None
+        for role, workers in roles:
+            if shared is not None:  # rank r of every role on GPU r, each with an equal share of it
+                self.groups[role] = WorkerGroup(role, dump, workers, updates, shared, num_cpus=p.cpus_per_worker,
+                                                num_gpus=1.0 / len(roles), env=WORKER_ENV)
+            else:
                 self.groups[role] = WorkerGroup(role, dump, workers, updates, None, num_cpus=p.cpus_per_worker,
-                                                num_gpus=gpus, env=WORKER_ENV)
-        self.engines = launch_engines(self.model_path, cfg.rollout, env_vars=WORKER_ENV)
-        self.pool = RolloutPool(self.engines)
-        self.groups["policy"].call("connect_engines", self.engines)
+                                                num_gpus=1.0 if has_gpus else 0.0, env=WORKER_ENV)
+        if p.colocate:
+            # The hybrid engine: each policy worker generates with an engine in its own process.
+            self.groups["policy"].call("start_local_engine", self.model_path)
+            self.engines = []
+            self.pool = RolloutPool(self.groups["policy"].workers)
+        else:
+            self.engines = launch_engines(self.model_path, cfg.rollout, env_vars=WORKER_ENV)
+            self.pool = RolloutPool(self.engines)
+            self.groups["policy"].call("connect_engines", self.engines)
         self.metrics = MetricsLogger(self.out, cfg.train.logging, dump)
         self._maybe_resume()
+
+    def _colocated_gpu_bundles(self, num_roles: int):
+        """One placement-group bundle (1 GPU) per policy rank for colocated placement on GPUs: rank r of
+        the policy, the reference and the critic share GPU r, the policy with its rollout engine."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        p = self.cfg.placement
+        if max(p.reference_workers, p.critic_workers) > p.policy_workers and num_roles > 1:
+            raise ValueError("placement.colocate on GPUs puts rank r of every model on the GPU of policy rank r: "
+                             "placement.reference_workers and placement.critic_workers must not exceed "
+                             f"placement.policy_workers ({p.policy_workers})")
+        bundles = [{"GPU": 1.0, "CPU": p.cpus_per_worker * num_roles} for _ in range(p.policy_workers)]
+        group = placement_group(bundles, strategy="PACK")
+        ray.get(group.ready())
+        return group
 
     def _maybe_resume(self) -> None:
         ckpt = latest_checkpoint(self.out / "checkpoints") if self.cfg.train.resume else None
@@ -224,7 +248,9 @@ class RLTrainer:
         """Run ``method`` over all samples, sharded across the role's ranks; ``[B, R]`` in sample order."""
         group = self.groups[role]
         plan = micro_batches_for_ranks(samples, len(group), self.cfg.train.micro_batch_tokens)
-        per_rank = [[pack_samples([samples[i] for i in micro]) for micro in rank_plan] for rank_plan in plan]
+        rows = self.cfg.train.pack_row_tokens
+        per_rank = [[pack_samples([samples[i] for i in micro], row_tokens=rows) for micro in rank_plan]
+                    for rank_plan in plan]
         results = group.call_sharded(method, per_rank)
         out = torch.zeros(len(samples), max(len(s.response_ids) for s in samples))
         for rank_plan, rank_results in zip(plan, results):
@@ -295,7 +321,8 @@ class RLTrainer:
     def _shard(self, samples: list[Sample], idx: list[int], per_token: dict[str, torch.Tensor], world: int):
         chosen = [samples[i] for i in idx]
         plan = micro_batches_for_ranks(chosen, world, self.cfg.train.micro_batch_tokens)
-        return [[pack_samples([chosen[j] for j in micro], {k: v[[idx[j] for j in micro]] for k, v in per_token.items()})
+        return [[pack_samples([chosen[j] for j in micro], {k: v[[idx[j] for j in micro]] for k, v in per_token.items()},
+                              row_tokens=self.cfg.train.pack_row_tokens)
                  for micro in rank_plan] for rank_plan in plan]
 
     def _needs_behaviour_pass(self) -> bool:
@@ -321,8 +348,9 @@ class RLTrainer:
         """Colocated placement (the hybrid engine): only one side holds its memory at a time.
 
         Before generation the training workers offload weights and optimizer state; before
-        experience and training the engines sleep (free weights and KV cache; a no-op where the
-        engine cannot sleep, e.g. vLLM on CPU). The engines wake up for the next weight sync."""
+        experience and training the engines in the policy workers sleep (free weights and KV
+        cache; a no-op where the engine cannot sleep, e.g. vLLM on CPU). They wake up for the next
+        weight sync."""
         if not self.cfg.placement.colocate:
             return
         for group in self.groups.values():

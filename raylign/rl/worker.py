@@ -4,10 +4,16 @@ Trainable roles wrap a training engine (``local``, ``fsdp2`` or ``deepspeed``) a
 torch.distributed group with their peers; the reference holds a frozen replica. The
 controller sends each rank its micro-batches (see :mod:`raylign.rl.experience`); the
 losses come from the algorithm library, composed as explicit terms.
+
+With colocated placement (the hybrid engine) each policy rank also hosts a rollout engine in
+its own process: the controller's rollout pool calls the worker's ``generate``, and a weight
+sync hands the gathered full weights to that engine in memory. With several ranks, rank 0
+broadcasts them to the others in size-bounded buckets over a gloo group of the policy ranks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -45,6 +51,8 @@ class ModelWorker:
         from raylign.models import load_causal_lm, load_score_model
 
         self._pool = None
+        self._local_engine: Any = None
+        self._weights_group: Any = None
         if role == "reference":
             model_cfg = self.cfg.reference or self.cfg.model.model_copy(
                 update={"lora": self.cfg.model.lora.model_copy(update={"rank": 0})})
@@ -194,15 +202,66 @@ class ModelWorker:
         self._pool.connect_weight_sync(bucket_mb=r.bucket_mb, timeout_s=r.sync_timeout_s)
 
     def sync_weights(self) -> dict[str, float]:
-        """Collective over the policy ranks: gather full weights, rank 0 pushes them in buckets."""
+        """Collective over the policy ranks: gather full weights, then rank 0 pushes them in buckets
+        to the engine actors, or (colocated) every rank loads them into its own engine."""
         start = time.perf_counter()
         state = self.engine.full_state_dict()
         gathered = time.perf_counter()
+        if self._local_engine is not None:
+            self._load_local_engine(state)
+            return {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start} if self.rank == 0 else {}
         if self.rank != 0:
             return {}
         stats = self._pool.sync_weights(state.items())
         return {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start,
                 **{f"sync/{k}": float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))}}
+
+    # ---- colocated rollout engine (the hybrid engine) ------------------------------------
+
+    def start_local_engine(self, model_path: str) -> None:
+        """Load this rank's rollout engine into this process (``placement.colocate``)."""
+        from raylign.rollout.pool import engine_class
+
+        self._local_engine = engine_class(self.cfg.rollout.engine)(model_path, self.cfg.rollout)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            # CPU tensors travel over gloo whatever backend the training group uses.
+            self._weights_group = dist.new_group(backend="gloo")
+
+    def _load_local_engine(self, state: dict[str, torch.Tensor]) -> None:
+        from raylign.rollout.buckets import iter_packed_buckets
+        from raylign.rollout.weight_sync import load_and_drain, receive_named_tensors, send_bucket, send_end_of_sync
+
+        def load(named_tensors) -> None:
+            asyncio.run(self._local_engine.update_weights(named_tensors))
+
+        if self._weights_group is None:
+            load(state.items())
+        elif self.rank == 0:
+            bucket_bytes = max(1, int(self.cfg.rollout.bucket_mb * (1 << 20)))
+            for bucket in iter_packed_buckets(state.items(), bucket_bytes):
+                send_bucket([self._weights_group], bucket)
+            send_end_of_sync([self._weights_group])
+            load(state.items())
+        else:
+            load_and_drain(receive_named_tensors(self._weights_group), load)
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: Any, prompt_indices: list[int] | None = None):
+        """Completions from this rank's colocated engine (the rollout pool's ``generate`` call)."""
+        return asyncio.run(self._local_engine.generate(prompt_token_ids, sampling, prompt_indices))
+
+    def sleep(self, level: int = 1) -> None:
+        if self._local_engine is not None:
+            asyncio.run(self._local_engine.sleep(level))
+
+    def wake_up(self) -> None:
+        if self._local_engine is not None:
+            asyncio.run(self._local_engine.wake_up())
+
+    def reset_prefix_cache(self) -> None:
+        if self._local_engine is not None:
+            asyncio.run(self._local_engine.reset_prefix_cache())
 
     def save_checkpoint(self, directory: str, client_state: dict[str, Any]) -> None:
         self.engine.save_checkpoint(Path(directory), client_state)

@@ -1,0 +1,86 @@
+"""Colocated placement (the hybrid engine): each policy worker generates with an engine in its own
+process, and a weight sync hands that engine the trained weights in memory.
+
+Driven like :mod:`tests.rl.test_rl_weight_sync`: a policy ``WorkerGroup`` with
+``placement.colocate``, ``start_local_engine``, one ``train_policy`` step, ``sync_weights``;
+then every rank's engine must report the log-probs the trainer computes for its own greedy
+completions. A full ``raylign rl`` run with colocation checks the controller's side.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raylign.config.rollout import SamplingConfig
+from raylign.rl.group import WorkerGroup
+from raylign.rl.trainer import RLTrainer
+from raylign.rollout.pool import RolloutPool
+from raylign.trainers.metrics import read_metrics
+
+from .rl_helpers import resolve, rl_config_data, shard_for_ranks, worker_config
+from .test_rl_weight_sync import LOGPROB_TOL, PROMPTS, STALE_GAP, _gap, _trainer_logprobs, _training_batch
+
+pytestmark = pytest.mark.slow
+
+ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+VLLM_ROLLOUT = {"engine": "vllm", "dtype": "float32", "kv_cache_memory_bytes": 32 << 20, "max_model_len": 256}
+
+
+def _greedy_per_rank(group: WorkerGroup) -> list[list]:
+    sampling = SamplingConfig(n=1, temperature=0.0, max_new_tokens=6)
+    return group.call("generate", PROMPTS, sampling)
+
+
+@pytest.mark.parametrize(("engine", "backend", "workers"), [
+    pytest.param("hf", "local", 1, id="hf-local-1"),
+    pytest.param("hf", "fsdp2", 2, id="hf-fsdp2-2"),
+    pytest.param("vllm", "local", 1, id="vllm-local-1"),
+    pytest.param("vllm", "fsdp2", 2, id="vllm-fsdp2-2"),
+])
+def test_colocated_engines_follow_the_trained_policy(engine, backend, workers, ray_session, rl_model_dir,
+                                                     prompt_file, tmp_path):
+    cfg = worker_config(rl_model_dir, prompt_file, tmp_path / "run", backend, workers, optim={"lr": 1e-2})
+    cfg["placement"]["colocate"] = True
+    cfg["rollout"].update(VLLM_ROLLOUT if engine == "vllm" else {"engine": "hf", "dtype": "float32"})
+    group = WorkerGroup("policy", cfg, workers, 1, None, env=ENV)
+    try:
+        group.call("start_local_engine", str(rl_model_dir))
+        initial = _greedy_per_rank(group)
+        for completions in initial:  # engines load the initial weights from the model folder
+            assert _gap(completions, _trainer_logprobs(group, completions)) <= LOGPROB_TOL
+
+        samples, per_token = _training_batch(rl_model_dir)
+        group.call_sharded("train_policy", shard_for_ranks(samples, per_token, workers, max_tokens=16))
+        assert _gap(initial[0], _trainer_logprobs(group, initial[0])) > STALE_GAP  # the check below can fail
+
+        sync = group.call("sync_weights")
+        assert sync[0]["sync/total_s"] > 0 and all(s == {} for s in sync[1:])
+        for completions in _greedy_per_rank(group):  # every rank's engine, rank 0's and the ones it sent to
+            assert _gap(completions, _trainer_logprobs(group, completions)) <= LOGPROB_TOL
+
+        # The controller's pool spreads one request over the ranks' engines and keeps prompt order.
+        pool = RolloutPool(group.workers)
+        completions = pool.generate_blocking(PROMPTS + PROMPTS, SamplingConfig(n=2, temperature=1.0,
+                                                                                max_new_tokens=4))
+        assert [(c.prompt_index, c.sample_index) for c in completions] == [(i, s) for i in range(6) for s in range(2)]
+        assert [c.prompt_token_ids for c in completions[::2]] == PROMPTS + PROMPTS
+    finally:
+        group.kill()
+
+
+def test_colocated_grpo_run_end_to_end(ray_session, rl_model_dir, prompt_file, tmp_path):
+    """Two GRPO steps with the hybrid engine: no engine actors, finite metrics, a sync per step, and
+    the engine-vs-trainer mismatch of step 2 (generated after the first sync) at fp32 rounding."""
+    data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "run", "grpo")
+    data["placement"] = {"colocate": True}
+    trainer = RLTrainer(resolve(tmp_path, data))
+    trainer.run()
+    assert trainer.engines == []
+    records = read_metrics(trainer.out)
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert all(torch.isfinite(torch.tensor(v)) for k, v in record.items() if isinstance(v, float))
+        assert record["time/sync_s"] > 0
+    assert records[1]["mismatch/logprob_max_abs_diff"] <= LOGPROB_TOL
+    assert (trainer.out / "final" / "config.json").exists()

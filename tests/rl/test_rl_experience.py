@@ -1,0 +1,59 @@
+"""Packing RL samples into micro-batch rows: the layout, and forward results equal to unpacked ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raylign.models import token_logprobs
+from raylign.rl.experience import gather_responses, pack_rows, pack_samples
+
+from .rl_helpers import fp32_model, make_sample, response_logprobs
+
+
+def test_pack_rows_first_fit_decreasing_by_hand():
+    # Capacity 5 (the longest sample): 5 -> row A (full), 4 -> row B (1 left), 3 -> row C (2 left),
+    # 2 -> neither A nor B fits it, C does. Rows are listed by their first sample.
+    assert pack_rows([5, 3, 4, 2], 0) == [[0], [1, 3], [2]]
+    # Capacity 9: 5 -> A (4 left), 4 -> A (0 left), 3 -> B (6 left), 2 -> B.
+    assert pack_rows([5, 3, 4, 2], 9) == [[0, 2], [1, 3]]
+    # A capacity below the longest sample is raised to it (7: samples of 3 and 4 then share a row);
+    # one huge capacity gives one row.
+    assert pack_rows([7, 3, 4], 3) == [[0], [1, 2]]
+    assert pack_rows([2, 2, 2], 1000) == [[0, 1, 2]]
+
+
+def test_pack_samples_layout_by_hand():
+    samples = [make_sample([1, 2], [3, 4, 5]), make_sample([6], [7]), make_sample([8, 9], [10])]
+    batch = pack_samples(samples)  # lengths 5, 2, 3: rows [0] and [1, 2], length 5
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
+    # Flattened positions of the response tokens: row 0 at 2..4, row 1 (offset 5) at 6 and 9.
+    assert batch["resp_index"].tolist() == [[2, 3, 4], [6, 0, 0], [9, 0, 0]]
+    assert batch["mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 0, 0]]
+
+    padded = pack_samples([make_sample([1, 2], [3, 4, 5]), make_sample([6], [7])], row_tokens=0)
+    # Lengths 5 and 2 in rows of 5: the first row is full, so the second holds the short sample,
+    # right-padded with token 0 at positions restarting from 0.
+    assert padded["input_ids"].tolist() == [[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]]
+    assert padded["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
+
+
+@pytest.mark.parametrize("row_tokens", [0, 12, 10_000])
+def test_packed_forward_equals_unpacked_forward(rl_model_dir, row_tokens):
+    """Every layout (short rows, medium rows, one row) gives each response the log-probs of its own
+    unpacked forward pass: attention never crosses samples, rows or padding."""
+    model = fp32_model(rl_model_dir)
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for prompt_len, response_len in [(5, 3), (2, 6), (7, 1), (3, 3), (4, 2)]:
+        ids = torch.randint(3, 500, (prompt_len + response_len,), generator=gen).tolist()
+        samples.append(make_sample(ids[:prompt_len], ids[prompt_len:]))
+    batch = pack_samples(samples, row_tokens=row_tokens)
+    with torch.no_grad():
+        lp = token_logprobs(model, batch["input_ids"], position_ids=batch["position_ids"])
+        got = gather_responses(lp, batch["resp_index"], batch["mask"])
+        for i, s in enumerate(samples):
+            expected = response_logprobs(model, s.prompt_ids, s.response_ids)
+            torch.testing.assert_close(got[i, : len(s.response_ids)], expected, atol=1e-5, rtol=0)
+            assert got[i, len(s.response_ids):].abs().sum() == 0
