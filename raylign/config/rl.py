@@ -143,14 +143,25 @@ class RLConfig(Section):
         return self.algorithm.kl_mode != "none" and self.algorithm.kl_coef > 0
 
     @property
+    def worker_roles(self) -> dict[str, int]:
+        """Model-worker roles of this run and their number of ranks: policy, reference, critic."""
+        p = self.placement
+        roles = {"policy": p.policy_workers, "reference": p.reference_workers, "critic": p.critic_workers}
+        wanted = {"policy": True, "reference": self.uses_reference, "critic": self.uses_critic}
+        return {role: workers for role, workers in roles.items() if wanted[role]}
+
+    @property
     def ray_cpus_needed(self) -> float:
-        """Ray CPU slots the run's actors reserve: model workers, rollout engines, reward-model actors."""
+        """Ray CPU slots the run's actors reserve: model workers, rollout engines, reward-model actors.
+
+        Colocated, the engines live in the policy workers, and each policy rank's bundle holds a
+        worker of every role."""
         p, r = self.placement, self.rollout
-        workers = (p.policy_workers + (p.reference_workers if self.uses_reference else 0)
-                   + (p.critic_workers if self.uses_critic else 0))
         reward_models = sum(s.num_cpus for s in self.reward.sources if s.kind == "reward_model")
-        engines = 0 if p.colocate else r.num_engines * r.num_cpus_per_engine  # colocated: inside the policy
-        return workers * p.cpus_per_worker + engines + reward_models
+        if p.colocate:
+            return p.policy_workers * len(self.worker_roles) * p.cpus_per_worker + reward_models
+        workers = sum(self.worker_roles.values())
+        return workers * p.cpus_per_worker + r.num_engines * r.num_cpus_per_engine + reward_models
 
     @model_validator(mode="after")
     def _possible(self) -> RLConfig:
@@ -195,6 +206,10 @@ class RLConfig(Section):
         if p.colocate and self.rollout.num_engines not in (1, p.policy_workers):
             raise ValueError(f"placement.colocate runs one rollout engine in each policy worker: rollout.num_engines "
                              f"({self.rollout.num_engines}) must be 1 or placement.policy_workers ({p.policy_workers})")
+        if p.colocate and max(self.worker_roles.values()) > p.policy_workers:
+            raise ValueError("placement.colocate puts rank r of every model beside policy rank r: "
+                             "placement.reference_workers and placement.critic_workers must not exceed "
+                             f"placement.policy_workers ({p.policy_workers})")
         if p.colocate and self.rollout.tensor_parallel_size != 1:
             raise ValueError("placement.colocate hands weights to the engine in the policy worker's process: "
                              f"rollout.tensor_parallel_size must be 1 (got {self.rollout.tensor_parallel_size})")

@@ -77,18 +77,15 @@ class RLTrainer:
         dump["model"]["path"] = self.model_path
         updates = cfg.train.max_steps * cfg.train.mini_batches * cfg.train.ppo_epochs
         p = cfg.placement
-        roles = [(role, workers) for role, workers, wanted in (
-            ("policy", p.policy_workers, True), ("reference", p.reference_workers, cfg.uses_reference),
-            ("critic", p.critic_workers, cfg.uses_critic)) if wanted]
+        roles = cfg.worker_roles
         has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        shared = self._colocated_gpu_bundles(len(roles)) if has_gpus and p.colocate else None
-        for role, workers in roles:
-            if shared is not None:  # rank r of every role on GPU r, each with an equal share of it
-                self.groups[role] = WorkerGroup(role, dump, workers, updates, shared, num_cpus=p.cpus_per_worker,
-                                                num_gpus=1.0 / len(roles), env=WORKER_ENV)
-            else:
-                self.groups[role] = WorkerGroup(role, dump, workers, updates, None, num_cpus=p.cpus_per_worker,
-                                                num_gpus=1.0 if has_gpus else 0.0, env=WORKER_ENV)
+        self.placement_groups = _placement_groups(cfg, has_gpus)
+        for role, workers in roles.items():
+            group, offset = self.placement_groups[0 if p.colocate else list(roles).index(role)], 0
+            # Colocated on GPUs: rank r of every role shares GPU r (the policy with its engine) in equal parts.
+            gpus = (1.0 / len(roles) if p.colocate else 1.0) if has_gpus else 0.0
+            self.groups[role] = WorkerGroup(role, dump, workers, updates, group, offset, num_cpus=p.cpus_per_worker,
+                                            num_gpus=gpus, env=WORKER_ENV)
         if p.colocate:
             # The hybrid engine: each policy worker generates with an engine in its own process.
             self.groups["policy"].call("start_local_engine", self.model_path)
@@ -100,22 +97,6 @@ class RLTrainer:
             self.groups["policy"].call("connect_engines", self.engines)
         self.metrics = MetricsLogger(self.out, cfg.train.logging, dump)
         self._maybe_resume()
-
-    def _colocated_gpu_bundles(self, num_roles: int):
-        """One placement-group bundle (1 GPU) per policy rank for colocated placement on GPUs: rank r of
-        the policy, the reference and the critic share GPU r, the policy with its rollout engine."""
-        import ray
-        from ray.util.placement_group import placement_group
-
-        p = self.cfg.placement
-        if max(p.reference_workers, p.critic_workers) > p.policy_workers and num_roles > 1:
-            raise ValueError("placement.colocate on GPUs puts rank r of every model on the GPU of policy rank r: "
-                             "placement.reference_workers and placement.critic_workers must not exceed "
-                             f"placement.policy_workers ({p.policy_workers})")
-        bundles = [{"GPU": 1.0, "CPU": p.cpus_per_worker * num_roles} for _ in range(p.policy_workers)]
-        group = placement_group(bundles, strategy="PACK")
-        ray.get(group.ready())
-        return group
 
     def _maybe_resume(self) -> None:
         ckpt = latest_checkpoint(self.out / "checkpoints") if self.cfg.train.resume else None
@@ -405,6 +386,29 @@ class RLTrainer:
             group.kill()
         for engine in getattr(self, "engines", []):
             ray.kill(engine)
+        for group in getattr(self, "placement_groups", []):
+            ray.util.remove_placement_group(group)
+
+
+def _placement_groups(cfg: RLConfig, has_gpus: bool) -> list[Any]:
+    """Ray placement groups of the model workers, ready.
+
+    Separate placement: one group per role, one bundle per rank, packed onto as few nodes as
+    possible (data-parallel peers talk every step). Colocated: one group whose bundle r holds
+    rank r of every role (and, on GPUs, GPU r).
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+
+    p, roles = cfg.placement, cfg.worker_roles
+    gpu = {"GPU": 1.0} if has_gpus else {}
+    if p.colocate:
+        specs = [[{"CPU": p.cpus_per_worker * len(roles), **gpu} for _ in range(p.policy_workers)]]
+    else:
+        specs = [[{"CPU": p.cpus_per_worker, **gpu} for _ in range(workers)] for workers in roles.values()]
+    groups = [placement_group(bundles, strategy="PACK") for bundles in specs]
+    ray.get([g.ready() for g in groups])
+    return groups
 
 
 def _reward_metrics(samples: list[Sample]) -> dict[str, float]:

@@ -10,6 +10,7 @@ completions. A full ``raylign rl`` run with colocation checks the controller's s
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
 
 from raylign.config.rollout import SamplingConfig
@@ -77,6 +78,11 @@ def test_colocated_grpo_run_end_to_end(ray_session, rl_model_dir, prompt_file, t
     trainer = RLTrainer(resolve(tmp_path, data))
     trainer.run()
     assert trainer.engines == []
+    # One placement group, one bundle per policy rank with room for a worker of each role.
+    roles = trainer.cfg.worker_roles
+    (group,) = trainer.placement_groups
+    assert ray.util.placement_group_table(group)["bundles"] == {0: {"CPU": float(len(roles))}}
+    assert set(trainer.groups) == set(roles)
     records = read_metrics(trainer.out)
     assert [r["step"] for r in records] == [1, 2]
     for record in records:

@@ -175,6 +175,27 @@ def test_ray_cpu_slots_leave_out_roles_that_do_not_run(base, tmp_path):
     assert resolve(tmp_path, base).ray_cpus_needed == 2 + 1  # the policy workers and one engine
 
 
+def test_ray_cpu_slots_when_colocated(base, tmp_path):
+    base["preset"] = "ppo"  # policy, reference and critic
+    base["placement"] = {"colocate": True, "policy_workers": 2, "reference_workers": 1, "critic_workers": 2,
+                         "cpus_per_worker": 0.5}
+    base["rollout"].update(num_engines=2, num_cpus_per_engine=4.0)
+    # 2 bundles (one per policy rank), each with room for one worker of 3 roles; engines live in the policy
+    assert resolve(tmp_path, base).ray_cpus_needed == 2 * 3 * 0.5
+
+
+@pytest.mark.parametrize(("placement", "rollout", "fields"), [
+    ({"colocate": True, "policy_workers": 2}, {"num_engines": 3}, ["rollout.num_engines (3)", "policy_workers (2)"]),
+    ({"colocate": True}, {"engine": "vllm", "tensor_parallel_size": 2}, ["rollout.tensor_parallel_size"]),
+    ({"colocate": True, "reference_workers": 2}, {}, ["placement.reference_workers", "policy_workers (1)"]),
+])
+def test_impossible_colocation_is_refused(base, tmp_path, placement, rollout, fields):
+    base["placement"] = placement
+    base["rollout"].update(rollout)
+    message = _error(tmp_path, base)
+    assert all(field in message for field in fields), message
+
+
 def test_local_ray_too_small_for_the_actors_is_refused(base, tmp_path):
     base["placement"] = {"policy_workers": 2, "num_cpus": 3}  # grpo: 2 policy + 1 reference + 1 engine
     message = _error(tmp_path, base)
