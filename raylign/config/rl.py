@@ -95,6 +95,9 @@ class RLTrainConfig(Section):
     micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of a micro-batch (balanced packing).")
     pack_row_tokens: int = Field(0, ge=0, description="Tokens per packed row within a micro-batch; 0: the longest "
                                  "sample's length. Attention cost grows with the square of a row's length.")
+    async_rollout: bool = Field(False, description="Generate the next step's samples while this step trains "
+                                "(they come from weights one update old; the engine's log-probs are then the "
+                                "behaviour policy of the ratio). Needs separate placement.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (and at start and end); 0 only start/end.")
     eval_n: int = Field(1, ge=1, description="Samples per eval prompt (pass@k for k <= eval_n).")
     eval_temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 greedy).")
@@ -206,6 +209,13 @@ class RLConfig(Section):
         if p.colocate and self.rollout.num_engines not in (1, p.policy_workers):
             raise ValueError(f"placement.colocate runs one rollout engine in each policy worker: rollout.num_engines "
                              f"({self.rollout.num_engines}) must be 1 or placement.policy_workers ({p.policy_workers})")
+        if t.async_rollout and p.colocate:
+            raise ValueError("train.async_rollout overlaps generation with training: it needs engines apart from the "
+                             "trainers (placement.colocate: false)")
+        if t.async_rollout and a.off_policy != "none":
+            raise ValueError(f"train.async_rollout takes the engine's log-probs as the behaviour policy; "
+                             f"algorithm.off_policy '{a.off_policy}' corrects a trainer recomputation that an "
+                             "asynchronous run does not make: set algorithm.off_policy: none")
         if p.colocate and max(self.worker_roles.values()) > p.policy_workers:
             raise ValueError("placement.colocate puts rank r of every model beside policy rank r: "
                              "placement.reference_workers and placement.critic_workers must not exceed "

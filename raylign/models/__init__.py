@@ -2,7 +2,13 @@
 
 from raylign.models.heads import last_token_indices, load_score_model, sequence_scores, token_scores
 from raylign.models.loading import load_causal_lm, load_tokenizer, resolve_model_path, torch_dtype
-from raylign.models.logprobs import entropy_from_logits, logprobs_from_logits, token_logprobs
+from raylign.models.logprobs import (
+    entropy_from_logits,
+    logits_only_at,
+    logprobs_from_logits,
+    selected_token_logprobs,
+    token_logprobs,
+)
 from raylign.models.packing import attention_kwargs, has_packed_samples, positions_from_attention_mask
 from raylign.models.smollm2 import SMOLLM2_NAME, MissingPackageError, ensure_smollm2, find_smollm2_gguf
 
@@ -18,10 +24,12 @@ __all__ = [
     "load_causal_lm",
     "load_score_model",
     "load_tokenizer",
+    "logits_only_at",
     "logprobs_from_logits",
     "positions_from_attention_mask",
     "resolve_model_path",
     "sequence_scores",
+    "selected_token_logprobs",
     "token_logprobs",
     "token_scores",
     "torch_dtype",

@@ -7,6 +7,8 @@ samples per row, ``position_ids`` restarting at 0, no ``attention_mask``); see
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -116,3 +118,56 @@ def token_logprobs(
         return logprobs
     entropy = _align_to_inputs(entropy_from_logits(logits, temperature), valid)
     return logprobs, entropy
+
+
+@contextmanager
+def logits_only_at(model: nn.Module, flat_positions: torch.Tensor):
+    """Within the block the model's output layer sees only the hidden states at ``flat_positions``
+    of the flattened ``[B * T]`` sequence, so the forward returns logits ``[1, N, V]``.
+
+    The output layer is usually the largest matrix multiply per token and its float32 softmax
+    the largest activation; positions nobody reads (prompts, padding) skip both. A forward
+    pre-hook on the output embeddings keeps the model's own forward (and the FSDP2 / DeepSpeed
+    hooks around it) untouched.
+    """
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings to select logits from")
+
+    def select(_module: nn.Module, args: tuple) -> tuple:
+        hidden = args[0]
+        return (hidden.reshape(-1, hidden.shape[-1])[flat_positions].unsqueeze(0), *args[1:])
+
+    handle = head.register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def selected_token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    token_index: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of chosen tokens only, float32 with the shape of ``token_index``.
+
+    ``token_index`` holds positions in the flattened ``[B * T]`` batch (each at least 1 past the
+    start of its own sample); ``out[...] = log p(input_ids.flat[i] | its sample's tokens before i)``
+    for ``i = token_index[...]``, computed from logits at ``i - 1`` alone (see
+    :func:`logits_only_at`). Equals :func:`token_logprobs` read at those positions. With
+    ``with_entropy`` also returns the entropy of each predictive distribution.
+    """
+    _check_temperature(temperature)
+    index = token_index.reshape(-1)
+    with logits_only_at(model, (index - 1).clamp(min=0)):
+        logits = model(input_ids=input_ids, **attention_kwargs(attention_mask, position_ids)).logits[0]
+    labels = input_ids.reshape(-1)[index]
+    logprobs = logprobs_from_logits(logits, labels, temperature).reshape(token_index.shape)
+    if not with_entropy:
+        return logprobs
+    return logprobs, entropy_from_logits(logits, temperature).reshape(token_index.shape)

@@ -35,6 +35,7 @@ class Sample:
     finish_reason: str
     reward: float = 0.0
     reward_metrics: dict[str, float] = field(default_factory=dict)
+    weight_version: int = 0  # weight updates the engine had received when it generated this sample
 
 
 def response_tensor(rows: list[list[float]], width: int | None = None) -> torch.Tensor:

@@ -42,6 +42,11 @@ class RLTrainer:
         self.out = Path(cfg.train.output_dir)
         self.step = 0
         self.groups: dict[str, Any] = {}
+        self.syncs = 0  # weight syncs sent to the engines (their weight_version once received)
+        # Asynchronous rollout: the next step's prompt positions, their request in flight, then its samples.
+        self._next_indices: list[int] | None = None
+        self._ahead: Any = None
+        self._prefetched: list[Sample] | None = None
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -108,6 +113,7 @@ class RLTrainer:
         state = torch.load(ckpt / "controller.pt", weights_only=False)
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
+        self._next_indices = state.get("next_indices")  # generated again, with the restored weights
         _set_rng(state["rng"])
         self.sync_weights()
         log.info("resumed from %s at step %d", ckpt, self.step)
@@ -125,7 +131,9 @@ class RLTrainer:
             batches = _endless(self.sampler)
             metrics: dict[str, float] = {}
             while self.step < cfg.train.max_steps:
-                metrics = self.train_step([self.train_prompts[i] for i in next(batches)], batches)
+                indices = self._next_indices if self._next_indices is not None else next(batches)
+                self._next_indices = None
+                metrics = self.train_step(indices, batches)
                 self.step += 1
                 self.metrics.log(metrics, self.step)
                 progress.advance_to(self.step, format_metrics(metrics, ["reward/mean", "response_length/mean",
@@ -146,11 +154,18 @@ class RLTrainer:
         finally:
             self.shutdown()
 
-    def train_step(self, prompts: list[Prompt], more_batches) -> dict[str, float]:
+    def train_step(self, indices: list[int], more_batches) -> dict[str, float]:
+        """One RL step on the prompts at ``indices``. With ``train.async_rollout`` the next step's
+        generation runs on the engines from the end of this step's rollout until just before the
+        weight sync, overlapping experience and training."""
         cfg = self.cfg
         timings: dict[str, float] = {}
         start = time.perf_counter()
-        samples, gen_metrics = self.rollout(prompts, more_batches, timings)
+        samples, gen_metrics = self.rollout([self.train_prompts[i] for i in indices], more_batches, timings)
+        if cfg.train.async_rollout and self.step + 1 < cfg.train.max_steps:
+            self._next_indices = next(more_batches)
+            self._ahead = self.pool.submit([self.train_prompts[i].token_ids for i in self._next_indices],
+                                           cfg.sampling)
         t = time.perf_counter()
         self._make_room_for("training")
         exp = self.make_experience(samples)
@@ -158,6 +173,12 @@ class RLTrainer:
         t = time.perf_counter()
         train_metrics = self.update(samples, exp)
         timings["time/train_s"] = time.perf_counter() - t
+        if self._ahead is not None:  # the engines must be idle before their weights change
+            t = time.perf_counter()
+            self._prefetched = self._samples(self.pool.collect(self._ahead),
+                                             [self.train_prompts[i] for i in self._next_indices])
+            self._ahead = None
+            timings["time/generate_s"] += time.perf_counter() - t
         t = time.perf_counter()
         sync_metrics = self.sync_weights()
         timings["time/sync_s"] = time.perf_counter() - t
@@ -172,12 +193,16 @@ class RLTrainer:
     # ---- rollout and rewards ---------------------------------------------------------------
 
     def generate(self, prompts: list[Prompt], sampling) -> list[Sample]:
-        completions = self.pool.generate_blocking([p.token_ids for p in prompts], sampling)
+        return self._samples(self.pool.generate_blocking([p.token_ids for p in prompts], sampling), prompts)
+
+    @staticmethod
+    def _samples(completions: list, prompts: list[Prompt]) -> list[Sample]:
         samples = []
         for c in completions:
             p = prompts[c.prompt_index]
             samples.append(Sample(c.prompt_token_ids, c.response_token_ids, c.response_logprobs, c.prompt_index,
-                                  p.text, c.text, p.label, p.source, c.finish_reason))
+                                  p.text, c.text, p.label, p.source, c.finish_reason,
+                                  weight_version=c.weight_version))
         return samples
 
     def score(self, samples: list[Sample]) -> None:
@@ -191,12 +216,16 @@ class RLTrainer:
         cfg, n = self.cfg, self.cfg.sampling.n
         t = time.perf_counter()
         self._make_room_for("generation")
-        samples = self.generate(prompts, cfg.sampling)
+        if self._prefetched is not None:  # generated during the previous step (train.async_rollout)
+            samples, self._prefetched = self._prefetched, None
+        else:
+            samples = self.generate(prompts, cfg.sampling)
         timings["time/generate_s"] = time.perf_counter() - t
         t = time.perf_counter()
         self.score(samples)
         timings["time/reward_s"] = time.perf_counter() - t
-        metrics = _reward_metrics(samples)
+        metrics = {**_reward_metrics(samples), "rollout/weight_lag": float(self.syncs - min(
+            s.weight_version for s in samples))}
         if not cfg.algorithm.dynamic_sampling:
             return samples, metrics
         kept, dropped = _split_by_variance(samples, n)
@@ -263,6 +292,8 @@ class RLTrainer:
         if old is not None:
             metrics.update(_mismatch_metrics(old, rollout_lp, mask))
             per_token["old_logprobs"] = old
+        elif cfg.train.async_rollout:  # the weights that generated these samples are gone: the engine's
+            per_token["old_logprobs"] = rollout_lp  # log-probs are the behaviour policy
         if ref is not None:
             per_token["ref_logprobs"] = ref
         if values is not None:
@@ -308,6 +339,8 @@ class RLTrainer:
 
     def _needs_behaviour_pass(self) -> bool:
         t, a = self.cfg.train, self.cfg.algorithm
+        if t.async_rollout:
+            return False
         return t.ppo_epochs > 1 or t.mini_batches > 1 or a.off_policy != "none"
 
     def _write_samples(self, samples: list[Sample]) -> None:
@@ -323,6 +356,7 @@ class RLTrainer:
         if self.cfg.placement.colocate:
             self.pool.wake_up()
         results = self.groups["policy"].call("sync_weights")
+        self.syncs += 1
         return results[0]
 
     def _make_room_for(self, phase: str) -> None:
@@ -353,7 +387,8 @@ class RLTrainer:
 
     def save_checkpoint(self) -> Path:
         root = self.out / "checkpoints"
-        state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": _get_rng()}
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": _get_rng(),
+                 "next_indices": self._next_indices}
 
         def write(tmp: Path) -> None:
             for role in ("policy", "critic"):

@@ -78,15 +78,20 @@ class ModelWorker:
     @torch.no_grad()
     def compute_logprobs(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
         """Response log-probs ``[b, R]`` per micro-batch, at the sampling temperature."""
-        from raylign.models import token_logprobs
-
         self.module.eval()
-        out = []
-        for batch in self._to_device(micro_batches):
-            lp = token_logprobs(self.module, batch["input_ids"], position_ids=batch["position_ids"],
-                                temperature=self.temperature)
-            out.append(gather_responses(lp, batch["resp_index"], batch["mask"]).cpu())
-        return out
+        return [self._response_logprobs(batch).cpu() for batch in self._to_device(micro_batches)]
+
+    def _response_logprobs(self, batch: Batch, with_entropy: bool = False):
+        """Log-probs ``[b, R]`` of the response tokens (0 where masked), from logits at response positions only."""
+        from raylign.models import selected_token_logprobs
+
+        out = selected_token_logprobs(self.module, batch["input_ids"], batch["resp_index"],
+                                      position_ids=batch["position_ids"], temperature=self.temperature,
+                                      with_entropy=with_entropy)
+        mask = batch["mask"]
+        if with_entropy:
+            return out[0] * mask, out[1] * mask
+        return out * mask
 
     @torch.no_grad()
     def compute_values(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
@@ -142,12 +147,8 @@ class ModelWorker:
         return {**_average(sums, maxes, len(micro_batches)), **step}
 
     def _policy_loss(self, batch: Batch, mask: torch.Tensor, token_weights, scale) -> tuple[torch.Tensor, dict]:
-        from raylign.models import token_logprobs
-
         a = self.cfg.algorithm
-        lp, entropy = token_logprobs(self.module, batch["input_ids"], position_ids=batch["position_ids"],
-                                     temperature=self.temperature, with_entropy=True)
-        logprobs = gather_responses(lp, batch["resp_index"], batch["mask"])
+        logprobs, entropy = self._response_logprobs(batch, with_entropy=True)
         old_logprobs = batch.get("old_logprobs")
         stats: dict = {}
         if old_logprobs is None:  # on-policy: the behaviour policy is this policy before the step
@@ -167,8 +168,8 @@ class ModelWorker:
                                                 aggregation=a.aggregation, scale=scale)
             loss = loss + a.kl_coef * kl_loss
             stats.update(kl_stats)
-        ent_loss, ent_stats = compute_entropy_bonus(gather_responses(entropy, batch["resp_index"], batch["mask"]),
-                                                    mask, a.entropy_coef, aggregation=a.aggregation, scale=scale)
+        ent_loss, ent_stats = compute_entropy_bonus(entropy, mask, a.entropy_coef, aggregation=a.aggregation,
+                                                    scale=scale)
         if a.entropy_coef > 0:
             loss = loss + ent_loss
         stats.update(ent_stats)

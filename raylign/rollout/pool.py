@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,15 @@ def order_completions(completions: Iterable[Completion], prompt_indices: Sequenc
     return ordered
 
 
+@dataclass
+class PendingRollout:
+    """A generate request in flight on the pool's engines (from :meth:`RolloutPool.submit`)."""
+
+    refs: list[Any]
+    prompt_indices: list[int]
+    n: int
+
+
 class RolloutPool:
     """Engine actors behind one ``generate``; also fans out weight syncs and cache resets."""
 
@@ -121,7 +131,24 @@ class RolloutPool:
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, prompt_indices: Sequence[int] | None = None
     ) -> list[Completion]:
         """:meth:`generate` for callers outside an event loop."""
-        return asyncio.run(self.generate(prompt_token_ids, sampling, prompt_indices))
+        return self.collect(self.submit(prompt_token_ids, sampling, prompt_indices))
+
+    def submit(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, prompt_indices: Sequence[int] | None = None
+    ) -> PendingRollout:
+        """Start generating without waiting (the engines work while the caller goes on); see :meth:`collect`."""
+        indices = default_prompt_indices(prompt_token_ids, prompt_indices)
+        shards = split_by_token_load([len(p) for p in prompt_token_ids], len(self.engines), sampling.max_new_tokens)
+        refs = [engine.generate.remote([prompt_token_ids[p] for p in shard], sampling, [indices[p] for p in shard])
+                for engine, shard in zip(self.engines, shards) if shard]
+        return PendingRollout(refs, list(indices), sampling.n)
+
+    def collect(self, pending: PendingRollout) -> list[Completion]:
+        """Wait for a submitted request: its completions in prompt order, then sample order."""
+        import ray
+
+        results = ray.get(pending.refs)
+        return order_completions((c for result in results for c in result), pending.prompt_indices, pending.n)
 
     def connect_weight_sync(self, bucket_mb: float = 32.0, timeout_s: float = 600.0, host: str | None = None) -> None:
         """Open the sync groups to every engine (call on the trainer rank that holds full weights)."""

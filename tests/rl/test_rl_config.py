@@ -196,6 +196,18 @@ def test_impossible_colocation_is_refused(base, tmp_path, placement, rollout, fi
     assert all(field in message for field in fields), message
 
 
+@pytest.mark.parametrize(("extra", "fields"), [
+    ({"placement": {"colocate": True}}, ["train.async_rollout", "placement.colocate"]),
+    ({"algorithm": {"off_policy": "truncated_is"}}, ["train.async_rollout", "algorithm.off_policy"]),
+])
+def test_impossible_async_rollout_is_refused(base, tmp_path, extra, fields):
+    base["train"]["async_rollout"] = True
+    for section, values in extra.items():
+        base.setdefault(section, {}).update(values)
+    message = _error(tmp_path, base)
+    assert all(field in message for field in fields), message
+
+
 def test_local_ray_too_small_for_the_actors_is_refused(base, tmp_path):
     base["placement"] = {"policy_workers": 2, "num_cpus": 3}  # grpo: 2 policy + 1 reference + 1 engine
     message = _error(tmp_path, base)

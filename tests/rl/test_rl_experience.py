@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raylign.models import token_logprobs
+from raylign.models import selected_token_logprobs, token_logprobs
 from raylign.rl.experience import gather_responses, pack_rows, pack_samples
 
 from .rl_helpers import fp32_model, make_sample, response_logprobs
@@ -57,3 +57,28 @@ def test_packed_forward_equals_unpacked_forward(rl_model_dir, row_tokens):
             expected = response_logprobs(model, s.prompt_ids, s.response_ids)
             torch.testing.assert_close(got[i, : len(s.response_ids)], expected, atol=1e-5, rtol=0)
             assert got[i, len(s.response_ids):].abs().sum() == 0
+
+
+def test_logits_at_response_positions_only_give_the_same_logprobs_and_entropies(rl_model_dir):
+    """The worker's path (output layer applied at response positions only) against one unpacked
+    forward per sample: log-probs, and entropies -sum p log p of the full predictive distribution."""
+    model = fp32_model(rl_model_dir)
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for prompt_len, response_len in [(4, 5), (1, 2), (6, 3)]:
+        ids = torch.randint(3, 500, (prompt_len + response_len,), generator=gen).tolist()
+        samples.append(make_sample(ids[:prompt_len], ids[prompt_len:]))
+    batch = pack_samples(samples)
+    with torch.no_grad():
+        lp, entropy = selected_token_logprobs(model, batch["input_ids"], batch["resp_index"],
+                                              position_ids=batch["position_ids"], temperature=0.7, with_entropy=True)
+        for i, s in enumerate(samples):
+            logits = model(torch.tensor([s.prompt_ids + s.response_ids])).logits[0].float() / 0.7
+            rows = torch.log_softmax(logits[len(s.prompt_ids) - 1: -1], dim=-1)
+            expected_lp = rows.gather(-1, torch.tensor(s.response_ids).unsqueeze(-1)).squeeze(-1)
+            expected_entropy = -(rows.exp() * rows).sum(-1)
+            n = len(s.response_ids)
+            torch.testing.assert_close(lp[i, :n], expected_lp, atol=1e-5, rtol=0)
+            torch.testing.assert_close(entropy[i, :n], expected_entropy, atol=1e-5, rtol=0)
+    # The hook is gone afterwards: a plain forward returns logits for every position again.
+    assert model(batch["input_ids"], use_cache=False).logits.shape[:2] == batch["input_ids"].shape

@@ -84,6 +84,7 @@ def test_each_step_logs_finite_training_metrics(runs):
         assert not bad, (record["step"], bad)
         assert 0.0 <= record["policy/clip_fraction"] <= 1.0
         assert record["policy/entropy"] > 0.0  # a random policy is far from deterministic
+        assert record["rollout/weight_lag"] == 0  # synchronous: samples come from the weights being trained
         # The parts are disjoint intervals inside the step.
         assert sum(record[k] for k in TIMING_PARTS) <= record["time/step_s"] + 1e-6
 
