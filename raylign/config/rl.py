@@ -81,7 +81,8 @@ class PlacementConfig(Section):
     colocate: bool = Field(False, description="Hybrid engine: each policy rank runs its rollout engine in its own "
                            "process and device; weights are handed over in memory, trainers offload and engines "
                            "sleep by phase. rollout.num_engines is then the number of policy workers.")
-    cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPU slots per training worker.")
+    cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPU slots per training worker; also its torch "
+                                   "compute threads (rounded down, at least 1).")
     ray_address: str | None = Field(None, description="Join this Ray cluster; None starts a local Ray.")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of a local Ray (default: enough for the run).")
 
@@ -101,6 +102,8 @@ class RLTrainConfig(Section):
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (and at start and end); 0 only start/end.")
     eval_n: int = Field(1, ge=1, description="Samples per eval prompt (pass@k for k <= eval_n).")
     eval_temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 greedy).")
+    eval_max_new_tokens: int | None = Field(None, ge=1, description="Most tokens per eval completion "
+                                            "(default: sampling.max_new_tokens).")
     eval_threshold: float = Field(1.0, description="An eval sample counts as correct when its reward >= this.")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0 only at the end.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept.")

@@ -18,20 +18,23 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def pass_at_k_metrics(samples: list[Any], n: int, threshold: float) -> dict[str, float]:
-    """``eval/<source>/pass@1``, ``pass@n`` and mean reward per data source, and over all sources.
+    """``eval/<source>/pass@1``, ``pass@n``, mean reward and mean response length (tokens) per data
+    source, and over all sources (``eval/all/...``).
 
     ``samples`` come in groups of ``n`` consecutive completions per prompt."""
-    per_source: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    per_source: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
     for g in range(len(samples) // n):
         group = samples[g * n:(g + 1) * n]
         correct = sum(s.reward >= threshold for s in group)
         mean_reward = sum(s.reward for s in group) / n
-        per_source[group[0].source].append((correct, mean_reward))
-        per_source["all"].append((correct, mean_reward))
+        mean_length = sum(len(s.response_ids) for s in group) / n
+        per_source[group[0].source].append((correct, mean_reward, mean_length))
+        per_source["all"].append((correct, mean_reward, mean_length))
     metrics: dict[str, float] = {}
     ks = sorted({1, n})
     for source, groups in per_source.items():
         for k in ks:
-            metrics[f"eval/{source}/pass@{k}"] = sum(pass_at_k(n, c, k) for c, _ in groups) / len(groups)
-        metrics[f"eval/{source}/reward_mean"] = sum(r for _, r in groups) / len(groups)
+            metrics[f"eval/{source}/pass@{k}"] = sum(pass_at_k(n, c, k) for c, _, _ in groups) / len(groups)
+        metrics[f"eval/{source}/reward_mean"] = sum(r for _, r, _ in groups) / len(groups)
+        metrics[f"eval/{source}/response_length"] = sum(length for _, _, length in groups) / len(groups)
     return metrics

@@ -377,7 +377,9 @@ class RLTrainer:
 
     def evaluate(self) -> dict[str, float]:
         cfg = self.cfg
-        sampling = cfg.sampling.model_copy(update={"n": cfg.train.eval_n, "temperature": cfg.train.eval_temperature})
+        sampling = cfg.sampling.model_copy(update={
+            "n": cfg.train.eval_n, "temperature": cfg.train.eval_temperature,
+            "max_new_tokens": cfg.train.eval_max_new_tokens or cfg.sampling.max_new_tokens})
         samples = self.generate(self.eval_prompts, sampling)
         self.score(samples)
         metrics = pass_at_k_metrics(samples, cfg.train.eval_n, cfg.train.eval_threshold)

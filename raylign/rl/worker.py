@@ -42,9 +42,11 @@ class ModelWorker:
         os.environ.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "RANK": str(rank),
                            "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": "1",
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
-        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
         torch.set_flush_denormal(True)
         self.cfg = RLConfig.model_validate(cfg)
+        # As many compute threads as the CPU slots Ray reserved for this worker (OpenMP stays at
+        # OMP_NUM_THREADS for anything it starts).
+        torch.set_num_threads(max(1, int(self.cfg.placement.cpus_per_worker)))
         self.role, self.rank, self.world_size = role, rank, world_size
         self.temperature = self.cfg.sampling.temperature or 1.0
         torch.manual_seed(self.cfg.train.seed)
