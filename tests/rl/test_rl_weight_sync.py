@@ -34,9 +34,10 @@ LOGPROB_TOL = 1e-5
 STALE_GAP = 1e-2
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 BACKENDS = [
-    pytest.param("local", 1, 2, id="local-1"),
-    pytest.param("fsdp2", 2, 2, id="fsdp2-2"),
-    pytest.param("deepspeed", 2, 3, id="zero3-2",
+    pytest.param("local", 1, 2, 0, id="local-1"),
+    pytest.param("local", 1, 2, 4, id="local-1-lora"),  # adapters merged into plain weights before the sync
+    pytest.param("fsdp2", 2, 2, 0, id="fsdp2-2"),
+    pytest.param("deepspeed", 2, 3, 0, id="zero3-2",
                  marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")),
 ]
 
@@ -78,11 +79,12 @@ def _gap(completions: list, trainer: torch.Tensor) -> float:
     return float(((engine - trainer) * mask).abs().max())
 
 
-@pytest.mark.parametrize(("backend", "workers", "zero_stage"), BACKENDS)
-def test_engine_matches_the_trained_policy_after_sync(backend, workers, zero_stage, engine, ray_session,
+@pytest.mark.parametrize(("backend", "workers", "zero_stage", "lora_rank"), BACKENDS)
+def test_engine_matches_the_trained_policy_after_sync(backend, workers, zero_stage, lora_rank, engine, ray_session,
                                                       rl_model_dir, prompt_file, tmp_path):
     cfg = worker_config(rl_model_dir, prompt_file, tmp_path / "run", backend, workers, zero_stage=zero_stage,
                         optim={"lr": 1e-2})
+    cfg["model"]["lora"]["rank"] = lora_rank
     group = WorkerGroup("policy", cfg, workers, 1, None, env=ENV)
     try:
         group.call("connect_engines", [engine])

@@ -115,6 +115,17 @@ def test_seeded_samples_do_not_depend_on_which_prompts_share_the_call(ray_sessio
     assert [c.response_token_ids for c in alone] == [c.response_token_ids for c in together if c.prompt_index == 2]
 
 
+def test_seeded_batch_larger_than_one_prefill_step_samples_and_repeats(ray_session, tied_engine):
+    """40 prompts of 150 tokens (6,000 prompt tokens, more than one scheduler step takes at once),
+    seeded: vLLM on CPU fails here when it splits prompts into chunks ("CPU Generator does not use
+    offset"); the engine turns chunking off on CPU, so the batch samples, and the same seeds repeat."""
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(150)] for i in range(40)]
+    first = generate(ray_session, tied_engine, prompts, n=4, temperature=1.0, max_new_tokens=3, seed=1)
+    again = generate(ray_session, tied_engine, prompts, n=4, temperature=1.0, max_new_tokens=3, seed=1)
+    assert len(first) == 160
+    assert [c.response_token_ids for c in first] == [c.response_token_ids for c in again]
+
+
 def test_bad_prompt_is_named(ray_session, tied_engine):
     with pytest.raises(Exception, match="prompt 1: token ids"):
         generate(ray_session, tied_engine, [[5], [5, 10**6]], max_new_tokens=2)
