@@ -212,6 +212,12 @@ class RLConfig(Section):
         if p.colocate and self.rollout.num_engines not in (1, p.policy_workers):
             raise ValueError(f"placement.colocate runs one rollout engine in each policy worker: rollout.num_engines "
                              f"({self.rollout.num_engines}) must be 1 or placement.policy_workers ({p.policy_workers})")
+        several = {f"placement.{role}_workers": n for role, n in self.worker_roles.items()
+                   if n > 1 and role != "reference"}  # reference replicas are independent processes
+        if self.engine.backend == "local" and several:
+            names = ", ".join(f"{k}={v}" for k, v in several.items())
+            raise ValueError(f"engine.backend 'local' trains in one process, but {names}: use engine.backend "
+                             "'fsdp2' or 'deepspeed' for data-parallel training ranks")
         if t.async_rollout and p.colocate:
             raise ValueError("train.async_rollout overlaps generation with training: it needs engines apart from the "
                              "trainers (placement.colocate: false)")

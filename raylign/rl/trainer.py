@@ -83,7 +83,10 @@ class RLTrainer:
         updates = cfg.train.max_steps * cfg.train.mini_batches * cfg.train.ppo_epochs
         p = cfg.placement
         roles = cfg.worker_roles
-        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        cluster_gpus = ray.cluster_resources().get("GPU", 0)
+        has_gpus = cluster_gpus > 0
+        if has_gpus:
+            _check_gpu_count(cfg, cluster_gpus)
         self.placement_groups = _placement_groups(cfg, has_gpus)
         for role, workers in roles.items():
             group, offset = self.placement_groups[0 if p.colocate else list(roles).index(role)], 0
@@ -425,6 +428,28 @@ class RLTrainer:
             ray.kill(engine)
         for group in getattr(self, "placement_groups", []):
             ray.util.remove_placement_group(group)
+
+
+def gpus_needed(cfg: RLConfig) -> int:
+    """GPUs a run reserves on a GPU cluster: one per model-worker rank (colocated: one per policy rank,
+    shared by every role and the policy's engine) plus ``tensor_parallel_size`` per separate engine."""
+    p, r = cfg.placement, cfg.rollout
+    if p.colocate:
+        return p.policy_workers
+    return sum(cfg.worker_roles.values()) + r.num_engines * r.tensor_parallel_size
+
+
+def _check_gpu_count(cfg: RLConfig, cluster_gpus: float) -> None:
+    """Fail before any actor starts, rather than wait forever for GPUs the cluster does not have."""
+    needed = gpus_needed(cfg)
+    if needed > cluster_gpus:
+        p, r = cfg.placement, cfg.rollout
+        parts = ", ".join(f"placement.{role}_workers={n}" for role, n in cfg.worker_roles.items())
+        how = (f"placement.colocate: one per policy rank ({parts})" if p.colocate else
+               f"one per worker rank ({parts}) plus rollout.num_engines={r.num_engines} x "
+               f"rollout.tensor_parallel_size={r.tensor_parallel_size}")
+        raise ValueError(f"the run needs {needed} GPUs ({how}), the Ray cluster has {cluster_gpus:g}; "
+                         "lower those numbers or set placement.colocate: true")
 
 
 def _placement_groups(cfg: RLConfig, has_gpus: bool) -> list[Any]:

@@ -278,6 +278,12 @@ class ModelWorker:
         tokenizer = load_tokenizer(self.cfg.model.tokenizer_path or self.cfg.model.path)
         self.engine.export_hf(Path(directory), tokenizer)
 
+    def placement_info(self) -> dict[str, Any]:
+        """Where Ray put this worker: node id and the GPU ids it was given (empty on CPU)."""
+        import ray
+
+        return {"node": ray.get_runtime_context().get_node_id(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
+
     def offload(self) -> None:
         if self.engine is not None:
             self.engine.offload()

@@ -161,6 +161,7 @@ def test_micro_batch_budget_must_hold_the_longest_sample(base, tmp_path):
 
 
 def test_ray_cpu_slots_count_every_actor(base, tmp_path):
+    base["engine"] = {"backend": "fsdp2"}  # several training ranks
     base["preset"] = "ppo"
     base["placement"] = {"policy_workers": 2, "critic_workers": 2, "reference_workers": 4, "cpus_per_worker": 0.5}
     base["rollout"].update(num_engines=3, num_cpus_per_engine=2.0)
@@ -170,12 +171,14 @@ def test_ray_cpu_slots_count_every_actor(base, tmp_path):
 
 
 def test_ray_cpu_slots_leave_out_roles_that_do_not_run(base, tmp_path):
+    base["engine"] = {"backend": "fsdp2"}  # several training ranks
     base["preset"] = "dr_grpo"  # no critic, no reference
     base["placement"] = {"policy_workers": 2, "critic_workers": 4, "reference_workers": 4}
     assert resolve(tmp_path, base).ray_cpus_needed == 2 + 1  # the policy workers and one engine
 
 
 def test_ray_cpu_slots_when_colocated(base, tmp_path):
+    base["engine"] = {"backend": "fsdp2"}  # several training ranks
     base["preset"] = "ppo"  # policy, reference and critic
     base["placement"] = {"colocate": True, "policy_workers": 2, "reference_workers": 1, "critic_workers": 2,
                          "cpus_per_worker": 0.5}
@@ -190,6 +193,7 @@ def test_ray_cpu_slots_when_colocated(base, tmp_path):
     ({"colocate": True, "reference_workers": 2}, {}, ["placement.reference_workers", "policy_workers (1)"]),
 ])
 def test_impossible_colocation_is_refused(base, tmp_path, placement, rollout, fields):
+    base["engine"] = {"backend": "fsdp2"}
     base["placement"] = placement
     base["rollout"].update(rollout)
     message = _error(tmp_path, base)
@@ -208,13 +212,23 @@ def test_impossible_async_rollout_is_refused(base, tmp_path, extra, fields):
     assert all(field in message for field in fields), message
 
 
+def test_local_backend_with_several_training_ranks_is_refused(base, tmp_path):
+    base["preset"] = "ppo"
+    base["placement"] = {"policy_workers": 2, "critic_workers": 4}
+    message = _error(tmp_path, base)
+    assert "engine.backend 'local'" in message
+    assert "placement.policy_workers=2" in message and "placement.critic_workers=4" in message
+
+
 def test_local_ray_too_small_for_the_actors_is_refused(base, tmp_path):
+    base["engine"] = {"backend": "fsdp2"}  # several training ranks
     base["placement"] = {"policy_workers": 2, "num_cpus": 3}  # grpo: 2 policy + 1 reference + 1 engine
     message = _error(tmp_path, base)
     assert "placement.num_cpus (3)" in message and "4 CPU slots" in message
 
 
 def test_cpu_slots_are_not_checked_on_an_existing_cluster(base, tmp_path):
+    base["engine"] = {"backend": "fsdp2"}  # several training ranks
     base["placement"] = {"policy_workers": 2, "num_cpus": 3, "ray_address": "auto"}
     assert resolve(tmp_path, base).placement.num_cpus == 3
 
