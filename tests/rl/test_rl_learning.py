@@ -54,7 +54,8 @@ def warm_model_and_prompts(tmp_path_factory):
     return tmp / "sft" / "final", prompts
 
 
-def run_rl(preset: str, model: Path, prompts: Path, out: Path, prompts_per_step: int, n: int) -> list[float]:
+def run_rl(preset: str, model: Path, prompts: Path, out: Path, prompts_per_step: int, n: int,
+           async_rollout: bool = False) -> list[float]:
     cfg = parse_config(RLConfig, {
         **RLConfig.preset_defaults({"preset": preset}),
         "preset": preset,
@@ -66,7 +67,7 @@ def run_rl(preset: str, model: Path, prompts: Path, out: Path, prompts_per_step:
         "optim": {"lr": 1e-3, "scheduler": "constant"},
         "critic": {"optim": {"lr": 1e-3, "scheduler": "constant"}},
         "train": {"output_dir": str(out), "max_steps": 40, "prompts_per_step": prompts_per_step, "export": False,
-                  "logging": {"progress_bar": False, "tensorboard": False}},
+                  "async_rollout": async_rollout, "logging": {"progress_bar": False, "tensorboard": False}},
     })
     RLTrainer(cfg).run()
     return [r["reward/mean"] for r in read_metrics(out) if "reward/mean" in r]
@@ -86,3 +87,10 @@ def test_grpo_raises_the_reward(warm_model_and_prompts, tmp_path, ray_session):
 def test_ppo_raises_the_reward(warm_model_and_prompts, tmp_path, ray_session):
     model, prompts = warm_model_and_prompts
     assert_learned(run_rl("ppo", model, prompts, tmp_path / "ppo", prompts_per_step=128, n=1))
+
+
+def test_async_grpo_raises_the_reward(warm_model_and_prompts, tmp_path, ray_session):
+    """Samples one update old, with the engine's log-probs as the behaviour policy, still learn."""
+    model, prompts = warm_model_and_prompts
+    assert_learned(run_rl("grpo", model, prompts, tmp_path / "grpo_async", prompts_per_step=32, n=8,
+                          async_rollout=True))
