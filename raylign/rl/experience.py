@@ -133,3 +133,37 @@ def micro_batches_for_ranks(
     count = max(len(p) for p in plans)
     plans = [balance_micro_batches(lens, max_tokens, min_micro_batches=count) for lens in lengths]
     return [[[shard[j] for j in micro] for micro in plan] for shard, plan in zip(shards, plans)]
+
+
+def reward_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Reward mean and std, response lengths, the truncated fraction and each reward source's mean."""
+    rewards = torch.tensor([s.reward for s in samples])
+    lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
+    metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(samples) > 1 else 0.0,
+               "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+               "response/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples)}
+    for key in samples[0].reward_metrics:
+        metrics[f"reward/{key}"] = sum(s.reward_metrics[key] for s in samples) / len(samples)
+    return metrics
+
+
+def mismatch_metrics(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's log-probs are from the trainer's on the same tokens."""
+    diff = (rollout_lp - trainer_lp) * mask
+    counted = mask.sum().clamp(min=1)
+    return {"mismatch/logprob_abs_diff": float(diff.abs().sum() / counted),
+            "mismatch/logprob_max_abs_diff": float(diff.abs().max()),
+            "mismatch/kl_k3": float(((torch.exp(-diff) - 1 + diff) * mask).sum() / counted)}
+
+
+def split_by_reward_variance(samples: list[Sample], n: int) -> tuple[list[Sample], list[Sample]]:
+    """Groups of ``n`` samples whose rewards differ (kept), and those whose rewards are all equal."""
+    from raylign.algorithms import filter_zero_variance_groups
+
+    result = filter_zero_variance_groups(torch.tensor([s.reward for s in samples]), group_size=n)
+    keep = set(result.kept_groups.tolist())
+    kept, dropped = [], []
+    for g in range(len(samples) // n):
+        group = samples[g * n:(g + 1) * n]
+        (kept if g in keep else dropped).extend(group)
+    return kept, dropped

@@ -26,7 +26,17 @@ from raylign.data import ResumableSampler
 from raylign.engine.checkpoint import latest_checkpoint, prune_checkpoints, step_directory, write_atomically
 from raylign.rl.advantages import compute_advantages, shaped_rewards
 from raylign.rl.evaluation import pass_at_k_metrics
-from raylign.rl.experience import Sample, micro_batches_for_ranks, pack_samples, response_mask, response_tensor
+from raylign.rl.experience import (
+    Sample,
+    micro_batches_for_ranks,
+    mismatch_metrics,
+    pack_samples,
+    response_mask,
+    response_tensor,
+    reward_metrics,
+    split_by_reward_variance,
+)
+from raylign.rl.placement import check_gpu_count, placement_groups
 from raylign.rl.prompts import Prompt, load_prompts
 from raylign.trainers.metrics import MetricsLogger, format_metrics
 from raylign.trainers.progress import Progress
@@ -86,13 +96,13 @@ class RLTrainer:
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
         has_gpus = cluster_gpus > 0
         if has_gpus:
-            _check_gpu_count(cfg, cluster_gpus)
-        self.placement_groups = _placement_groups(cfg, has_gpus)
+            check_gpu_count(cfg, cluster_gpus)
+        self.placement_groups = placement_groups(cfg, has_gpus)
         for role, workers in roles.items():
-            group, offset = self.placement_groups[0 if p.colocate else list(roles).index(role)], 0
+            group = self.placement_groups[0 if p.colocate else list(roles).index(role)]
             # Colocated on GPUs: rank r of every role shares GPU r (the policy with its engine) in equal parts.
             gpus = (1.0 / len(roles) if p.colocate else 1.0) if has_gpus else 0.0
-            self.groups[role] = WorkerGroup(role, dump, workers, updates, group, offset, num_cpus=p.cpus_per_worker,
+            self.groups[role] = WorkerGroup(role, dump, workers, updates, group, num_cpus=p.cpus_per_worker,
                                             num_gpus=gpus, env=WORKER_ENV)
         if p.colocate:
             # The hybrid engine: each policy worker generates with an engine in its own process.
@@ -227,11 +237,11 @@ class RLTrainer:
         t = time.perf_counter()
         self.score(samples)
         timings["time/reward_s"] = time.perf_counter() - t
-        metrics = {**_reward_metrics(samples), "rollout/weight_lag": float(self.syncs - min(
+        metrics = {**reward_metrics(samples), "rollout/weight_lag": float(self.syncs - min(
             s.weight_version for s in samples))}
         if not cfg.algorithm.dynamic_sampling:
             return samples, metrics
-        kept, dropped = _split_by_variance(samples, n)
+        kept, dropped = split_by_reward_variance(samples, n)
         metrics["dynamic_sampling/kept_groups_first_round"] = len(kept) / n
         rounds = 0
         while len(kept) < len(prompts) * n and rounds < cfg.algorithm.max_refill_rounds:
@@ -243,7 +253,7 @@ class RLTrainer:
             t = time.perf_counter()
             self.score(extra)
             timings["time/reward_s"] += time.perf_counter() - t
-            more_kept, more_dropped = _split_by_variance(extra, n)
+            more_kept, more_dropped = split_by_reward_variance(extra, n)
             kept += more_kept
             dropped += more_dropped
         short = max(0, len(prompts) * n - len(kept))
@@ -293,7 +303,7 @@ class RLTrainer:
         metrics = {**shaping, **adv_metrics}
         per_token = {"rollout_logprobs": rollout_lp, "advantages": advantages, "returns": returns}
         if old is not None:
-            metrics.update(_mismatch_metrics(old, rollout_lp, mask))
+            metrics.update(mismatch_metrics(old, rollout_lp, mask))
             per_token["old_logprobs"] = old
         elif cfg.train.async_rollout:  # the weights that generated these samples are gone: the engine's
             per_token["old_logprobs"] = rollout_lp  # log-probs are the behaviour policy
@@ -428,81 +438,6 @@ class RLTrainer:
             ray.kill(engine)
         for group in getattr(self, "placement_groups", []):
             ray.util.remove_placement_group(group)
-
-
-def gpus_needed(cfg: RLConfig) -> int:
-    """GPUs a run reserves on a GPU cluster: one per model-worker rank (colocated: one per policy rank,
-    shared by every role and the policy's engine) plus ``tensor_parallel_size`` per separate engine."""
-    p, r = cfg.placement, cfg.rollout
-    if p.colocate:
-        return p.policy_workers
-    return sum(cfg.worker_roles.values()) + r.num_engines * r.tensor_parallel_size
-
-
-def _check_gpu_count(cfg: RLConfig, cluster_gpus: float) -> None:
-    """Fail before any actor starts, rather than wait forever for GPUs the cluster does not have."""
-    needed = gpus_needed(cfg)
-    if needed > cluster_gpus:
-        p, r = cfg.placement, cfg.rollout
-        parts = ", ".join(f"placement.{role}_workers={n}" for role, n in cfg.worker_roles.items())
-        how = (f"placement.colocate: one per policy rank ({parts})" if p.colocate else
-               f"one per worker rank ({parts}) plus rollout.num_engines={r.num_engines} x "
-               f"rollout.tensor_parallel_size={r.tensor_parallel_size}")
-        raise ValueError(f"the run needs {needed} GPUs ({how}), the Ray cluster has {cluster_gpus:g}; "
-                         "lower those numbers or set placement.colocate: true")
-
-
-def _placement_groups(cfg: RLConfig, has_gpus: bool) -> list[Any]:
-    """Ray placement groups of the model workers, ready.
-
-    Separate placement: one group per role, one bundle per rank, packed onto as few nodes as
-    possible (data-parallel peers talk every step). Colocated: one group whose bundle r holds
-    rank r of every role (and, on GPUs, GPU r).
-    """
-    import ray
-    from ray.util.placement_group import placement_group
-
-    p, roles = cfg.placement, cfg.worker_roles
-    gpu = {"GPU": 1.0} if has_gpus else {}
-    if p.colocate:
-        specs = [[{"CPU": p.cpus_per_worker * len(roles), **gpu} for _ in range(p.policy_workers)]]
-    else:
-        specs = [[{"CPU": p.cpus_per_worker, **gpu} for _ in range(workers)] for workers in roles.values()]
-    groups = [placement_group(bundles, strategy="PACK") for bundles in specs]
-    ray.get([g.ready() for g in groups])
-    return groups
-
-
-def _reward_metrics(samples: list[Sample]) -> dict[str, float]:
-    rewards = torch.tensor([s.reward for s in samples])
-    lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
-    metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(samples) > 1 else 0.0,
-               "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-               "response/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples)}
-    for key in samples[0].reward_metrics:
-        metrics[f"reward/{key}"] = sum(s.reward_metrics[key] for s in samples) / len(samples)
-    return metrics
-
-
-def _mismatch_metrics(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """How far the engine's log-probs are from the trainer's on the same tokens."""
-    diff = (rollout_lp - trainer_lp) * mask
-    counted = mask.sum().clamp(min=1)
-    return {"mismatch/logprob_abs_diff": float(diff.abs().sum() / counted),
-            "mismatch/logprob_max_abs_diff": float(diff.abs().max()),
-            "mismatch/kl_k3": float(((torch.exp(-diff) - 1 + diff) * mask).sum() / counted)}
-
-
-def _split_by_variance(samples: list[Sample], n: int) -> tuple[list[Sample], list[Sample]]:
-    from raylign.algorithms import filter_zero_variance_groups
-
-    result = filter_zero_variance_groups(torch.tensor([s.reward for s in samples]), group_size=n)
-    keep = set(result.kept_groups.tolist())
-    kept, dropped = [], []
-    for g in range(len(samples) // n):
-        group = samples[g * n:(g + 1) * n]
-        (kept if g in keep else dropped).extend(group)
-    return kept, dropped
 
 
 def _endless(sampler: ResumableSampler):
