@@ -233,8 +233,7 @@ class ModelWorker:
             self._weights_group = dist.new_group(backend="gloo")
 
     def _load_local_engine(self, state: dict[str, torch.Tensor]) -> None:
-        from raylign.rollout.buckets import iter_packed_buckets
-        from raylign.rollout.weight_sync import load_and_drain, receive_named_tensors, send_bucket, send_end_of_sync
+        from raylign.rollout.weight_sync import load_and_drain, receive_named_tensors, send_named_tensors
 
         def load(named_tensors) -> None:
             asyncio.run(self._local_engine.update_weights(named_tensors))
@@ -242,10 +241,7 @@ class ModelWorker:
         if self._weights_group is None:
             load(state.items())
         elif self.rank == 0:
-            bucket_bytes = max(1, int(self.cfg.rollout.bucket_mb * (1 << 20)))
-            for bucket in iter_packed_buckets(state.items(), bucket_bytes):
-                send_bucket([self._weights_group], bucket)
-            send_end_of_sync([self._weights_group])
+            send_named_tensors([self._weights_group], state.items(), int(self.cfg.rollout.bucket_mb * (1 << 20)))
             load(state.items())
         else:
             load_and_drain(receive_named_tensors(self._weights_group), load)

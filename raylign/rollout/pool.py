@@ -117,15 +117,9 @@ class RolloutPool:
         prompt_indices: Sequence[int] | None = None,
     ) -> list[Completion]:
         """``sampling.n`` completions per prompt from all engines, in prompt order then sample order."""
-        indices = default_prompt_indices(prompt_token_ids, prompt_indices)
-        shards = split_by_token_load([len(p) for p in prompt_token_ids], len(self.engines), sampling.max_new_tokens)
-        calls = [
-            engine.generate.remote([prompt_token_ids[p] for p in shard], sampling, [indices[p] for p in shard])
-            for engine, shard in zip(self.engines, shards)
-            if shard
-        ]
-        results = await asyncio.gather(*calls)
-        return order_completions((c for result in results for c in result), indices, sampling.n)
+        pending = self.submit(prompt_token_ids, sampling, prompt_indices)
+        results = await asyncio.gather(*pending.refs)
+        return order_completions((c for result in results for c in result), pending.prompt_indices, pending.n)
 
     def generate_blocking(
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, prompt_indices: Sequence[int] | None = None

@@ -89,6 +89,27 @@ def send_end_of_sync(groups: Sequence[dist.ProcessGroupGloo], marker: int = END_
         work.wait()
 
 
+def send_named_tensors(
+    groups: Sequence[dist.ProcessGroupGloo], named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> tuple[int, int, int]:
+    """Broadcast one whole sync in buckets, then its end marker; ``(buckets, tensors, bytes)`` sent.
+
+    If packing or sending fails, the receivers get the abort marker at once (rather than waiting
+    for the gloo timeout) and the error is re-raised."""
+    num_buckets = num_tensors = num_bytes = 0
+    try:
+        for bucket in iter_packed_buckets(named_tensors, bucket_bytes):
+            send_bucket(groups, bucket)
+            num_buckets += 1
+            num_tensors += len(bucket.metas)
+            num_bytes += bucket.buffer.numel()
+    except BaseException:
+        send_end_of_sync(groups, ABORT_SYNC)
+        raise
+    send_end_of_sync(groups)
+    return num_buckets, num_tensors, num_bytes
+
+
 def receive_named_tensors(group: dist.ProcessGroupGloo) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the tensors of one sync as they arrive (views into a new buffer per bucket)."""
     while True:
@@ -199,19 +220,11 @@ class WeightSyncSender:
             raise RuntimeError("WeightSyncSender.sync() before connect()")
         start = time.perf_counter()
         loading = [engine.receive_weights.remote() for engine in self.engines]
-        num_buckets = num_tensors = num_bytes = 0
         try:
-            for bucket in iter_packed_buckets(named_tensors, self.bucket_bytes):
-                send_bucket(self._groups, bucket)
-                num_buckets += 1
-                num_tensors += len(bucket.metas)
-                num_bytes += bucket.buffer.numel()
+            num_buckets, num_tensors, num_bytes = send_named_tensors(self._groups, named_tensors, self.bucket_bytes)
         except BaseException:
-            # Tell the engines at once, or they would wait for the gloo timeout.
-            send_end_of_sync(self._groups, ABORT_SYNC)
             self._await_aborted(loading)
             raise
-        send_end_of_sync(self._groups)
         ray.get(loading)
         stats = SyncStats(time.perf_counter() - start, num_buckets, num_tensors, num_bytes)
         logger.info(
