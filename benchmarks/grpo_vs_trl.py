@@ -65,7 +65,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 REWARD_FILE = REPO / "examples" / "rewards" / "letter_match.py"
 PHASES = ("generate", "reward", "experience", "train", "sync")
-CHILD_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled",
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
              "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 

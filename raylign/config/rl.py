@@ -85,6 +85,9 @@ class PlacementConfig(Section):
                                    "compute threads (rounded down, at least 1).")
     ray_address: str | None = Field(None, description="Join this Ray cluster; None starts a local Ray.")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of a local Ray (default: enough for the run).")
+    startup_timeout_s: float = Field(600.0, ge=1.0, le=86_400.0, description="Longest wait (1 s - 1 day) for the "
+                                     "model workers, rollout engines and reward actors to start (model loaded, "
+                                     "process groups formed); past it the run stops naming what did not start.")
 
 
 class RLTrainConfig(Section):

@@ -22,7 +22,7 @@ from raylign.config.pipeline import GENERATION_KEYS, GenerateConfig, PromptDataC
 from raylign.config.rl import RLDataConfig
 from raylign.data import read_rows
 from raylign.pipeline.files import JsonlWriter
-from raylign.pipeline.runtime import WORKER_ENV, ray_runtime
+from raylign.pipeline.runtime import ray_runtime
 from raylign.rl.prompts import Prompt, load_prompts
 from raylign.rollout.base import Completion
 
@@ -80,7 +80,8 @@ def _generate_all(cfg: GenerateConfig, model_path: str, items: list[tuple[Prompt
     from raylign.rollout.pool import RolloutPool, launch_engines
     from raylign.trainers.progress import Progress
 
-    engines = launch_engines(model_path, cfg.rollout, env_vars=WORKER_ENV)
+    engines = launch_engines(model_path, cfg.rollout, startup_timeout_s=cfg.ray.startup_timeout_s,
+                             timeout_setting="ray.startup_timeout_s")
     counts = {"response_tokens": 0, "stopped": 0, "responses": 0}
     progress = Progress(len(items), "generate", enabled=cfg.progress_bar)
     try:
@@ -112,6 +113,10 @@ def run_generate(cfg: GenerateConfig) -> dict[str, float]:
     items = [item for spec in cfg.data.prompts for item in load_dataset_prompts(spec, cfg.data, tokenizer)]
     log.info("generating %d responses for each of %d prompts with the %s engine", cfg.sampling.n, len(items),
              cfg.rollout.engine)
+    if cfg.rollout.max_model_len is None and items:  # room for the longest prompt and its completion
+        longest = max(len(p.token_ids) for p, _ in items)
+        cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
+            update={"max_model_len": max(16, longest + cfg.sampling.max_new_tokens)})})
     start = time.perf_counter()
     cpus = cfg.rollout.num_engines * cfg.rollout.num_cpus_per_engine
     with ray_runtime(cfg.ray, cpus):

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
+from raylign.cluster import ray_session
 from raylign.config.pipeline import RayRuntimeConfig
 
-# One thread per actor: several actors each using every core slow one another down many times over.
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}
 SPARE_CPUS = 2
 
 
@@ -20,18 +18,6 @@ def ray_runtime(cfg: RayRuntimeConfig, cpus_needed: float) -> Iterator[None]:
     A Ray already initialised in this process (a notebook, a test session) is used as it is
     and left running.
     """
-    import ray
-
-    if ray.is_initialized():
+    num_cpus = None if cfg.address else (cfg.num_cpus or max(4, int(cpus_needed + 0.999) + SPARE_CPUS))
+    with ray_session(cfg.address, num_cpus):
         yield
-        return
-    if cfg.address is None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance needs no token
-        num_cpus = cfg.num_cpus or max(4, int(cpus_needed + 0.999) + SPARE_CPUS)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV})
-    else:
-        ray.init(address=cfg.address, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV})
-    try:
-        yield
-    finally:
-        ray.shutdown()

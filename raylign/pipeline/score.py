@@ -99,7 +99,7 @@ def _score_file(cfg: ScoreConfig, rows: list[GeneratedRow]) -> RewardSummary:
     from raylign.trainers.progress import Progress
 
     summary = RewardSummary()
-    with build_reward(cfg.reward) as reward, JsonlWriter(cfg.output_path) as writer:
+    with build_reward(cfg.reward, cfg.ray.startup_timeout_s) as reward, JsonlWriter(cfg.output_path) as writer:
         progress = Progress(len(rows), "score", enabled=cfg.progress_bar)
         try:
             for start in range(0, len(rows), cfg.batch_size):

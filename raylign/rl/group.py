@@ -9,6 +9,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raylign.cluster import actor_env, wait_until_ready
 from raylign.rl.worker import ModelWorker
 
 
@@ -21,7 +22,7 @@ def _free_port() -> int:
 class WorkerGroup:
     def __init__(self, role: str, cfg: dict[str, Any], num_workers: int, total_steps: int,
                  placement_group: PlacementGroup | None, bundle_offset: int = 0, num_cpus: float = 1.0,
-                 num_gpus: float = 0.0, env: dict[str, str] | None = None):
+                 num_gpus: float = 0.0, env: dict[str, str] | None = None, startup_timeout_s: float = 600.0):
         self.role = role
         master_addr = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         port = _free_port()
@@ -29,14 +30,14 @@ class WorkerGroup:
         self.workers = []
         for rank in range(num_workers):
             options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus,
-                                       "runtime_env": {"env_vars": env or {}}}
+                                       "runtime_env": {"env_vars": actor_env(env)}}
             if placement_group is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=placement_group, placement_group_bundle_index=bundle_offset + rank)
             self.workers.append(actor_cls.options(**options).remote(
                 role, cfg, rank, num_workers, master_addr, port, total_steps))
-        # Fail here, naming the role, if a worker could not start.
-        ray.get([w.__ray_ready__.remote() for w in self.workers])
+        # Fail here, naming the rank, if a worker could not start (model loaded, process group formed).
+        wait_until_ready({f"{role} worker rank {rank}": w for rank, w in enumerate(self.workers)}, startup_timeout_s)
 
     def __len__(self) -> int:
         return len(self.workers)

@@ -52,5 +52,14 @@ def placement_groups(cfg: RLConfig, has_gpus: bool) -> list[Any]:
     else:
         specs = [[{"CPU": p.cpus_per_worker, **gpu} for _ in range(workers)] for workers in roles.values()]
     groups = [placement_group(bundles, strategy="PACK") for bundles in specs]
-    ray.get([g.ready() for g in groups])
+    ready, pending = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=p.startup_timeout_s)
+    if pending:
+        for group in groups:
+            ray.util.remove_placement_group(group)
+        from raylign.cluster import StartupError
+
+        raise StartupError(
+            f"{len(pending)} of {len(groups)} placement groups (bundles {specs}) were not granted within "
+            f"{p.startup_timeout_s:g} s (placement.startup_timeout_s); the cluster has "
+            f"{ray.available_resources()} free: lower placement.cpus_per_worker or the worker counts, or add nodes")
     return groups

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from raylign.cluster import start_ray
 from raylign.config.base import save_yaml
 from raylign.config.rl import RLConfig
 from raylign.data import ResumableSampler
@@ -43,7 +43,6 @@ from raylign.trainers.progress import Progress
 
 log = logging.getLogger("raylign")
 
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}
 
 
 class RLTrainer:
@@ -81,13 +80,19 @@ class RLTrainer:
                              f"({len(self.train_prompts)} prompts)")
         self.sampler = ResumableSampler(len(self.train_prompts), cfg.train.prompts_per_step, shuffle=True,
                                         seed=cfg.data.seed, drop_last=True)
-        if not ray.is_initialized():
-            # Every actor must fit, or its start waits forever for a CPU slot.
-            local_cpus = cfg.placement.num_cpus or max(1, math.ceil(cfg.ray_cpus_needed))
-            ray.init(address=cfg.placement.ray_address, include_dashboard=False,
-                     num_cpus=None if cfg.placement.ray_address else local_cpus,
-                     runtime_env={"env_vars": WORKER_ENV})
-        self.reward = build_reward(cfg.reward)
+        if cfg.rollout.max_model_len is None:  # the engines need room for what this run generates, no more
+            longest = max(len(p.token_ids) for p in self.train_prompts + self.eval_prompts)
+            new_tokens = max(cfg.sampling.max_new_tokens, cfg.train.eval_max_new_tokens or 0)
+            cfg = self.cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
+                update={"max_model_len": max(16, longest + new_tokens)})})
+            log.info("rollout.max_model_len: %d (longest prompt %d + %d new tokens)", cfg.rollout.max_model_len,
+                     longest, new_tokens)
+        # Every actor must fit, or its start waits for a CPU slot until placement.startup_timeout_s.
+        local_cpus = cfg.placement.num_cpus or max(1, math.ceil(cfg.ray_cpus_needed))
+        self._started_ray = start_ray(cfg.placement.ray_address,
+                                      num_cpus=None if cfg.placement.ray_address else local_cpus)
+        timeout = cfg.placement.startup_timeout_s
+        self.reward = build_reward(cfg.reward, timeout)
         dump = cfg.model_dump(mode="json")
         dump["model"]["path"] = self.model_path
         updates = cfg.train.max_steps * cfg.train.mini_batches * cfg.train.ppo_epochs
@@ -103,14 +108,14 @@ class RLTrainer:
             # Colocated on GPUs: rank r of every role shares GPU r (the policy with its engine) in equal parts.
             gpus = (1.0 / len(roles) if p.colocate else 1.0) if has_gpus else 0.0
             self.groups[role] = WorkerGroup(role, dump, workers, updates, group, num_cpus=p.cpus_per_worker,
-                                            num_gpus=gpus, env=WORKER_ENV)
+                                            num_gpus=gpus, startup_timeout_s=timeout)
         if p.colocate:
             # The hybrid engine: each policy worker generates with an engine in its own process.
             self.groups["policy"].call("start_local_engine", self.model_path)
             self.engines = []
             self.pool = RolloutPool(self.groups["policy"].workers)
         else:
-            self.engines = launch_engines(self.model_path, cfg.rollout, env_vars=WORKER_ENV)
+            self.engines = launch_engines(self.model_path, cfg.rollout, startup_timeout_s=timeout)
             self.pool = RolloutPool(self.engines)
             self.groups["policy"].call("connect_engines", self.engines)
         self.metrics = MetricsLogger(self.out, cfg.train.logging, dump)
@@ -438,6 +443,8 @@ class RLTrainer:
             ray.kill(engine)
         for group in getattr(self, "placement_groups", []):
             ray.util.remove_placement_group(group)
+        if getattr(self, "_started_ray", False):
+            ray.shutdown()
 
 
 def _endless(sampler: ResumableSampler):
@@ -462,5 +469,4 @@ def _set_rng(state: dict[str, Any]) -> None:
 
 
 def run_rl(cfg: RLConfig) -> dict[str, float]:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     return RLTrainer(cfg).run()

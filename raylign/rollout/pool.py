@@ -38,25 +38,37 @@ def engine_class(name: str) -> type:
 
 
 def launch_engines(
-    model_path: str | Path, config: RolloutConfig, env_vars: dict[str, str] | None = None
+    model_path: str | Path, config: RolloutConfig, env_vars: dict[str, str] | None = None,
+    startup_timeout_s: float = 600.0, timeout_setting: str = "placement.startup_timeout_s",
 ) -> list[Any]:
     """Start ``config.num_engines`` engine actors (one Ray actor each) and wait until they are loaded.
 
     On a cluster with GPUs each vLLM engine actor reserves ``tensor_parallel_size`` GPUs.
-    ``env_vars`` are added to the actors' environment (for example ``OMP_NUM_THREADS``).
+    ``env_vars`` are added to the actors' environment (for example ``OMP_NUM_THREADS``). An engine
+    that fails to load, or is not loaded within ``startup_timeout_s``, raises
+    :class:`raylign.cluster.StartupError` naming it.
     """
     import ray
 
+    from raylign.cluster import actor_env, wait_until_ready
+
     cls = engine_class(config.engine)
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-    env = {**VLLM_ENV_DEFAULTS, **(env_vars or {})}
     actor_cls = ray.remote(cls).options(
         num_cpus=config.num_cpus_per_engine,
         num_gpus=config.tensor_parallel_size if has_gpus else 0,
-        runtime_env={"env_vars": env},
+        runtime_env={"env_vars": actor_env({**VLLM_ENV_DEFAULTS, **(env_vars or {})})},
     )
     engines = [actor_cls.remote(str(model_path), config.model_dump()) for _ in range(config.num_engines)]
-    ray.get([engine.weight_version_now.remote() for engine in engines])  # surfaces start-up errors here
+    names = [f"rollout engine {i} ({config.engine}, model {model_path})" for i in range(len(engines))]
+    try:
+        # An engine answers its first call once its model is loaded.
+        wait_until_ready(dict(zip(names, engines)), startup_timeout_s, timeout_setting,
+                         ready={name: e.weight_version_now.remote() for name, e in zip(names, engines)})
+    except Exception:
+        for engine in engines:
+            ray.kill(engine)
+        raise
     return engines
 
 

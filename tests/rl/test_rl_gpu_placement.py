@@ -40,8 +40,9 @@ SCRIPT = textwrap.dedent('''
 
     if __name__ == "__main__":
         gpus, *paths = sys.argv[1:]
-        ray.init(address="local", num_cpus=8, num_gpus=int(gpus), include_dashboard=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
+        from raylign.cluster import start_ray
+
+        start_ray(num_cpus=8, num_gpus=int(gpus))
         print("RESULT " + json.dumps([placement(p) for p in paths]))
 ''')
 

@@ -52,18 +52,20 @@ class CombinedReward(RewardSource):
             item.source.close()
 
 
-def build_source(cfg: RewardSourceConfig) -> RewardSource:
-    """The reward source ``cfg`` describes (starts its worker processes or Ray actor)."""
+def build_source(cfg: RewardSourceConfig, startup_timeout_s: float = 600.0) -> RewardSource:
+    """The reward source ``cfg`` describes (starts its worker processes or Ray actor, waiting at most
+    ``startup_timeout_s`` for them)."""
     if cfg.kind == "function":
         from raylign.rollout.rewards.function import PythonFileReward
 
-        return PythonFileReward(cfg.path, cfg.function_name, num_workers=cfg.num_workers, timeout_s=cfg.timeout_s)
+        return PythonFileReward(cfg.path, cfg.function_name, num_workers=cfg.num_workers, timeout_s=cfg.timeout_s,
+                                startup_timeout_s=startup_timeout_s)
     if cfg.kind == "reward_model":
         from raylign.rollout.rewards.reward_model import RewardModelSource
 
         return RewardModelSource(cfg.model_path, batch_size=cfg.batch_size, normalize=cfg.normalize,
                                  max_length=cfg.max_length, dtype=cfg.dtype, num_cpus=cfg.num_cpus,
-                                 num_gpus=cfg.num_gpus)
+                                 num_gpus=cfg.num_gpus, startup_timeout_s=startup_timeout_s)
     if cfg.kind == "http":
         from raylign.rollout.rewards.remote import HttpRewardSource
 
@@ -80,12 +82,12 @@ def build_source(cfg: RewardSourceConfig) -> RewardSource:
     raise ValueError(f"unknown reward kind {cfg.kind!r}")
 
 
-def build_reward(cfg: RewardConfig) -> CombinedReward:
+def build_reward(cfg: RewardConfig, startup_timeout_s: float = 600.0) -> CombinedReward:
     """All sources of ``cfg`` combined by their weights; on failure the ones already started are closed."""
     built: list[WeightedSource] = []
     try:
         for name, source_cfg in zip(cfg.source_names(), cfg.sources):
-            built.append(WeightedSource(name, source_cfg.weight, build_source(source_cfg)))
+            built.append(WeightedSource(name, source_cfg.weight, build_source(source_cfg, startup_timeout_s)))
     except Exception:
         for item in built:
             item.source.close()

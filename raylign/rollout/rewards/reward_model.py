@@ -151,18 +151,23 @@ class RewardModelSource(RewardSource):
     """A reward model in a Ray actor (needs ``ray.init`` done); ``num_gpus > 0`` puts it on a GPU."""
 
     def __init__(self, model_path: str, batch_size: int = 16, normalize: bool = True, max_length: int | None = None,
-                 dtype: str = "float32", num_cpus: float = 1.0, num_gpus: float = 0.0):
+                 dtype: str = "float32", num_cpus: float = 1.0, num_gpus: float = 0.0,
+                 startup_timeout_s: float = 600.0):
         import ray
 
+        from raylign.cluster import StartupError, actor_env, wait_until_ready
+
         self.description = f"reward model {model_path}"
-        actor_class = ray.remote(RewardModelScorer).options(num_cpus=num_cpus, num_gpus=num_gpus)
+        actor_class = ray.remote(RewardModelScorer).options(num_cpus=num_cpus, num_gpus=num_gpus,
+                                                            runtime_env={"env_vars": actor_env()})
         self._actor = actor_class.remote(model_path, batch_size=batch_size, normalize=normalize,
                                          max_length=max_length, dtype=dtype)
         try:
-            ray.get(self._actor.ready.remote())
-        except Exception as err:  # the actor's constructor failed: bad folder, missing normalisation, ...
+            wait_until_ready({self.description: self._actor}, startup_timeout_s,
+                             ready={self.description: self._actor.ready.remote()})
+        except StartupError as err:  # the actor's constructor failed: bad folder, missing normalisation, ...
             self.close()
-            raise ValueError(f"{self.description} could not be loaded in its Ray actor: {_cause(err)}") from None
+            raise ValueError(f"{self.description} could not be loaded in its Ray actor: {err}") from None
 
     def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
                metadata: list[dict]) -> RewardResult:

@@ -1,0 +1,178 @@
+"""Ray for every raylign command: start a local Ray or join a cluster, and wait for actors with a limit.
+
+A local Ray is started here, in one way, whatever the caller's environment holds:
+``address="local"`` (a ``RAY_ADDRESS`` left in the environment does not redirect it),
+Ray's own authentication default, and actor environments that never override it (a worker
+told ``RAY_AUTH_MODE=disabled`` by its runtime environment cannot reach a head that uses
+tokens, and Ray then retries its start for minutes). Joining a cluster leaves its
+authentication alone: the token comes from ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
+``~/.ray/auth_token`` as Ray reads them.
+
+Every wait for actors to come up has a limit; past it the error names the actor, its node,
+its state and the last error lines Ray logged on this machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+log = logging.getLogger("raylign")
+
+# One thread per actor: several actors each using every core slow one another down many times over.
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# Environment variables that must never reach an actor's runtime environment (see the module docstring).
+NEVER_IN_ACTOR_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+class StartupError(RuntimeError):
+    """An actor, engine or worker did not come up (it failed, or did not answer in time)."""
+
+
+def actor_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``env_vars`` of an actor's runtime environment: :data:`WORKER_ENV` plus ``extra``."""
+    env = {**WORKER_ENV, **(extra or {})}
+    for key in NEVER_IN_ACTOR_ENV:
+        env.pop(key, None)
+    return env
+
+
+def start_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> bool:
+    """Start a local Ray (``address`` None) or join the cluster at ``address``.
+
+    Returns True when this call started or joined Ray (the caller shuts it down), False when
+    Ray was already initialised in this process (a notebook, a test session) and is used as it is.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    runtime_env = {"env_vars": actor_env()}
+    if address is None:
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                 runtime_env=runtime_env)
+        return True
+    try:
+        ray.init(address=address, include_dashboard=False, runtime_env=runtime_env)
+    except (ConnectionError, RuntimeError) as err:
+        raise ConnectionError(_join_failure_message(address, err)) from err
+    return True
+
+
+def _join_failure_message(address: str, err: Exception) -> str:
+    text = str(err)
+    hint = ("check that the cluster is running (`ray status` on its head node) and that this machine can "
+            "reach it")
+    if any(word in text for word in ("Unauthenticated", "InvalidAuthToken", "auth")):
+        hint = ("the cluster uses token authentication: set RAY_AUTH_MODE=token and the cluster's token in "
+                "RAY_AUTH_TOKEN (or a file named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token); "
+                "`ray get-auth-token` on the head node prints it")
+    return f"could not join the Ray cluster at placement.ray_address={address!r}: {text.splitlines()[0] if text else err!r}. Fix: {hint}"
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iterator[None]:
+    """Ray for the block; a Ray started (or joined) here is shut down when the block ends."""
+    import ray
+
+    started = start_ray(address, num_cpus)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def wait_until_ready(actors: Mapping[str, Any], timeout_s: float, setting: str = "placement.startup_timeout_s",
+                     ready: Mapping[str, Any] | None = None) -> list[Any]:
+    """Wait until every actor in ``actors`` (name -> handle) has started, for at most ``timeout_s``.
+
+    ``ready`` optionally maps a name to the object ref to wait for instead of the actor's
+    ``__ray_ready__`` (for example an engine's first call, which returns once its model is
+    loaded). Returns the results in the order of ``actors``. Raises :class:`StartupError`
+    naming the first actor that failed (with the cause Ray reported) or, at the limit, every
+    actor still pending with its state, node and the error lines Ray logged here.
+    """
+    import ray
+
+    started = time.time()
+    refs = {name: (ready or {}).get(name) or handle.__ray_ready__.remote() for name, handle in actors.items()}
+    names = {ref: name for name, ref in refs.items()}
+    pending = list(refs.values())
+    results: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            break
+        name = names[done[0]]
+        try:
+            results[name] = ray.get(done[0])
+        except Exception as err:  # the actor's constructor raised, or its process died
+            raise StartupError(f"{name} failed to start: {_cause(err)}") from err
+    if pending:
+        lines = [f"{names[ref]}: {describe_actor(actors[names[ref]])}" for ref in pending]
+        excerpt = ray_error_log_excerpt(since=started)
+        raise StartupError(
+            f"{len(pending)} of {len(actors)} actors did not start within {timeout_s:g} s ({setting}):\n  "
+            + "\n  ".join(lines)
+            + (f"\nlast errors in Ray's logs on this machine:\n  " + "\n  ".join(excerpt) if excerpt else
+               "\nRay logged no errors on this machine; a busy or too small cluster can leave actors waiting "
+               "for resources (`ray status` shows them)"))
+    return [results[name] for name in actors]
+
+
+def _cause(err: Exception) -> str:
+    """The innermost useful line of a Ray actor error: the exception the constructor raised, if any."""
+    cause = getattr(err, "cause", None) or getattr(err, "__cause__", None)
+    if cause is not None and cause is not err:
+        return f"{type(cause).__name__}: {cause}"
+    text = str(err).strip()
+    # RayTaskError text ends with the original exception's last line.
+    last = [line for line in text.splitlines() if line.strip()]
+    return last[-1].strip() if last else repr(err)
+
+
+def describe_actor(handle: Any) -> str:
+    """One line: the actor's state, its node and death cause, from Ray's control store."""
+    import ray
+
+    try:
+        info = ray._private.state.actors(handle._actor_id.hex())
+    except Exception as err:  # the control store itself may be unreachable
+        return f"state unknown ({err})"
+    state = info.get("State", "unknown")
+    node = info.get("Address", {}).get("IPAddress") or "no node yet"
+    text = f"state {state}, node {node}"
+    if state == "PENDING_CREATION":
+        text += " (its worker process has not started, or is still starting)"
+    if info.get("DeathCause"):
+        text += f", death cause: {str(info['DeathCause'])[:300]}"
+    return text
+
+
+def ray_error_log_excerpt(since: float = 0.0, limit: int = 8) -> list[str]:
+    """The last ``limit`` distinct error lines in this machine's Ray session logs written after ``since``."""
+    import ray
+
+    try:
+        logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    except Exception:
+        return []
+    words = ("Error", "error:", "Failed", "failed", "Unauthenticated", "Traceback", "Exception")
+    lines: list[str] = []
+    for path in sorted(glob.glob(os.path.join(logs, "raylet.err")) + glob.glob(os.path.join(logs, "worker-*.err"))):
+        try:
+            if os.path.getmtime(path) < since:
+                continue
+            with open(path, errors="replace") as f:
+                lines += [line.strip() for line in f if any(w in line for w in words) and "Traceback" not in line]
+        except OSError:
+            continue
+    unique = list(dict.fromkeys(lines))
+    return [line[:300] for line in unique[-limit:]]
