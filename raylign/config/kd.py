@@ -21,7 +21,8 @@ class TeacherConfig(Section):
     tokenizer_path: str | None = Field(
         None, description="Teacher tokenizer folder, compared with the student's; defaults to the teacher path."
     )
-    dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="Teacher parameter dtype.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Teacher parameter dtype; auto as for model.dtype.")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Teacher attention kernel.")
     trust_remote_code: bool = Field(False, description="Allow model code from the teacher folder.")
 

@@ -56,8 +56,9 @@ class RolloutConfig(Section):
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="GPUs per vLLM engine (1-64); must be 1 on CPU and for the hf engine."
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "bfloat16", description="Engine weight and activation dtype; float32 for exactness tests."
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Engine weight and activation dtype. auto: bfloat16 where the device computes it "
+        "natively (CUDA with bf16, CPUs with AMX or AVX512-BF16), float32 otherwise."
     )
     gpu_memory_utilization: float = Field(
         0.5, gt=0.0, le=0.99, description="Fraction of GPU memory vLLM may take (0-0.99); ignored on CPU."
@@ -65,11 +66,12 @@ class RolloutConfig(Section):
     kv_cache_memory_bytes: int | None = Field(
         None,
         ge=1 << 20,
-        description="KV-cache size in bytes (>= 1 MiB). Required in practice on CPU (default there: 256 MiB); "
-        "on GPU None sizes it from gpu_memory_utilization.",
+        description="KV-cache size in bytes (>= 1 MiB). None: on CPU room for 64 sequences of max_model_len "
+        "(at least 256 MiB, at most 1/16 of the memory); on GPU sized from gpu_memory_utilization.",
     )
     max_model_len: int | None = Field(
-        None, ge=16, description="Longest prompt + completion in tokens (>= 16); None: the model's maximum."
+        None, ge=16, description="Longest prompt + completion in tokens (>= 16). None: raylign rl and generate "
+        "use the longest prompt plus the most new tokens; elsewhere the model's maximum."
     )
     enforce_eager: bool = Field(
         True, description="Run vLLM without CUDA graphs / torch.compile (faster start; required on CPU)."

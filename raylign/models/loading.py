@@ -24,12 +24,17 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a config dtype name ('float32', 'bfloat16', 'float16')."""
+def torch_dtype(name: str, what: str = "model") -> torch.dtype:
+    """The torch dtype for a config dtype name ('auto', 'float32', 'bfloat16', 'float16').
+
+    ``auto`` resolves for this process's device (:func:`raylign.hardware.resolve_dtype`); the choice
+    is logged once per process, naming ``what``."""
+    from raylign.hardware import resolve_and_log
+
     try:
-        return TORCH_DTYPES[name]
+        return TORCH_DTYPES[resolve_and_log(name, what) if name in ("auto", "bfloat16") else name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(TORCH_DTYPES)}") from None
+        raise ValueError(f"unknown dtype {name!r}; allowed: auto, {', '.join(TORCH_DTYPES)}") from None
 
 
 def _existing_folder(path: str, expected: str, kind: str = "model") -> Path:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from raylign.config.rollout import RolloutConfig, SamplingConfig
+from raylign.hardware import resolve_and_log
 from raylign.rollout.base import (
     Completion,
     RolloutEngine,
@@ -108,7 +109,7 @@ class HFEngine(RolloutEngine):
             raise ValueError("rollout.tensor_parallel_size must be 1 for the hf engine")
         torch.set_flush_denormal(True)  # CPU generate is erratic with denormals
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[self.config.dtype])
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[resolve_and_log(self.config.dtype, "hf rollout engine")])
         self.model.to(self.device).eval()
         self.model.generation_config = neutral_generation_config(self.model.generation_config)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))

