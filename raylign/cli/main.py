@@ -75,6 +75,13 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+# Commands without a config file: name -> (summary, "module:main", main taking argv and returning the exit code).
+PLAIN_COMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": ("Check this machine for a run: versions, devices, bf16, Ray, packages and settings.",
+               "raylign.cli.doctor:main"),
+}
+
+
 def available_commands() -> dict[str, Command]:
     """The commands whose modules are present in this installation."""
     found = {}
@@ -95,9 +102,10 @@ dotted path (command line > YAML file > defaults). `raylign <command> --help` li
 
 
 def _usage() -> str:
-    commands = available_commands()
-    width = max(len(n) for n in commands)
-    rows = "\n".join(f"  {name.ljust(width)}  {c.summary}" for name, c in commands.items())
+    summaries = {name: c.summary for name, c in available_commands().items()}
+    summaries.update({name: summary for name, (summary, _) in PLAIN_COMMANDS.items()})
+    width = max(len(n) for n in summaries)
+    rows = "\n".join(f"  {name.ljust(width)}  {summary}" for name, summary in summaries.items())
     return USAGE.format(commands=rows)
 
 
@@ -140,13 +148,13 @@ def _split_args(argv: list[str]) -> tuple[str | None, bool, bool, list[str]]:
 def setup_logging() -> None:
     rank = int(os.environ.get("RANK", "0"))
     level = logging.INFO if rank == 0 else logging.WARNING
-    try:
+    if sys.stderr.isatty():  # a terminal: rich's coloured, wrapped lines
         from rich.logging import RichHandler
 
         handler: logging.Handler = RichHandler(show_path=False, rich_tracebacks=False)
         fmt = "%(message)s"
-    except ImportError:  # pragma: no cover - rich is a dependency
-        handler = logging.StreamHandler()
+    else:  # a log file or a pipe: one plain line per message, on stderr
+        handler = logging.StreamHandler(sys.stderr)
         fmt = "%(asctime)s %(levelname)s %(message)s"
     logging.basicConfig(level=level, format=fmt, handlers=[handler], force=True)
     for noisy in ("httpx", "urllib3", "filelock", "torch.distributed"):
@@ -168,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]
+    if name in PLAIN_COMMANDS:
+        return _load(PLAIN_COMMANDS[name][1])(rest)
     if name not in available_commands():
         print(f"raylign: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
