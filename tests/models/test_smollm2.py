@@ -156,3 +156,25 @@ def test_greedy_reply_to_a_sum_contains_the_answer(smollm2):
         output = model.generate(**inputs, max_new_tokens=24, do_sample=False)
     reply = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "4" in reply, reply
+
+
+@pytest.mark.slow
+@needs_smollm2_package
+def test_float32_vllm_engine_starts_with_default_memory_settings(cache, ray_session):
+    """The model's own maximum length (8192) needs 360 MiB of fp32 KV cache for one sequence; the
+    default CPU cache is sized from it instead of a fixed 256 MiB."""
+    from raylign.config.rollout import RolloutConfig, SamplingConfig
+    from raylign.rollout.pool import launch_engines
+
+    tokenizer = load_tokenizer(str(cache["folder"]), padding_side="left")
+    (engine,) = launch_engines(cache["folder"], RolloutConfig(engine="vllm", dtype="float32"),
+                               env_vars={"OMP_NUM_THREADS": "1"}, startup_timeout_s=600)
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                             add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        (completion,) = ray_session.get(engine.generate.remote(
+            [prompt], SamplingConfig(n=1, temperature=0.0, max_new_tokens=8)), timeout=300)
+        assert len(completion.response_token_ids) >= 1
+    finally:
+        ray_session.kill(engine)
