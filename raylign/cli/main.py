@@ -42,7 +42,7 @@ def _load(target: str):
 
 
 COMMANDS: dict[str, Command] = {
-    "quickstart": Command("Train a tiny model to reverse letter sequences on the CPU and report accuracy.",
+    "quickstart": Command("SFT warm-up then GRPO of a tiny model on a letter task on the CPU; reports what RL added.",
                           "raylign.cli.quickstart:QuickstartConfig", "raylign.cli.quickstart:run_quickstart",
                           distributed=False),
     "tiny-model": Command("Build a tiny random model with a local tokenizer (for examples and tests).",

@@ -1,0 +1,82 @@
+"""The README's commands, run as a newcomer runs them: in a fresh clone, from a clean environment.
+
+Nothing is inherited from the test suite: each command runs under ``env -i HOME=$HOME
+PATH=/usr/local/bin:/usr/bin:/bin``. The install part of the first command (``bash
+scripts/install.sh``) is what ``.ci/run`` itself does on a fresh clone; here the clone uses
+the environment that install made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CLEAN_ENV = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/local/bin:/usr/bin:/bin"}
+
+
+def readme_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+
+
+def fresh_clone(tmp_path: Path) -> Path:
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=300, env=CLEAN_ENV)
+    (clone / ".venv").symlink_to(Path(sys.prefix))  # the environment scripts/install.sh made
+    return clone
+
+
+def run_clean(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["env", "-i", *(f"{k}={v}" for k, v in CLEAN_ENV.items()), "bash", "-c", command],
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{command!r} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def test_readme_opens_with_install_then_quickstart():
+    assert readme_blocks()[0].strip() == "bash scripts/install.sh && .venv/bin/raylign quickstart"
+
+
+@pytest.mark.slow
+def test_quickstart_as_written_learns_to_the_stated_targets(tmp_path):
+    """The run part of the README's first command. Targets: after the warm-up the held-out mean
+    reward is at most 0.35; after RL at least 0.8, with at least half the answers exact; RL adds
+    more than the warm-up did."""
+    clone = fresh_clone(tmp_path)
+    run_part = readme_blocks()[0].strip().split("&&")[1].strip()
+    proc = run_clean(run_part, clone, timeout=1800)
+    out = clone / "outputs" / "quickstart"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["after_warmup"]["reward"] <= 0.35
+    assert summary["after_rl"]["reward"] >= 0.8
+    assert summary["after_rl"]["exact_match"] >= 0.5
+    rl_gain = summary["after_rl"]["reward"] - summary["after_warmup"]["reward"]
+    warmup_gain = summary["after_warmup"]["reward"] - summary["base_model"]["reward"]
+    assert rl_gain > warmup_gain
+    assert (out / "rl" / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "rl" / "final" / "config.json").exists()
+    # The closing lines say in words what improved; logs are plain lines without a terminal.
+    assert "RL raised the held-out mean reward" in proc.stderr
+    assert "━" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_rl_tiny_example_after_its_preparation_commands(tmp_path):
+    """``raylign rl --config examples/rl_grpo_tiny.yaml`` after the commands its README section and
+    its own header give (build the tiny model, SFT warm-up), in the activated environment."""
+    clone = fresh_clone(tmp_path)
+    header = (clone / "examples" / "rl_grpo_tiny.yaml").read_text()
+    assert "raylign tiny-model && raylign sft --config examples/sft_tiny.yaml" in header
+    commands = ("source .venv/bin/activate && raylign tiny-model --output_dir outputs/tiny-model"
+                " && raylign sft --config examples/sft_tiny.yaml && raylign rl --config examples/rl_grpo_tiny.yaml")
+    run_clean(commands, clone, timeout=1200)
+    out = clone / "outputs" / "rl-grpo-tiny"
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(row["step"] for row in steps) == 40
+    assert (out / "final" / "config.json").exists()
