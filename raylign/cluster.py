@@ -31,7 +31,13 @@ NEVER_IN_ACTOR_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
 class StartupError(RuntimeError):
-    """An actor, engine or worker did not come up (it failed, or did not answer in time)."""
+    """An actor, engine or worker did not come up (it failed, or did not answer in time).
+
+    ``cause`` is the failed constructor's own error in one line, or None after a timeout."""
+
+    def __init__(self, message: str, cause: str | None = None):
+        super().__init__(message)
+        self.cause = cause
 
 
 def actor_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -114,7 +120,8 @@ def wait_until_ready(actors: Mapping[str, Any], timeout_s: float, setting: str =
         try:
             results[name] = ray.get(done[0])
         except Exception as err:  # the actor's constructor raised, or its process died
-            raise StartupError(f"{name} failed to start: {_cause(err)}") from err
+            cause = _cause(err)
+            raise StartupError(f"{name} failed to start: {cause}", cause) from err
     if pending:
         lines = [f"{names[ref]}: {describe_actor(actors[names[ref]])}" for ref in pending]
         excerpt = ray_error_log_excerpt(since=started)
@@ -129,8 +136,8 @@ def wait_until_ready(actors: Mapping[str, Any], timeout_s: float, setting: str =
 
 def _cause(err: Exception) -> str:
     """The innermost useful line of a Ray actor error: the exception the constructor raised, if any."""
-    cause = getattr(err, "cause", None) or getattr(err, "__cause__", None)
-    if cause is not None and cause is not err:
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException) and cause is not err:
         return f"{type(cause).__name__}: {cause}"
     text = str(err).strip()
     # RayTaskError text ends with the original exception's last line.

@@ -167,7 +167,7 @@ class RewardModelSource(RewardSource):
                              ready={self.description: self._actor.ready.remote()})
         except StartupError as err:  # the actor's constructor failed: bad folder, missing normalisation, ...
             self.close()
-            raise ValueError(f"{self.description} could not be loaded in its Ray actor: {err}") from None
+            raise ValueError(f"{self.description} could not be loaded in its Ray actor: {err.cause or err}") from None
 
     def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
                metadata: list[dict]) -> RewardResult:
