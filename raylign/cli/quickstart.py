@@ -97,8 +97,10 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, dict[str, float]]:
     out = Path(cfg.output_dir)
     sft_file, prompts, held_out = _data(cfg, out)
     max_new_tokens = 10
+    # Head size >= 32, as vLLM on CPU needs. Untied embeddings: with tied ones, the RL gradient that
+    # lowers a letter's output logit also blurs that letter in the prompt, and a run can lose a letter.
     model = build_tiny_model(out / "base_model", hidden_size=cfg.hidden_size, num_heads=4, num_kv_heads=2,
-                             seed=cfg.seed)  # head size >= 32, as vLLM on CPU needs
+                             tie_word_embeddings=False, seed=cfg.seed)
     summary: dict[str, dict[str, float]] = {"base_model": greedy_eval(model, held_out, max_new_tokens)}
     if cfg.sft_steps:
         log.info("SFT warm-up: %d steps", cfg.sft_steps)
@@ -122,7 +124,8 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, dict[str, float]]:
         "rollout": {"engine": cfg.engine, "dtype": "float32"},
         "sampling": {"n": cfg.samples_per_prompt, "max_new_tokens": max_new_tokens, "temperature": 1.0},
         "data": {"train": [str(prompts)], "eval": [str(held_out)], "seed": cfg.seed},
-        "optim": {"lr": cfg.rl_lr, "scheduler": "constant"},
+        # A short warm-up of the learning rate: Adam's first steps move every weight by about lr at once.
+        "optim": {"lr": cfg.rl_lr, "scheduler": "constant", "warmup_steps": 10},
         # The phases take turns, so each worker may compute on every core (up to 4: the model is tiny).
         "placement": {"cpus_per_worker": min(4, os.cpu_count() or 1)},
         "train": {"output_dir": str(out / "rl"), "max_steps": cfg.rl_steps, "prompts_per_step": cfg.prompts_per_step,
