@@ -118,7 +118,7 @@ def wait_until_ready(actors: Mapping[str, Any], timeout_s: float, setting: str =
             break
         name = names[done[0]]
         try:
-            results[name] = ray.get(done[0])
+            results[name] = ray.get(done[0], timeout=60)  # ready, so only fetching the result remains
         except Exception as err:  # the actor's constructor raised, or its process died
             cause = _cause(err)
             raise StartupError(f"{name} failed to start: {cause}", cause) from err

@@ -96,3 +96,9 @@ class RolloutConfig(Section):
         1.0, ge=0.0, le=1024.0, description="Ray CPU slots reserved per engine actor (0-1024)."
     )
     seed: int = Field(0, ge=0, description="Engine seed (>= 0), used for requests without their own seed.")
+
+    def with_room_for(self, longest_prompt: int, new_tokens: int) -> "RolloutConfig":
+        """This config, with ``max_model_len`` set to what a run needs when the user left it unset."""
+        if self.max_model_len is not None:
+            return self
+        return self.model_copy(update={"max_model_len": max(16, longest_prompt + new_tokens)})

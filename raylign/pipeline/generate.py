@@ -113,10 +113,9 @@ def run_generate(cfg: GenerateConfig) -> dict[str, float]:
     items = [item for spec in cfg.data.prompts for item in load_dataset_prompts(spec, cfg.data, tokenizer)]
     log.info("generating %d responses for each of %d prompts with the %s engine", cfg.sampling.n, len(items),
              cfg.rollout.engine)
-    if cfg.rollout.max_model_len is None and items:  # room for the longest prompt and its completion
+    if items:  # room for the longest prompt and its completion
         longest = max(len(p.token_ids) for p, _ in items)
-        cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
-            update={"max_model_len": max(16, longest + cfg.sampling.max_new_tokens)})})
+        cfg = cfg.model_copy(update={"rollout": cfg.rollout.with_room_for(longest, cfg.sampling.max_new_tokens)})
     start = time.perf_counter()
     cpus = cfg.rollout.num_engines * cfg.rollout.num_cpus_per_engine
     with ray_runtime(cfg.ray, cpus):

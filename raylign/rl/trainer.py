@@ -44,7 +44,6 @@ from raylign.trainers.progress import Progress
 log = logging.getLogger("raylign")
 
 
-
 class RLTrainer:
     def __init__(self, cfg: RLConfig):
         self.cfg = cfg
@@ -80,13 +79,12 @@ class RLTrainer:
                              f"({len(self.train_prompts)} prompts)")
         self.sampler = ResumableSampler(len(self.train_prompts), cfg.train.prompts_per_step, shuffle=True,
                                         seed=cfg.data.seed, drop_last=True)
-        if cfg.rollout.max_model_len is None:  # the engines need room for what this run generates, no more
-            longest = max(len(p.token_ids) for p in self.train_prompts + self.eval_prompts)
-            new_tokens = max(cfg.sampling.max_new_tokens, cfg.train.eval_max_new_tokens or 0)
-            cfg = self.cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
-                update={"max_model_len": max(16, longest + new_tokens)})})
-            log.info("rollout.max_model_len: %d (longest prompt %d + %d new tokens)", cfg.rollout.max_model_len,
-                     longest, new_tokens)
+        # The engines need room for what this run generates, no more.
+        longest = max(len(p.token_ids) for p in self.train_prompts + self.eval_prompts)
+        new_tokens = max(cfg.sampling.max_new_tokens, cfg.train.eval_max_new_tokens or 0)
+        cfg = self.cfg = cfg.model_copy(update={"rollout": cfg.rollout.with_room_for(longest, new_tokens)})
+        log.info("rollout.max_model_len: %d (longest prompt %d, %d new tokens)", cfg.rollout.max_model_len,
+                 longest, new_tokens)
         # Every actor must fit, or its start waits for a CPU slot until placement.startup_timeout_s.
         local_cpus = cfg.placement.num_cpus or max(1, math.ceil(cfg.ray_cpus_needed))
         self._started_ray = start_ray(cfg.placement.ray_address,

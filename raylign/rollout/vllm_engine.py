@@ -90,12 +90,16 @@ def build_llm_kwargs(model_path: str, config: RolloutConfig, on_cpu: bool) -> di
     return kwargs
 
 
-def kv_bytes_per_token(model_path: str, dtype: str) -> int:
-    """KV-cache bytes one token takes: keys and values of every layer's KV heads."""
+def _text_config(model_path: str) -> Any:
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(model_path)
-    hf = getattr(hf, "text_config", None) or hf
+    return getattr(hf, "text_config", None) or hf
+
+
+def kv_bytes_per_token(model_path: str, dtype: str, hf: Any = None) -> int:
+    """KV-cache bytes one token takes: keys and values of every layer's KV heads."""
+    hf = hf or _text_config(model_path)
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or heads
@@ -107,12 +111,11 @@ def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int | None) -
     :data:`CPU_KV_CACHE_SEQUENCES` sequences of that length, at least :data:`CPU_DEFAULT_KV_CACHE_BYTES`
     and one whole sequence, at most a sixteenth of the machine's memory."""
     import psutil
-    from transformers import AutoConfig
 
+    hf = _text_config(model_path)
     if max_model_len is None:
-        hf = AutoConfig.from_pretrained(model_path)
-        max_model_len = getattr(getattr(hf, "text_config", None) or hf, "max_position_embeddings", 4096)
-    one_sequence = kv_bytes_per_token(model_path, dtype) * (-(-max_model_len // 16) * 16)  # whole 16-token blocks
+        max_model_len = getattr(hf, "max_position_embeddings", 4096)
+    one_sequence = kv_bytes_per_token(model_path, dtype, hf) * (-(-max_model_len // 16) * 16)  # whole 16-token blocks
     wanted = max(CPU_DEFAULT_KV_CACHE_BYTES, CPU_KV_CACHE_SEQUENCES * one_sequence)
     return int(max(one_sequence, min(wanted, psutil.virtual_memory().total // 16)))
 
