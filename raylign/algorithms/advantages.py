@@ -9,6 +9,10 @@ Inputs shared by all estimators:
 * group estimators take ``group_size`` or ``group_ids`` (see :mod:`raylign.algorithms.groups`).
   Groups of one sample and groups whose rewards are all equal get advantage 0.
 * ``token_kl`` / ``kl_coef`` (where accepted): the reward becomes ``r_t - kl_coef * token_kl_t``.
+
+Registration metadata tells a caller what to pass: ``needs_groups`` (``group_size``/``group_ids``),
+``needs_values`` (a critic's ``values``), ``options`` (algorithm-config fields passed on as the
+keyword arguments of the same name, e.g. ``gamma``) and ``takes_token_kl`` (``token_kl``/``kl_coef``).
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def _broadcast(sequence_values: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return zero_masked(sequence_values.unsqueeze(-1).expand(mask.shape), mask)
 
 
-@ADVANTAGE_ESTIMATORS.register("gae", needs_values=True)
+@ADVANTAGE_ESTIMATORS.register("gae", needs_values=True, options=("gamma", "lam"), takes_token_kl=True)
 def compute_gae_advantages(
     rewards: torch.Tensor,
     mask: torch.Tensor,
@@ -121,7 +125,7 @@ def compute_gae_advantages(
     return advantages, returns
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce")
+@ADVANTAGE_ESTIMATORS.register("reinforce", options=("gamma",), takes_token_kl=True)
 def compute_reinforce_advantages(
     rewards: torch.Tensor,
     mask: torch.Tensor,
@@ -136,7 +140,7 @@ def compute_reinforce_advantages(
     return returns.clone(), returns
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus", options=("gamma",), takes_token_kl=True)
 def compute_reinforce_plus_plus_advantages(
     rewards: torch.Tensor,
     mask: torch.Tensor,
@@ -156,7 +160,8 @@ def compute_reinforce_plus_plus_advantages(
     return advantages, returns
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", needs_groups=True)
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", needs_groups=True, options=("gamma",),
+                               takes_token_kl=True)
 def compute_reinforce_plus_plus_baseline_advantages(
     rewards: torch.Tensor,
     mask: torch.Tensor,
@@ -207,7 +212,7 @@ def compute_rloo_advantages(
     return advantages, advantages.clone()
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo", needs_groups=True)
+@ADVANTAGE_ESTIMATORS.register("grpo", needs_groups=True, options=("normalize_std",))
 def compute_grpo_advantages(
     rewards: torch.Tensor,
     mask: torch.Tensor,

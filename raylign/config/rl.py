@@ -99,9 +99,8 @@ class RLTrainConfig(Section):
     micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of a micro-batch (balanced packing).")
     pack_row_tokens: int = Field(0, ge=0, description="Tokens per packed row within a micro-batch; 0: the longest "
                                  "sample's length. Attention cost grows with the square of a row's length.")
-    async_rollout: bool = Field(False, description="Generate the next step's samples while this step trains "
-                                "(they come from weights one update old; the engine's log-probs are then the "
-                                "behaviour policy of the ratio). Needs separate placement.")
+    async_rollout: bool | None = Field(None, description="Replaced by rollout.max_staleness (async_rollout: true "
+                                       "is rollout.max_staleness: 1).")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (and at start and end); 0 only start/end.")
     eval_n: int = Field(1, ge=1, description="Samples per eval prompt (pass@k for k <= eval_n).")
     eval_temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 greedy).")
@@ -221,13 +220,21 @@ class RLConfig(Section):
             names = ", ".join(f"{k}={v}" for k, v in several.items())
             raise ValueError(f"engine.backend 'local' trains in one process, but {names}: use engine.backend "
                              "'fsdp2' or 'deepspeed' for data-parallel training ranks")
-        if t.async_rollout and p.colocate:
-            raise ValueError("train.async_rollout overlaps generation with training: it needs engines apart from the "
-                             "trainers (placement.colocate: false)")
-        if t.async_rollout and a.off_policy != "none":
-            raise ValueError(f"train.async_rollout takes the engine's log-probs as the behaviour policy; "
-                             f"algorithm.off_policy '{a.off_policy}' corrects a trainer recomputation that an "
-                             "asynchronous run does not make: set algorithm.off_policy: none")
+        r = self.rollout
+        if t.async_rollout is not None:
+            raise ValueError("train.async_rollout is replaced by rollout.max_staleness: use rollout.max_staleness: 1 "
+                             "for what async_rollout: true did (0, the default, is synchronous)")
+        if r.max_staleness > 0 and p.colocate:
+            raise ValueError(f"rollout.max_staleness {r.max_staleness} overlaps generation with training: it needs "
+                             "engines apart from the trainers (placement.colocate: false)")
+        if r.max_staleness > 1 and a.off_policy == "none":
+            raise ValueError(f"rollout.max_staleness {r.max_staleness}: samples up to {r.max_staleness} updates old "
+                             "make the engine's log-probs a poor stand-in for the policy of the PPO ratio; set "
+                             "algorithm.off_policy to truncated_is (decoupled PPO: the ratio against the policy "
+                             "recomputed by the trainer, the behaviour weights truncated) or ratio_mask")
+        if r.partial_rollouts and r.max_staleness == 0:
+            raise ValueError("rollout.partial_rollouts continues sequences under newer weights: it needs "
+                             "rollout.max_staleness >= 1")
         if p.colocate and max(self.worker_roles.values()) > p.policy_workers:
             raise ValueError("placement.colocate puts rank r of every model beside policy rank r: "
                              "placement.reference_workers and placement.critic_workers must not exceed "

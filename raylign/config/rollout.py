@@ -92,6 +92,20 @@ class RolloutConfig(Section):
         description="Timeout of the weight-sync group (5 s - 1 day): an engine whose trainer died waits this "
         "long before failing.",
     )
+    max_staleness: int = Field(
+        0, ge=0, le=64, description="Asynchronous RL: a sample may be trained on by a policy at most this many weight "
+        "updates newer than the oldest weights that sampled one of its tokens (0: synchronous; strict, checked as "
+        "samples enter a step).")
+    stale_samples: Literal["drop", "regenerate"] = Field(
+        "drop", description="What happens to a prompt group past max_staleness: dropped (counted), or its prompt "
+        "generated again.")
+    partial_rollouts: bool = Field(
+        False, description="A weight update does not wait for sequences in flight: the engines pause, take the new "
+        "weights and continue them under those (vLLM; the hf engine finishes its running batch first). Needs "
+        "max_staleness >= 1.")
+    generate_timeout_s: float = Field(
+        1800.0, gt=0, description="Longest wait for the next prompt group to finish before the run stops with an "
+        "error naming the engines.")
     num_cpus_per_engine: float = Field(
         1.0, ge=0.0, le=1024.0, description="Ray CPU slots reserved per engine actor (0-1024)."
     )

@@ -77,7 +77,7 @@ def group_by_prompt(completions: Sequence[Completion], first_index: int, num_pro
 def _generate_all(cfg: GenerateConfig, model_path: str, items: list[tuple[Prompt, dict[str, Any]]]) -> dict[str, float]:
     import ray
 
-    from raylign.rollout.pool import RolloutPool, launch_engines
+    from raylign.rollout.pool import RolloutPool, launch_engines, stop_engines
     from raylign.trainers.progress import Progress
 
     engines = launch_engines(model_path, cfg.rollout, startup_timeout_s=cfg.ray.startup_timeout_s,
@@ -99,8 +99,7 @@ def _generate_all(cfg: GenerateConfig, model_path: str, items: list[tuple[Prompt
                 progress.advance_to(start + len(batch))
     finally:
         progress.close()
-        for engine in engines:
-            ray.kill(engine)
+        stop_engines(engines)
     return counts
 
 

@@ -11,7 +11,7 @@ from raylign.algorithms import (
     dapo_overlong_penalty,
     kl_reward_penalty,
 )
-from raylign.config.rl import GROUP_ESTIMATORS, RLConfig
+from raylign.config.rl import RLConfig
 
 
 def shaped_rewards(rewards: torch.Tensor, lengths: torch.Tensor, cfg: RLConfig) -> tuple[torch.Tensor, dict[str, float]]:
@@ -33,31 +33,32 @@ def compute_advantages(
     rewards: torch.Tensor,
     mask: torch.Tensor,
     group_size: int,
-    old_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor | None,
     values: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """``(advantages, returns, metrics)``, all ``[batch, R]`` but the metrics."""
+    """``(advantages, returns, metrics)``, all ``[batch, R]`` but the metrics.
+
+    The estimator's registration metadata says which inputs it takes (groups, values, config
+    options, a per-token KL). A KL-in-reward penalty goes into the per-token rewards of the
+    estimators that take a token KL, and onto the outcome reward of the others.
+    """
     a = cfg.algorithm
-    kwargs: dict = {}
-    metrics: dict[str, float] = {}
-    if a.advantage in GROUP_ESTIMATORS:
+    takes = ADVANTAGE_ESTIMATORS.metadata(a.advantage)
+    kwargs: dict = {name: getattr(a, name) for name in takes.get("options", ())}
+    if takes.get("needs_groups"):
         kwargs["group_size"] = group_size
-    if a.advantage == "grpo":
-        kwargs["normalize_std"] = a.normalize_std
-    if a.advantage in ("gae", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
-        kwargs["gamma"] = a.gamma
-    if a.advantage == "gae":
-        kwargs.update(values=values, lam=a.lam)
+    if takes.get("needs_values"):
+        kwargs["values"] = values
+    metrics: dict[str, float] = {}
     if ref_logprobs is not None:
-        token_kl = compute_token_kl(old_logprobs, ref_logprobs, mask, estimator=a.kl_estimator)
+        token_kl = compute_token_kl(behaviour_logprobs, ref_logprobs, mask, estimator=a.kl_estimator)
         metrics["kl/reference"] = float((token_kl * mask).sum() / mask.sum().clamp(min=1))
-        if a.kl_mode == "reward":
-            if "gamma" in kwargs:  # these estimators take the KL inside their returns
-                kwargs.update(token_kl=token_kl.detach(), kl_coef=a.kl_coef)
-            else:
-                penalty = kl_reward_penalty(old_logprobs, ref_logprobs, mask, a.kl_coef, estimator=a.kl_estimator)
-                rewards = rewards + (penalty * mask).sum(dim=-1)
+        if a.kl_mode == "reward" and takes.get("takes_token_kl"):
+            kwargs.update(token_kl=token_kl.detach(), kl_coef=a.kl_coef)
+        elif a.kl_mode == "reward":
+            penalty = kl_reward_penalty(behaviour_logprobs, ref_logprobs, mask, a.kl_coef, estimator=a.kl_estimator)
+            rewards = rewards + (penalty * mask).sum(dim=-1)
     advantages, returns = ADVANTAGE_ESTIMATORS.get(a.advantage)(rewards, mask, **kwargs)
     counted = mask.sum().clamp(min=1)
     metrics["advantage/mean"] = float((advantages * mask).sum() / counted)

@@ -14,8 +14,11 @@ broadcasts them to the others in size-bounded buckets over a gloo group of the p
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ import torch
 
 from raylign.algorithms import (
     POLICY_LOSSES,
+    LossScale,
     compute_entropy_bonus,
     compute_kl_loss,
     compute_loss_scale,
@@ -30,10 +34,14 @@ from raylign.algorithms import (
     mask_by_importance_ratio,
     truncated_importance_weights,
 )
-from raylign.config.rl import RLConfig
-from raylign.rl.experience import gather_responses
+from raylign.config.rl import AlgorithmConfig, RLConfig
+from raylign.rl.experience import MicroBatch, gather_responses
+from raylign.rl.metric import Metric, combine
 
-Batch = dict[str, torch.Tensor]
+# ``correct(batch) -> (loss mask, token weights or None, statistics)`` for the trainer-vs-engine gap.
+OffPolicyCorrection = Callable[[MicroBatch], tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]]
+# Statistics of the algorithm library that are maxima; all others are means over counted tokens.
+MAXIMA = {"ratio_max"}
 
 
 class ModelWorker:
@@ -49,6 +57,11 @@ class ModelWorker:
         torch.set_num_threads(max(1, int(self.cfg.placement.cpus_per_worker)))
         self.role, self.rank, self.world_size = role, rank, world_size
         self.temperature = self.cfg.sampling.temperature or 1.0
+        # The algorithm's choices, bound once: the update itself does not look at their names.
+        a = self.cfg.algorithm
+        self.policy_loss = bind_policy_loss(a)
+        self.correct_off_policy = bind_off_policy_correction(a)
+        self.kl_loss_coef = a.kl_coef if a.kl_mode == "loss" else 0.0
         torch.manual_seed(self.cfg.train.seed)
         from raylign.models import load_causal_lm, load_score_model
 
@@ -78,41 +91,37 @@ class ModelWorker:
     # ---- forward passes ----------------------------------------------------------------
 
     @torch.no_grad()
-    def compute_logprobs(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
+    def compute_logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         """Response log-probs ``[b, R]`` per micro-batch, at the sampling temperature."""
         self.module.eval()
-        return [self._response_logprobs(batch).cpu() for batch in self._to_device(micro_batches)]
+        return [self._response_logprobs(batch.to(self.device)).cpu() for batch in micro_batches]
 
-    def _response_logprobs(self, batch: Batch, with_entropy: bool = False):
+    def _response_logprobs(self, batch: MicroBatch, with_entropy: bool = False):
         """Log-probs ``[b, R]`` of the response tokens (0 where masked), from logits at response positions only."""
         from raylign.models import selected_token_logprobs
 
-        out = selected_token_logprobs(self.module, batch["input_ids"], batch["resp_index"],
-                                      position_ids=batch["position_ids"], temperature=self.temperature,
+        out = selected_token_logprobs(self.module, batch.input_ids, batch.resp_index,
+                                      position_ids=batch.position_ids, temperature=self.temperature,
                                       with_entropy=with_entropy)
-        mask = batch["mask"]
         if with_entropy:
-            return out[0] * mask, out[1] * mask
-        return out * mask
+            return out[0] * batch.mask, out[1] * batch.mask
+        return out * batch.mask
 
     @torch.no_grad()
-    def compute_values(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
+    def compute_values(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         """Critic values ``[b, R]``: V of the state before each response token."""
         self.module.eval()
-        return [self._values(batch).cpu() for batch in self._to_device(micro_batches)]
+        return [self._values(batch.to(self.device)).cpu() for batch in micro_batches]
 
-    def _to_device(self, micro_batches: list[Batch]) -> list[Batch]:
-        return [{k: v.to(self.device) for k, v in batch.items()} for batch in micro_batches]
-
-    def _values(self, batch: Batch) -> torch.Tensor:
+    def _values(self, batch: MicroBatch) -> torch.Tensor:
         from raylign.models import token_scores
 
-        scores = token_scores(self.module, batch["input_ids"], position_ids=batch["position_ids"])
-        return gather_responses(scores, batch["resp_index"], batch["mask"], shift=-1)
+        scores = token_scores(self.module, batch.input_ids, position_ids=batch.position_ids)
+        return gather_responses(scores, batch.resp_index, batch.mask, shift=-1)
 
     # ---- updates -----------------------------------------------------------------------
 
-    def _scale(self, masks: list[torch.Tensor]):
+    def _scale(self, masks: list[torch.Tensor]) -> LossScale:
         import torch.distributed as dist
 
         group = dist.group.WORLD if dist.is_initialized() and self.world_size > 1 else None
@@ -122,75 +131,58 @@ class ModelWorker:
         a = self.cfg.algorithm
         return int(a.constant_normalizer or self.cfg.sampling.max_new_tokens)
 
-    def train_policy(self, micro_batches: list[Batch]) -> dict[str, float]:
-        """One optimizer step of the policy over this rank's micro-batches."""
-        a = self.cfg.algorithm
-        micro_batches = self._to_device(micro_batches)
-        masks, weights, sums, maxes = [], [], {}, {}
+    def train_policy(self, micro_batches: list[MicroBatch]) -> dict[str, Metric]:
+        """One optimizer step of the policy over this rank's micro-batches; its statistics."""
+        micro_batches = [batch.to(self.device) for batch in micro_batches]
+        corrected, stats = [], []
         for batch in micro_batches:
-            mask, token_weights = batch["mask"], None
-            if a.off_policy == "truncated_is":
-                token_weights, stats = truncated_importance_weights(
-                    batch["old_logprobs"], batch["rollout_logprobs"], mask, cap=a.tis_cap)
-                _accumulate(sums, stats, maxes)
-            elif a.off_policy == "ratio_mask":
-                mask, stats = mask_by_importance_ratio(batch["old_logprobs"], batch["rollout_logprobs"], mask,
-                                                       low=a.mask_low, high=a.mask_high)
-                _accumulate(sums, stats, maxes)
-            masks.append(mask)
-            weights.append(token_weights)
-        scale = self._scale(masks)
+            mask, token_weights, correction_stats = self.correct_off_policy(batch)
+            corrected.append((mask, token_weights))
+            stats.append(_token_means(correction_stats, batch.mask))
+        scale = self._scale([mask for mask, _ in corrected])
         self.module.train()
-        for batch, mask, token_weights in zip(micro_batches, masks, weights):
-            loss, stats = self._policy_loss(batch, mask, token_weights, scale)
+        for batch, (mask, token_weights) in zip(micro_batches, corrected):
+            loss, loss_stats = self._policy_loss(batch, mask, token_weights, scale)
             self.engine.backward(loss)
-            _accumulate(sums, {"policy_loss_total": loss.detach(), **stats}, maxes)
-        step = self.engine.step()
-        return {**_average(sums, maxes, len(micro_batches)), **step}
+            stats.append(loss_stats)
+        return {**combine(stats), **_step_metrics(self.engine.step())}
 
-    def _policy_loss(self, batch: Batch, mask: torch.Tensor, token_weights, scale) -> tuple[torch.Tensor, dict]:
+    def _policy_loss(self, batch: MicroBatch, mask: torch.Tensor, token_weights: torch.Tensor | None,
+                     scale: LossScale) -> tuple[torch.Tensor, dict[str, Metric]]:
+        """One micro-batch's loss, the sum of named terms: policy gradient, KL to the reference, entropy bonus."""
         a = self.cfg.algorithm
         logprobs, entropy = self._response_logprobs(batch, with_entropy=True)
-        old_logprobs = batch.get("old_logprobs")
-        stats: dict = {}
-        if old_logprobs is None:  # on-policy: the behaviour policy is this policy before the step
-            old_logprobs = logprobs.detach()
-            diff = (batch["rollout_logprobs"] - old_logprobs) * mask
-            stats["mismatch_abs_diff"] = diff.abs().sum() / mask.sum().clamp(min=1)
-            stats["mismatch_max_abs_diff"] = diff.abs().max()
-        clip = {"clip_eps_low": a.clip_eps_low, "clip_eps_high": a.clip_eps_high}
-        if a.policy_loss == "ppo":
-            clip["dual_clip_c"] = a.dual_clip_c
-        loss, loss_stats = POLICY_LOSSES.get(a.policy_loss)(
-            logprobs, old_logprobs, batch["advantages"], mask, token_weights=token_weights,
-            aggregation=a.aggregation, scale=scale, **clip)
-        stats.update({"policy_loss": loss.detach(), **loss_stats})
-        if a.kl_mode == "loss" and a.kl_coef > 0:
-            kl_loss, kl_stats = compute_kl_loss(logprobs, batch["ref_logprobs"], mask, estimator=a.kl_estimator,
+        pg_loss, stats = self.policy_loss(logprobs, batch.behaviour_logprobs(logprobs), batch.advantages, mask,
+                                          token_weights=token_weights, scale=scale)
+        terms = {"policy_loss": pg_loss}
+        if self.kl_loss_coef > 0:
+            kl_loss, kl_stats = compute_kl_loss(logprobs, batch.ref_logprobs, mask, estimator=a.kl_estimator,
                                                 aggregation=a.aggregation, scale=scale)
-            loss = loss + a.kl_coef * kl_loss
-            stats.update(kl_stats)
-        ent_loss, ent_stats = compute_entropy_bonus(entropy, mask, a.entropy_coef, aggregation=a.aggregation,
-                                                    scale=scale)
+            terms["kl_loss"] = self.kl_loss_coef * kl_loss
+            stats = {**stats, **kl_stats}
+        entropy_loss, entropy_stats = compute_entropy_bonus(entropy, mask, a.entropy_coef,
+                                                            aggregation=a.aggregation, scale=scale)
         if a.entropy_coef > 0:
-            loss = loss + ent_loss
-        stats.update(ent_stats)
-        return loss, stats
+            terms["entropy_loss"] = entropy_loss
+        loss = sum(terms.values())
+        metrics = {**_token_means({**stats, **entropy_stats}, mask), "policy_loss": _loss_share(pg_loss, scale),
+                   "policy_loss_total": _loss_share(loss, scale)}
+        if batch.behaviour == "this_policy":  # no recomputation to compare the engine with: measure it here
+            metrics.update(_engine_mismatch(batch.rollout_logprobs, logprobs, mask))
+        return loss, metrics
 
-    def train_critic(self, micro_batches: list[Batch]) -> dict[str, float]:
+    def train_critic(self, micro_batches: list[MicroBatch]) -> dict[str, Metric]:
         a = self.cfg.algorithm
-        micro_batches = self._to_device(micro_batches)
-        scale = self._scale([b["mask"] for b in micro_batches])
+        micro_batches = [batch.to(self.device) for batch in micro_batches]
+        scale = self._scale([batch.mask for batch in micro_batches])
         self.module.train()
-        sums: dict[str, float] = {}
+        stats = []
         for batch in micro_batches:
-            values = self._values(batch)
-            loss, stats = compute_value_loss(values, batch["values"], batch["returns"], batch["mask"],
-                                             clip_eps=a.value_clip, aggregation="token_mean", scale=scale)
+            loss, loss_stats = compute_value_loss(self._values(batch), batch.values, batch.returns, batch.mask,
+                                                  clip_eps=a.value_clip, aggregation="token_mean", scale=scale)
             self.engine.backward(a.vf_coef * loss)
-            _accumulate(sums, {"value_loss": loss.detach(), **stats})
-        step = self.engine.step()
-        return {**{k: v / len(micro_batches) for k, v in sums.items()}, **step}
+            stats.append({**_token_means(loss_stats, batch.mask), "value_loss": _loss_share(loss, scale)})
+        return {**combine(stats), **_step_metrics(self.engine.step())}
 
     # ---- weights, checkpoints ------------------------------------------------------------
 
@@ -215,7 +207,7 @@ class ModelWorker:
             return {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start} if self.rank == 0 else {}
         if self.rank != 0:
             return {}
-        stats = self._pool.sync_weights(state.items())
+        stats = self._pool.sync_weights(state.items(), keep_running=self.cfg.rollout.partial_rollouts)
         return {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start,
                 **{f"sync/{k}": float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))}}
 
@@ -225,6 +217,10 @@ class ModelWorker:
         """Load this rank's rollout engine into this process (``placement.colocate``)."""
         from raylign.rollout.pool import engine_class
 
+        # The engine's coroutines all run on one event loop of their own (vLLM's asynchronous engine
+        # keeps tasks on the loop it started on), in a thread beside this actor's calls.
+        self._engine_loop = asyncio.new_event_loop()
+        threading.Thread(target=self._engine_loop.run_forever, name="rollout-engine-loop", daemon=True).start()
         self._local_engine = engine_class(self.cfg.rollout.engine)(model_path, self.cfg.rollout)
         if self.world_size > 1:
             import torch.distributed as dist
@@ -236,7 +232,7 @@ class ModelWorker:
         from raylign.rollout.weight_sync import load_and_drain, receive_named_tensors, send_named_tensors
 
         def load(named_tensors) -> None:
-            asyncio.run(self._local_engine.update_weights(named_tensors))
+            self._on_engine_loop(self._local_engine.update_weights(named_tensors))
 
         if self._weights_group is None:
             load(state.items())
@@ -246,21 +242,35 @@ class ModelWorker:
         else:
             load_and_drain(receive_named_tensors(self._weights_group), load)
 
+    def _on_engine_loop(self, coroutine: Any) -> Any:
+        """Run one of the local engine's coroutines on its loop; waits at most rollout.generate_timeout_s."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._engine_loop)
+        try:
+            return future.result(timeout=self.cfg.rollout.generate_timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"policy rank {self.rank}: its colocated rollout engine did not answer within "
+                               f"rollout.generate_timeout_s ({self.cfg.rollout.generate_timeout_s:.0f} s)") from None
+
     def generate(self, prompt_token_ids: list[list[int]], sampling: Any, prompt_indices: list[int] | None = None):
         """Completions from this rank's colocated engine (the rollout pool's ``generate`` call)."""
-        return asyncio.run(self._local_engine.generate(prompt_token_ids, sampling, prompt_indices))
+        return self._on_engine_loop(self._local_engine.generate(prompt_token_ids, sampling, prompt_indices))
+
+    def generate_group(self, prompt_token_ids: list[int], sampling: Any, prompt_index: int = 0):
+        """One prompt group from this rank's colocated engine (the rollout stream's call)."""
+        return self._on_engine_loop(self._local_engine.generate_group(prompt_token_ids, sampling, prompt_index))
 
     def sleep(self, level: int = 1) -> None:
         if self._local_engine is not None:
-            asyncio.run(self._local_engine.sleep(level))
+            self._on_engine_loop(self._local_engine.sleep(level))
 
     def wake_up(self) -> None:
         if self._local_engine is not None:
-            asyncio.run(self._local_engine.wake_up())
+            self._on_engine_loop(self._local_engine.wake_up())
 
     def reset_prefix_cache(self) -> None:
         if self._local_engine is not None:
-            asyncio.run(self._local_engine.reset_prefix_cache())
+            self._on_engine_loop(self._local_engine.reset_prefix_cache())
 
     def save_checkpoint(self, directory: str, client_state: dict[str, Any]) -> None:
         self.engine.save_checkpoint(Path(directory), client_state)
@@ -293,15 +303,63 @@ class ModelWorker:
             self._pool.close_weight_sync()
 
 
-def _accumulate(sums: dict[str, float], stats: dict[str, Any], maxes: dict[str, float] | None = None) -> None:
-    """Sum each statistic over micro-batches; statistics named ``*_max*`` keep their maximum instead."""
-    for key, value in stats.items():
-        value = float(value.item() if hasattr(value, "item") else value)
-        if maxes is not None and "_max" in key:
-            maxes[key] = max(maxes.get(key, value), value)
-        else:
-            sums[key] = sums.get(key, 0.0) + value
+def bind_policy_loss(a: AlgorithmConfig) -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """The configured policy loss with its clip range and aggregation bound:
+    ``loss(logprobs, old_logprobs, advantages, mask, token_weights=..., scale=...)``."""
+    clip = {"clip_eps_low": a.clip_eps_low, "clip_eps_high": a.clip_eps_high}
+    if a.policy_loss == "ppo":  # dual-clip belongs to the token-level surrogate
+        clip["dual_clip_c"] = a.dual_clip_c
+    return functools.partial(POLICY_LOSSES.get(a.policy_loss), aggregation=a.aggregation, **clip)
 
 
-def _average(sums: dict[str, float], maxes: dict[str, float], count: int) -> dict[str, float]:
-    return {**{k: v / count for k, v in sums.items()}, **maxes}
+def bind_off_policy_correction(a: AlgorithmConfig) -> OffPolicyCorrection:
+    """The configured correction of the trainer-vs-engine gap, ``rho = pi_old / pi_rollout`` (see
+    :mod:`raylign.algorithms.off_policy`): truncated weights, a narrower loss mask, or nothing."""
+
+    def truncated_is(batch: MicroBatch):
+        weights, stats = truncated_importance_weights(batch.old_logprobs, batch.rollout_logprobs, batch.mask,
+                                                      cap=a.tis_cap)
+        return batch.mask, weights, stats
+
+    def ratio_mask(batch: MicroBatch):
+        mask, stats = mask_by_importance_ratio(batch.old_logprobs, batch.rollout_logprobs, batch.mask,
+                                               low=a.mask_low, high=a.mask_high)
+        return mask, None, stats
+
+    def none(batch: MicroBatch):
+        return batch.mask, None, {}
+
+    return {"truncated_is": truncated_is, "ratio_mask": ratio_mask, "none": none}[a.off_policy]
+
+
+def _token_means(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, Metric]:
+    """The algorithm library's statistics of one micro-batch: means over ``mask``'s counted tokens
+    (weighted by their number when combined), but for the maxima in ``MAXIMA``."""
+    tokens = float(mask.sum())
+    return {name: Metric(float(value), "max") if name in MAXIMA else Metric(float(value), "mean", tokens)
+            for name, value in stats.items()}
+
+
+def _engine_mismatch(rollout_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, Metric]:
+    """How far the engine's log-probs are from the training forward's: mean and largest ``|difference|``."""
+    diff = ((rollout_logprobs - logprobs.detach()) * mask).abs()
+    tokens = float(mask.sum())
+    return {"mismatch_abs_diff": Metric(float(diff.sum()) / max(tokens, 1.0), "mean", tokens),
+            "mismatch_max_abs_diff": Metric(float(diff.max()), "max")}
+
+
+def _loss_share(loss: torch.Tensor, scale: LossScale) -> Metric:
+    """This micro-batch's share of the whole batch's loss.
+
+    ``compute_loss_scale`` makes each micro-batch loss ``(its part of the global numerator) /
+    global denominator * world_size``, so that gradients summed over micro-batches and averaged
+    over ranks are those of the one-big-batch loss. Its value divided by ``world_size`` is then
+    its share: summed over the micro-batches of all ranks, the shares give the batch loss,
+    whatever the micro-batch split.
+    """
+    return Metric(float(loss.detach()) / scale.world_size, "sum")
+
+
+def _step_metrics(step: dict[str, float]) -> dict[str, Metric]:
+    """Optimizer-step statistics (gradient norm, learning rate): one value per rank and update."""
+    return {name: Metric(float(value)) for name, value in step.items()}

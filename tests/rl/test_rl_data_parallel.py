@@ -126,6 +126,6 @@ def test_two_workers_make_the_same_first_update_as_one(backend, zero_stage, ray_
     assert _max_gap(one, expected) <= WEIGHT_ATOL
     assert _max_gap(two, expected) <= WEIGHT_ATOL
     for stats in one_stats + two_stats:
-        assert stats["grad_norm"] == pytest.approx(expected_norm, rel=NORM_RTOL)
+        assert stats["grad_norm"].value == pytest.approx(expected_norm, rel=NORM_RTOL)
     # some tokens were clipped, so the clipped branch of the loss took part
-    assert max(s["clip_fraction"] for s in one_stats + two_stats) > 0
+    assert max(s["clip_fraction"].value for s in one_stats + two_stats) > 0

@@ -26,17 +26,17 @@ def test_pack_rows_first_fit_decreasing_by_hand():
 def test_pack_samples_layout_by_hand():
     samples = [make_sample([1, 2], [3, 4, 5]), make_sample([6], [7]), make_sample([8, 9], [10])]
     batch = pack_samples(samples)  # lengths 5, 2, 3: rows [0] and [1, 2], length 5
-    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
     # Flattened positions of the response tokens: row 0 at 2..4, row 1 (offset 5) at 6 and 9.
-    assert batch["resp_index"].tolist() == [[2, 3, 4], [6, 0, 0], [9, 0, 0]]
-    assert batch["mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 0, 0]]
+    assert batch.resp_index.tolist() == [[2, 3, 4], [6, 0, 0], [9, 0, 0]]
+    assert batch.mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 0, 0]]
 
     padded = pack_samples([make_sample([1, 2], [3, 4, 5]), make_sample([6], [7])], row_tokens=0)
     # Lengths 5 and 2 in rows of 5: the first row is full, so the second holds the short sample,
     # right-padded with token 0 at positions restarting from 0.
-    assert padded["input_ids"].tolist() == [[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]]
-    assert padded["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
+    assert padded.input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]]
+    assert padded.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
 
 
 @pytest.mark.parametrize("row_tokens", [0, 12, 10_000])
@@ -51,8 +51,8 @@ def test_packed_forward_equals_unpacked_forward(rl_model_dir, row_tokens):
         samples.append(make_sample(ids[:prompt_len], ids[prompt_len:]))
     batch = pack_samples(samples, row_tokens=row_tokens)
     with torch.no_grad():
-        lp = token_logprobs(model, batch["input_ids"], position_ids=batch["position_ids"])
-        got = gather_responses(lp, batch["resp_index"], batch["mask"])
+        lp = token_logprobs(model, batch.input_ids, position_ids=batch.position_ids)
+        got = gather_responses(lp, batch.resp_index, batch.mask)
         for i, s in enumerate(samples):
             expected = response_logprobs(model, s.prompt_ids, s.response_ids)
             torch.testing.assert_close(got[i, : len(s.response_ids)], expected, atol=1e-5, rtol=0)
@@ -70,8 +70,8 @@ def test_logits_at_response_positions_only_give_the_same_logprobs_and_entropies(
         samples.append(make_sample(ids[:prompt_len], ids[prompt_len:]))
     batch = pack_samples(samples)
     with torch.no_grad():
-        lp, entropy = selected_token_logprobs(model, batch["input_ids"], batch["resp_index"],
-                                              position_ids=batch["position_ids"], temperature=0.7, with_entropy=True)
+        lp, entropy = selected_token_logprobs(model, batch.input_ids, batch.resp_index,
+                                              position_ids=batch.position_ids, temperature=0.7, with_entropy=True)
         for i, s in enumerate(samples):
             logits = model(torch.tensor([s.prompt_ids + s.response_ids])).logits[0].float() / 0.7
             rows = torch.log_softmax(logits[len(s.prompt_ids) - 1: -1], dim=-1)
@@ -81,4 +81,4 @@ def test_logits_at_response_positions_only_give_the_same_logprobs_and_entropies(
             torch.testing.assert_close(lp[i, :n], expected_lp, atol=1e-5, rtol=0)
             torch.testing.assert_close(entropy[i, :n], expected_entropy, atol=1e-5, rtol=0)
     # The hook is gone afterwards: a plain forward returns logits for every position again.
-    assert model(batch["input_ids"], use_cache=False).logits.shape[:2] == batch["input_ids"].shape
+    assert model(batch.input_ids, use_cache=False).logits.shape[:2] == batch.input_ids.shape

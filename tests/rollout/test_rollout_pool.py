@@ -7,7 +7,7 @@ import torch
 
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 from raylign.rollout.base import Completion
-from raylign.rollout.pool import RolloutPool, launch_engines, order_completions, split_by_token_load
+from raylign.rollout.pool import RolloutPool, launch_engines, order_completions, split_by_token_load, stop_engines
 
 from .rollout_helpers import load_fp32, perturb_, reference_logprobs
 
@@ -91,4 +91,4 @@ def test_pool_of_two_engines_splits_by_load_and_returns_in_order(ray_session, ti
             assert c.response_logprobs == pytest.approx(expected, abs=1e-4)
     finally:
         for engine in engines:
-            ray_session.kill(engine)
+            stop_engines([engine])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from raylign.config.rollout import RolloutConfig, SamplingConfig
-from raylign.rollout.pool import launch_engines
+from raylign.rollout.pool import launch_engines, stop_engines
 from raylign.rollout.weight_sync import WeightSyncSender
 
 from .rollout_helpers import load_fp32, perturb_, pick_stop_string, prefix_until_stop, reference_logprobs
@@ -36,14 +36,14 @@ def _config(**overrides):
 def tied_engine(ray_session, tied_model_dir):
     (engine,) = launch_engines(tied_model_dir, _config(), env_vars=ENV)
     yield engine
-    ray_session.kill(engine)
+    stop_engines([engine])
 
 
 @pytest.fixture(scope="module")
 def untied_engine(ray_session, untied_model_dir):
     (engine,) = launch_engines(untied_model_dir, _config(), env_vars=ENV)
     yield engine
-    ray_session.kill(engine)
+    stop_engines([engine])
 
 
 @pytest.fixture(scope="module")

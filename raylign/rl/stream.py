@@ -1,0 +1,162 @@
+"""Feeding training steps from a stream of prompt groups, within a strict staleness bound.
+
+The engines are kept busy with prompt groups (one request each, see
+:class:`raylign.rollout.pool.GroupStream`); finished groups are scored as they arrive and
+wait in a buffer; a training step takes ``prompts_per_step`` of them. Every sampled token
+carries the version of the weights that sampled it (the number of weight updates the
+engine had received). A group enters the step that updates policy version ``v`` only if
+
+    v - min(token versions of the group) <= max_staleness
+
+checked here, where groups enter a step, not by the length of a queue. A group that is too
+old is dropped (and counted) or generated again, as configured.
+
+How many groups may be started: the ``q``-th group to be trained on (0-based) goes into step
+``q // prompts_per_step``, so a group started while the engines hold version ``v`` can only
+be on time if ``q < (v + max_staleness + 1) * prompts_per_step``; no more are started than
+that. With ``max_staleness: 0`` this is the synchronous loop: one step's groups are started,
+all of them finish, the step trains, the weights are synced, the next step's groups start.
+A step takes the groups that have finished (a slow group never holds back the others), and
+holds them in the order they were started; with ``max_staleness: 0`` it waits for all of its
+groups, so with seeded sampling it holds the same samples whatever order they finish in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from raylign.rl.experience import Sample
+from raylign.rl.prompts import Prompt
+from raylign.rollout.pool import FinishedGroup, GroupStream
+
+
+@dataclass
+class Group:
+    """The samples of one prompt, as they came back from an engine."""
+
+    seq: int  # the order it was started in, over the whole run
+    prompt_position: int  # index into the training prompts
+    samples: list[Sample]
+    started_version: int  # the engines' weight version when it was started
+    finished_at: float = 0.0  # when its last sample finished (engine wall clock)
+
+    @property
+    def oldest_version(self) -> int:
+        return min((v for s in self.samples for v in s.token_versions or [s.weight_version]),
+                   default=self.started_version)
+
+
+@dataclass
+class StepGroups:
+    """What :meth:`RolloutFeed.take_step` returns: the step's groups in start order, and counts."""
+
+    groups: list[Group]
+    dropped_stale: int = 0
+    regenerated_stale: int = 0
+    dropped_uniform: int = 0  # groups whose rewards were all equal (dynamic sampling)
+    padded_uniform: int = 0  # uniform groups taken anyway, after the refill budget ran out
+    in_flight: int = 0  # groups still generating when the step's batch was complete
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g.samples]
+
+
+class RolloutFeed:
+    """Keeps the engines busy with prompt groups and hands each training step its groups.
+
+    ``positions`` yields training-prompt positions without end (the resumable sampler);
+    ``to_samples(completions, prompt, position)`` turns one group's completions into samples and
+    ``score(samples)`` sets their rewards. ``uniform(samples)`` tells whether a group's rewards
+    are all equal (dynamic sampling drops those; None keeps every group).
+    """
+
+    def __init__(self, stream: GroupStream, prompts: list[Prompt], positions: Iterator[int], sampling: Any,
+                 per_step: int, max_staleness: int, stale: Literal["drop", "regenerate"],
+                 to_samples: Callable[[list, Prompt, int], list[Sample]], score: Callable[[list[Sample]], None],
+                 uniform: Callable[[list[Sample]], bool] | None = None, max_uniform_per_step: int = 0):
+        self.stream, self.prompts, self.positions, self.sampling = stream, prompts, positions, sampling
+        self.per_step, self.k, self.stale = per_step, max_staleness, stale
+        self.to_samples, self.score, self.uniform = to_samples, score, uniform
+        self.max_uniform_per_step = max_uniform_per_step
+        self.ready: list[Group] = []
+        self.started = 0  # groups started over the run
+        self.discarded = 0  # of those, groups that will never be trained on
+        self.trained = 0  # groups that went into a step
+        self.requeued: list[int] = []  # prompt positions to start before new ones (stale, regenerate; resume)
+
+    # ---- starting groups -------------------------------------------------------------------
+
+    def top_up(self, version: int) -> None:
+        """Start groups while they can still be trained on within the bound (module docstring)."""
+        while self.started - self.discarded < (version + self.k + 1) * self.per_step:
+            position = self.requeued.pop(0) if self.requeued else next(self.positions)
+            self.stream.submit(self.prompts[position].token_ids, self.sampling, self.started,
+                               (self.started, position, version))
+            self.started += 1
+
+    def pending_positions(self) -> list[int]:
+        """Prompt positions started but not yet trained on (in flight, waiting, or to start again)."""
+        return ([tag[1] for tag in self.stream.tags()] + [g.prompt_position for g in sorted(self.ready, key=_seq)]
+                + list(self.requeued))
+
+    # ---- taking a step ---------------------------------------------------------------------
+
+    def take_step(self, version: int) -> StepGroups:
+        """The next ``per_step`` groups that may update policy ``version``; waits for them as needed."""
+        step = StepGroups([])
+        uniform: list[Group] = []
+        while len(step.groups) < self.per_step:
+            self.ready.sort(key=_seq)
+            while self.ready and len(step.groups) < self.per_step:
+                self._admit(self.ready.pop(0), version, step, uniform)
+            if len(step.groups) == self.per_step:
+                break
+            if uniform and len(uniform) > self.max_uniform_per_step:  # the refill budget is spent
+                take = uniform[: self.per_step - len(step.groups)]
+                step.groups += take
+                step.padded_uniform = len(take)
+                step.dropped_uniform -= len(take)
+                self.discarded -= len(take)
+                break
+            self.top_up(version)  # replaces the groups that were dropped
+            self._receive(self.stream.finished(), version)
+        step.groups.sort(key=_seq)
+        self.trained += len(step.groups)
+        step.in_flight = len(self.stream)
+        return step
+
+    def _receive(self, finished: list[FinishedGroup], version: int) -> None:
+        for f in finished:
+            seq, position, started_version = f.tag
+            samples = self.to_samples(f.completions, self.prompts[position], position)
+            self.score(samples)
+            self.ready.append(Group(seq, position, samples, started_version,
+                                    max((c.finished_at for c in f.completions), default=f.finished_at)))
+
+    def _admit(self, group: Group, version: int, step: StepGroups, uniform: list[Group]) -> None:
+        if version - group.oldest_version > self.k:
+            self.discarded += 1
+            if self.stale == "regenerate":
+                self.requeued.append(group.prompt_position)
+                step.regenerated_stale += 1
+            else:
+                step.dropped_stale += 1
+            return
+        if self.uniform is not None and self.uniform(group.samples):
+            self.discarded += 1
+            step.dropped_uniform += 1
+            uniform.append(group)
+            return
+        step.groups.append(group)
+
+    def drain(self, version: int) -> None:
+        """Wait for every group in flight (into the buffer)."""
+        self._receive(self.stream.drain(), version)
+
+
+def _seq(group: Group) -> int:
+    return group.seq

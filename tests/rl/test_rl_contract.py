@@ -1,0 +1,201 @@
+"""The typed contract between the controller and its workers, and the metrics it carries back.
+
+The controller builds one :class:`Experience` per step and hands each rank :class:`MicroBatch` es
+whose ``behaviour`` says where the ratio's behaviour log-probs come from; workers return
+:class:`Metric` s that say how they combine. The logged batch losses must not depend on how a
+batch is cut into micro-batches: they are checked against the whole-batch loss written out here.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from raylign.rl.experience import Experience, behaviour_for, pack_samples, response_tensor
+from raylign.rl.group import WorkerGroup
+from raylign.rl.metric import Metric, average_updates, combine
+from raylign.rl.trainer import RLTrainer
+
+from .rl_helpers import fp32_model, make_sample, resolve, response_logprobs, rl_config_data
+
+ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+CLIP = 0.2
+# Lengths (prompt, response): 70 tokens in all, the longest sample 14 tokens.
+LENGTHS = [(3, 9), (5, 7), (2, 8), (4, 6), (6, 2), (3, 3), (5, 4), (2, 1)]
+ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.75]
+
+
+def _samples() -> list:
+    rng = random.Random(0)
+    return [make_sample([rng.randrange(10, 500) for _ in range(p)], [rng.randrange(10, 500) for _ in range(r)])
+            for p, r in LENGTHS]
+
+
+def _config_data(model_dir, prompt_file, tmp_path, preset: str = "grpo", **algorithm) -> dict:
+    """A run on the tiny model without a reference policy; samples short enough for tiny micro-batches."""
+    data = rl_config_data(model_dir, prompt_file, tmp_path / "run", preset)
+    data["data"]["max_prompt_length"] = 8  # lets train.micro_batch_tokens go down to 8 + 16 tokens
+    data["algorithm"] = {"kl_mode": "none", "kl_coef": 0.0, **algorithm}
+    return data
+
+
+# ---- the typed batches -------------------------------------------------------------------
+
+
+def test_a_per_token_tensor_of_the_wrong_shape_is_an_error_naming_the_field():
+    samples = [make_sample([1, 2], [3, 4, 5]), make_sample([6], [7])]
+    with pytest.raises(ValueError, match="MicroBatch.advantages"):
+        pack_samples(samples, {"advantages": torch.zeros(3, 3)})  # three rows for two samples
+    mask = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="Experience.values"):
+        Experience(mask, torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long),
+                   "this_policy", values=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="old_logprobs"):  # the behaviour names a field that is not there
+        pack_samples(samples, {"advantages": torch.zeros(2, 3)}, behaviour="trainer_recomputed")
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({}, "this_policy"),
+    ({"train.ppo_epochs": 2}, "trainer_recomputed"),
+    ({"train.mini_batches": 2}, "trainer_recomputed"),
+    ({"algorithm.off_policy": "truncated_is"}, "trainer_recomputed"),
+    ({"rollout.max_staleness": 1}, "engine"),  # asynchronous: the weights that sampled are gone
+    ({"rollout.max_staleness": 2, "algorithm.off_policy": "truncated_is"}, "trainer_recomputed"),  # decoupled PPO
+])
+def test_behaviour_is_fixed_by_the_config(rl_model_dir, prompt_file, tmp_path, overrides, expected):
+    cfg = resolve(tmp_path, _config_data(rl_model_dir, prompt_file, tmp_path), overrides)
+    assert behaviour_for(cfg) == expected
+
+
+def test_on_policy_and_async_experience_carry_no_recomputed_logprobs(rl_model_dir, prompt_file, tmp_path):
+    """Without a recomputation the controller calls no worker; the step's samples are the whole input."""
+    samples = _samples()
+    for i, s in enumerate(samples):
+        s.reward, s.weight_version = float(i % 2), 3
+    samples[0].token_versions = [3] * 5 + [4] * 4  # a partial rollout: an update came after token 5
+    for overrides, behaviour in (({}, "this_policy"), ({"rollout.max_staleness": 1}, "engine")):
+        cfg = resolve(tmp_path, _config_data(rl_model_dir, prompt_file, tmp_path), overrides)
+        exp = RLTrainer(cfg).make_experience(samples)
+        assert exp.behaviour == behaviour and exp.old_logprobs is None
+        assert exp.versions.dtype == torch.int64
+        assert exp.versions[0].tolist() == [3, 3, 3, 3, 3, 4, 4, 4, 4]
+        assert exp.versions[1].tolist() == [3] * 7 + [0, 0]  # weight_version on every token, 0 past the end
+
+
+def test_a_micro_batch_moves_to_a_device_whole():
+    samples = [make_sample([1, 2], [3, 4, 5]), make_sample([6], [7])]
+    batch = pack_samples(samples, {"advantages": torch.ones(2, 4), "rollout_logprobs": torch.zeros(2, 4)},
+                         behaviour="engine").to("meta")
+    assert batch.behaviour == "engine" and batch.advantages.shape == (2, 3)  # cut to the micro-batch's width
+    assert all(t.device.type == "meta" for t in (batch.input_ids, batch.mask, batch.advantages))
+
+
+# ---- metrics and their reductions -----------------------------------------------------------
+
+
+def test_metrics_combine_as_they_say():
+    # Token means of 2 and 6 tokens: (0.5 * 2 + 0.1 * 6) / 8 = 0.2; maxima the largest; shares add.
+    parts = [{"clip": Metric(0.5, "mean", 2), "ratio_max": Metric(1.5, "max"), "loss": Metric(0.25, "sum")},
+             {"clip": Metric(0.1, "mean", 6), "ratio_max": Metric(1.2, "max"), "loss": Metric(0.5, "sum")}]
+    one = combine(parts)
+    assert one["clip"] == Metric(pytest.approx(0.2), "mean", 8)
+    assert one["ratio_max"].value == 1.5 and one["loss"].value == 0.75
+    # Over updates, a loss total is averaged: (0.75 + 0.25) / 2; a token mean stays token-weighted.
+    other = {"clip": Metric(0.6, "mean", 2), "ratio_max": Metric(1.0, "max"), "loss": Metric(0.25, "sum")}
+    step = average_updates([one, other])
+    assert step == {"clip": pytest.approx((0.2 * 8 + 0.6 * 2) / 10), "ratio_max": 1.5, "loss": pytest.approx(0.5)}
+    with pytest.raises(ValueError, match="clip"):
+        combine([{"clip": Metric(0.5, "mean")}, {"clip": Metric(0.5, "max")}])
+
+
+# ---- the logged losses -----------------------------------------------------------------------
+
+
+def _perturbed_logprobs(model, samples) -> list[list[float]]:
+    """The model's own log-probs shifted by up to +-0.3, so ratios reach past the clip range 1 +- 0.2."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        return [(lp + (torch.rand(lp.shape, generator=generator) - 0.5) * 0.6).tolist()
+                for lp in (response_logprobs(model, s.prompt_ids, s.response_ids) for s in samples)]
+
+
+def _reference_policy_loss(model_dir, samples, old) -> float:
+    """Token-mean PPO loss of the whole batch in one unpacked forward per sample:
+    ``sum_it max(-A_i r_it, -A_i clip(r_it, 1 - eps, 1 + eps)) / N_tokens``, ``r = exp(logp - old)``."""
+    model = fp32_model(model_dir)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for s, old_row, advantage in zip(samples, old, ADVANTAGES):
+            ratio = torch.exp(response_logprobs(model, s.prompt_ids, s.response_ids) - torch.tensor(old_row))
+            total += float(torch.maximum(-advantage * ratio, -advantage * ratio.clamp(1 - CLIP, 1 + CLIP)).sum())
+            tokens += len(s.response_ids)
+    return total / tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("micro_batch_tokens", "workers", "micro_batches"), [
+    pytest.param(24, 1, 4, id="4-micro-batches"),
+    pytest.param(4096, 1, 1, id="1-micro-batch"),
+    pytest.param(24, 2, 2, id="2-ranks-2-micro-batches"),
+])
+def test_logged_losses_are_the_whole_batch_losses_whatever_the_micro_batches(
+        micro_batch_tokens, workers, micro_batches, ray_session, rl_model_dir, prompt_file, tmp_path):
+    """One update of a PPO policy and critic through the controller's ``update``, on a hand-made
+    experience whose behaviour log-probs differ from the policy's (the ratio is not 1)."""
+    data = _config_data(rl_model_dir, prompt_file, tmp_path, "ppo", aggregation="token_mean", clip_eps_low=CLIP,
+                        value_clip=0.2)
+    data["train"].update(prompts_per_step=8, micro_batch_tokens=micro_batch_tokens)
+    data["placement"] = {"policy_workers": workers, "critic_workers": workers}
+    data["engine"] = {"backend": "fsdp2" if workers > 1 else "local", "dist_timeout_s": 120}
+    cfg = resolve(tmp_path, data)
+    trainer = RLTrainer(cfg)
+    samples = _samples()
+    dump = cfg.model_dump(mode="json")
+    trainer.groups = {role: WorkerGroup(role, dump, workers, 1, None, env=ENV) for role in ("policy", "critic")}
+    try:
+        old = _perturbed_logprobs(fp32_model(rl_model_dir), samples)
+        values = trainer._forward_all("critic", "compute_values", samples)
+        mask = response_tensor([[1.0] * len(s.response_ids) for s in samples])
+        # Returns a fixed distance from the critic's values: at the first update V = V_old, the clip is
+        # inactive and the value loss is 0.5 * sum_t delta_t^2 / N_tokens, whatever the critic computes.
+        delta = torch.linspace(-1.0, 1.0, mask.numel()).reshape(mask.shape) * mask
+        advantages = torch.tensor(ADVANTAGES).unsqueeze(-1) * mask
+        versions = torch.zeros_like(mask, dtype=torch.long)
+        exp = Experience(mask, advantages, values + delta, response_tensor(old), versions, "trainer_recomputed",
+                         old_logprobs=response_tensor(old), values=values)
+        shards = trainer._shard(samples, list(range(8)), exp, workers)
+        assert [len(rank) for rank in shards] == [micro_batches] * workers
+        metrics = trainer.update(samples, exp)
+    finally:
+        for group in trainer.groups.values():
+            group.kill()
+    assert metrics["policy/policy_loss"] == pytest.approx(_reference_policy_loss(rl_model_dir, samples, old), abs=1e-6)
+    assert metrics["policy/policy_loss_total"] == pytest.approx(metrics["policy/policy_loss"], abs=1e-9)
+    assert metrics["critic/value_loss"] == pytest.approx(0.5 * float(delta.square().sum() / mask.sum()), abs=1e-6)
+    assert 0 < metrics["policy/clip_fraction"] < 1  # both branches of the clipped surrogate took part
+
+
+@pytest.mark.slow
+def test_engine_behaviour_takes_the_ratio_against_the_rollout_logprobs(ray_session, rl_model_dir, prompt_file,
+                                                                       tmp_path):
+    """rollout = logp - d_t, old = logp: the ratio is exp(d_t) from the engine's log-probs (1 from old's)."""
+    data = _config_data(rl_model_dir, prompt_file, tmp_path, aggregation="token_mean")
+    group = WorkerGroup("policy", resolve(tmp_path, data).model_dump(mode="json"), 1, 1, None, env=ENV)
+    try:
+        samples = _samples()
+        (logprobs,) = group.call("compute_logprobs", [pack_samples(samples)])[0]
+        mask = response_tensor([[1.0] * len(s.response_ids) for s in samples])
+        shift = torch.linspace(0.0, 0.3, mask.numel()).reshape(mask.shape) * mask
+        per_token = {"advantages": mask.clone(), "rollout_logprobs": logprobs - shift, "old_logprobs": logprobs}
+        (stats,) = group.call("train_policy", [pack_samples(samples, per_token, behaviour="engine")])
+    finally:
+        group.kill()
+    counted = mask.bool()
+    expected = torch.exp(shift[counted])
+    assert stats["ratio_mean"].value == pytest.approx(float(expected.mean()), abs=1e-5)
+    assert stats["ratio_max"].value == pytest.approx(float(expected.max()), abs=1e-5)
+    assert stats["ratio_max"].reduce == "max" and stats["ratio_mean"].weight == float(counted.sum())
+    assert math.isfinite(stats["policy_loss"].value)

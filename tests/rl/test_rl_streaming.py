@@ -1,0 +1,242 @@
+"""Streaming asynchronous rollout: prompt groups flow through real engine actors, and a group enters
+a training step only within ``rollout.max_staleness`` weight updates of the policy it trains.
+
+The feed (:class:`raylign.rl.stream.RolloutFeed`) is driven here the way the controller drives
+it: take a step's groups, "train" (every engine receives new weights, which bumps its version),
+start the next groups. The engines are real: the hf engine, one that holds back one chosen group
+until the engines have moved on (so that it arrives too old by construction), and vLLM's
+asynchronous engine with partial rollouts (a weight update while sequences are in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import itertools
+import sys
+
+import pytest
+import ray
+import torch
+
+from raylign.config.rollout import RolloutConfig, SamplingConfig
+from raylign.data.errors import RowRef
+from raylign.rl.prompts import Prompt
+from raylign.rl.stream import RolloutFeed
+from raylign.rl.trainer import RLTrainer
+from raylign.rollout.hf_engine import HFEngine
+from raylign.rollout.pool import GroupStream, RolloutPool, launch_engines, stop_engines
+
+from .rl_helpers import fp32_model, resolve, response_logprobs, rl_config_data, state_dict_of
+
+pytestmark = pytest.mark.slow
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+PER_STEP = 3
+
+
+class HoldingEngine(HFEngine):
+    """The hf engine, except that the group started ``held_seq``-th is returned only once the
+    engine's weights are ``hold_until`` versions on: its samples then come from old weights."""
+
+    def __init__(self, model_path, config, held_seq: int, hold_until: int):
+        super().__init__(model_path, config)
+        self.held_seq, self.hold_until = held_seq, hold_until
+
+    async def generate_group(self, prompt_token_ids, sampling, prompt_index=0):
+        completions = await super().generate_group(prompt_token_ids, sampling, prompt_index)
+        if prompt_index == self.held_seq:  # the feed passes each group's start order as its index
+            while self.weight_version < self.hold_until:
+                await asyncio.sleep(0.01)
+        return completions
+
+
+def _prompts(n: int = 8) -> list[Prompt]:
+    return [Prompt(f"p{i}", [5 + i, 6, 7 + 2 * i, 8], None, "test", RowRef("test", i)) for i in range(n)]
+
+
+def _feed(engines, max_staleness: int, stale: str = "drop", max_new_tokens: int = 6) -> RolloutFeed:
+    return RolloutFeed(GroupStream(RolloutPool(engines), timeout_s=120), _prompts(), itertools.cycle(range(8)),
+                       SamplingConfig(n=2, temperature=1.0, max_new_tokens=max_new_tokens, seed=11), PER_STEP,
+                       max_staleness, stale, RLTrainer._group_samples, score=lambda samples: None)
+
+
+def _run_steps(feed: RolloutFeed, engines, steps: int, weights, start_version: int = 0, partial: bool = False):
+    """``steps`` steps of the controller's loop with a new weight version after each; the steps' groups."""
+    version, taken = start_version, []
+    feed.top_up(version)
+    for _ in range(steps):
+        step = feed.take_step(version)
+        taken.append((version, step))
+        ray.get([e.update_weights.remote(weights, partial) for e in engines], timeout=120)
+        version += 1
+        feed.top_up(version)
+    return taken
+
+
+@pytest.fixture(scope="module")
+def weights(rl_model_dir):
+    return list(state_dict_of(rl_model_dir).items())
+
+
+@pytest.fixture(scope="module")
+def hf_engines(ray_session, rl_model_dir):
+    engines = launch_engines(rl_model_dir, RolloutConfig(engine="hf", dtype="float32", num_engines=2,
+                                                         num_cpus_per_engine=0), env_vars=ENV)
+    yield engines
+    stop_engines(engines)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2, 4])
+def test_no_admitted_token_is_older_than_the_bound_hf(hf_engines, weights, max_staleness):
+    versions = ray.get([e.weight_version_now.remote() for e in hf_engines])
+    assert len(set(versions)) == 1
+    taken = _run_steps(_feed(hf_engines, max_staleness), hf_engines, 6, weights, start_version=versions[0])
+    for version, step in taken:
+        assert len(step.groups) == PER_STEP
+        assert all(version - v <= max_staleness for g in step.groups for s in g.samples for v in s.token_versions)
+    # Each group is trained on once; within a step the groups are in the order they were started.
+    seqs = [g.seq for _, step in taken for g in step.groups]
+    assert len(set(seqs)) == len(seqs)
+    assert all([g.seq for g in step.groups] == sorted(g.seq for g in step.groups) for _, step in taken)
+    # Above 0 the engines work ahead: some step took groups started under older weights.
+    assert any(version - g.started_version >= 1 for version, step in taken for g in step.groups)
+
+
+@pytest.mark.parametrize("stale", ["drop", "regenerate"])
+def test_a_group_past_the_bound_is_dropped_or_generated_again(ray_session, rl_model_dir, weights, stale):
+    """Group 1 comes back only when the engine holds weights 2 versions newer than those that
+    sampled it; with max_staleness 1 exactly that group must not be trained on."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    actor = ray.remote(HoldingEngine).options(num_cpus=0, runtime_env={"env_vars": ENV})
+    engine = actor.remote(str(rl_model_dir), RolloutConfig(engine="hf", dtype="float32").model_dump(), 1, 2)
+    try:
+        feed = _feed([engine], max_staleness=1, stale=stale)
+        taken = _run_steps(feed, [engine], 5, weights)
+        held = [g for _, step in taken for g in step.groups if g.seq == 1]
+        assert held == []  # sampled at version 0, back at version 2 or later: never trained on
+        dropped = sum(step.dropped_stale for _, step in taken)
+        regenerated = sum(step.regenerated_stale for _, step in taken)
+        assert (dropped, regenerated) == ((1, 0) if stale == "drop" else (0, 1))
+        for version, step in taken:
+            assert all(version - v <= 1 for g in step.groups for s in g.samples for v in s.token_versions)
+        if stale == "regenerate":  # its prompt (position 1) was started again and trained on
+            again = [g for _, step in taken for g in step.groups if g.prompt_position == 1 and g.seq > 1]
+            assert again and again[0].started_version >= 2
+    finally:
+        stop_engines([engine])
+
+
+# ---- vLLM's asynchronous engine: partial rollouts ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def vllm_engine(ray_session, rl_model_dir):
+    if not HAS_VLLM:
+        pytest.skip("vllm is not installed")
+    config = RolloutConfig(engine="vllm", dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=256)
+    (engine,) = launch_engines(rl_model_dir, config, env_vars=ENV)
+    yield engine
+    stop_engines([engine])
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["finish-first", "partial"])
+@pytest.mark.parametrize("max_staleness", [1, 2, 4])
+def test_no_admitted_token_is_older_than_the_bound_vllm(vllm_engine, weights, max_staleness, partial):
+    start = ray.get(vllm_engine.weight_version_now.remote())
+    taken = _run_steps(_feed([vllm_engine], max_staleness, max_new_tokens=40), [vllm_engine], 5, weights,
+                       start_version=start, partial=partial)
+    for version, step in taken:
+        assert len(step.groups) == PER_STEP
+        assert all(version - v <= max_staleness for g in step.groups for s in g.samples for v in s.token_versions)
+        for g in step.groups:  # a group's tokens never get older along the sequence
+            for s in g.samples:
+                assert s.token_versions == sorted(s.token_versions)
+                assert s.token_versions[0] >= g.started_version
+
+
+def test_a_sequence_paused_by_a_weight_update_continues_under_the_new_weights(vllm_engine, rl_model_dir):
+    """A long greedy sequence is in flight when new weights arrive with partial rollouts: its first
+    tokens come from the old weights, the rest from the new, and every token's log-prob is that of
+    a fresh fp32 forward of the weights that sampled it (the sequence is recomputed under the new
+    weights when it resumes, so the new tokens see no stale keys and values)."""
+    old_model = fp32_model(rl_model_dir)
+    old_model.load_state_dict(state_dict_of(rl_model_dir))
+    new_model = fp32_model(rl_model_dir)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        for p in new_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    # Start from the old weights (earlier tests may have left others), at a known version.
+    ray.get(vllm_engine.update_weights.remote(list(old_model.state_dict().items())), timeout=120)
+    start = ray.get(vllm_engine.weight_version_now.remote())
+    prompt = [5, 6, 7, 8, 9]
+    sampling = SamplingConfig(n=1, temperature=0.0, max_new_tokens=200)
+    pending = vllm_engine.generate_group.remote(prompt, sampling, 0)
+    # Update once a few tokens exist, well before 200 are done.
+    for _ in range(200):
+        ready, _ = ray.wait([pending], timeout=0.02)
+        assert not ready, "the sequence finished before the update; make it longer"
+        if ray.get(vllm_engine.tokens_in_flight.remote()) >= 5:
+            break
+    ray.get(vllm_engine.update_weights.remote(list(new_model.state_dict().items()), True), timeout=120)
+    (completion,) = ray.get(pending, timeout=120)
+    versions, tokens = completion.token_versions, completion.response_token_ids
+    assert set(versions) == {start, start + 1} and versions == sorted(versions)
+    cut = versions.index(start + 1)
+    assert 0 < cut < len(tokens)
+    with torch.no_grad():
+        expected_old = response_logprobs(old_model, prompt, tokens)[:cut]
+        expected_new = response_logprobs(new_model, prompt, tokens)[cut:]
+    got = torch.tensor(completion.response_logprobs)
+    # fp32 on both sides; vLLM's CPU kernels and torch round differently by ~1e-7 per op (see
+    # test_rl_vllm); the weights moved these log-probs by far more than the tolerance.
+    assert torch.allclose(got[:cut], expected_old, atol=1e-4)
+    assert torch.allclose(got[cut:], expected_new, atol=1e-4)
+    with torch.no_grad():
+        assert (response_logprobs(old_model, prompt, tokens)[cut:] - got[cut:]).abs().max() > 1e-2
+
+
+# ---- max_staleness 0 is the synchronous loop ---------------------------------------------------
+
+class BatchSyncTrainer(RLTrainer):
+    """The plain synchronous loop, as a reference: each step generates its whole batch in one call
+    (same prompts, same per-request seeds as the stream gives them), then trains."""
+
+    def setup(self) -> None:
+        super().setup()
+        self.feed.top_up = lambda version: None  # nothing streams
+
+    def rollout(self):
+        from raylign.rl.experience import reward_metrics
+        from raylign.rl.trainer import _sample
+
+        per_step = self.cfg.train.prompts_per_step
+        positions = [next(self.positions) for _ in range(per_step)]
+        seqs = list(range(self.step * per_step, (self.step + 1) * per_step))
+        completions = self.pool.generate_blocking([self.train_prompts[p].token_ids for p in positions],
+                                                  self.cfg.sampling, prompt_indices=seqs)
+        samples = [_sample(c, self.train_prompts[positions[c.prompt_index - seqs[0]]], c.prompt_index - seqs[0])
+                   for c in completions]
+        self.score(samples)
+        return samples, reward_metrics(samples)
+
+
+def test_max_staleness_zero_is_the_synchronous_loop(ray_session, rl_model_dir, prompt_file, tmp_path):
+    from raylign.trainers.metrics import read_metrics
+
+    runs = {}
+    for name, cls in (("stream", RLTrainer), ("batch", BatchSyncTrainer)):
+        data = rl_config_data(rl_model_dir, prompt_file, tmp_path / name, "grpo")
+        data["train"].update(max_steps=3, save_every=0)
+        trainer = cls(resolve(tmp_path, data))
+        trainer.run()
+        runs[name] = [r for r in read_metrics(tmp_path / name) if "reward/mean" in r]
+    keys = ["reward/mean", "response_length/mean", "policy/policy_loss", "policy/grad_norm", "kl/reference"]
+    for stream_row, batch_row in zip(runs["stream"], runs["batch"], strict=True):
+        for key in keys:
+            assert stream_row[key] == pytest.approx(batch_row[key], abs=1e-6), key
+        assert stream_row["staleness/token_lag_max"] == 0
+    stream_weights = state_dict_of(tmp_path / "stream" / "final")
+    batch_weights = state_dict_of(tmp_path / "batch" / "final")
+    for name, tensor in stream_weights.items():
+        assert torch.allclose(tensor, batch_weights[name], atol=1e-6), name
