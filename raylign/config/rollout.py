@@ -103,6 +103,10 @@ class RolloutConfig(Section):
         False, description="A weight update does not wait for sequences in flight: the engines pause, take the new "
         "weights and continue them under those (vLLM; the hf engine finishes its running batch first). Needs "
         "max_staleness >= 1.")
+    reproducible: bool = Field(
+        False, description="Asynchronous runs: groups enter steps in the order they were started and every group in "
+        "flight finishes before a weight update, so a run with sampling.seed repeats exactly, resumed or not "
+        "(less overlap of generation and training).")
     generate_timeout_s: float = Field(
         1800.0, gt=0, description="Longest wait for the next prompt group to finish before the run stops with an "
         "error naming the engines.")

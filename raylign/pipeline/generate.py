@@ -85,7 +85,7 @@ def _generate_all(cfg: GenerateConfig, model_path: str, items: list[tuple[Prompt
     counts = {"response_tokens": 0, "stopped": 0, "responses": 0}
     progress = Progress(len(items), "generate", enabled=cfg.progress_bar)
     try:
-        pool = RolloutPool(engines)
+        pool = RolloutPool(engines, cfg.rollout.generate_timeout_s)
         with JsonlWriter(cfg.output_path) as writer:
             for start in range(0, len(items), cfg.batch_size):
                 batch = items[start:start + cfg.batch_size]

@@ -19,9 +19,15 @@ all of them finish, the step trains, the weights are synced, the next step's gro
 A step takes the groups that have finished (a slow group never holds back the others), and
 holds them in the order they were started; with ``max_staleness: 0`` it waits for all of its
 groups, so with seeded sampling it holds the same samples whatever order they finish in.
+``ordered`` (``rollout.reproducible``) makes every step do so: groups enter steps strictly in
+the order they were started, and the controller lets every group in flight finish before a
+weight update, so each group is sampled by the weights it was started under and a seeded run
+repeats exactly, resumed or not, at the cost of some overlap.
 """
 
 from __future__ import annotations
+
+import math
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -77,11 +83,13 @@ class RolloutFeed:
     def __init__(self, stream: GroupStream, prompts: list[Prompt], positions: Iterator[int], sampling: Any,
                  per_step: int, max_staleness: int, stale: Literal["drop", "regenerate"],
                  to_samples: Callable[[list, Prompt, int], list[Sample]], score: Callable[[list[Sample]], None],
-                 uniform: Callable[[list[Sample]], bool] | None = None, max_uniform_per_step: int = 0):
+                 uniform: Callable[[list[Sample]], bool] | None = None, max_uniform_per_step: int = 0,
+                 ordered: bool = False):
         self.stream, self.prompts, self.positions, self.sampling = stream, prompts, positions, sampling
         self.per_step, self.k, self.stale = per_step, max_staleness, stale
         self.to_samples, self.score, self.uniform = to_samples, score, uniform
         self.max_uniform_per_step = max_uniform_per_step
+        self.ordered = ordered
         self.ready: list[Group] = []
         self.started = 0  # groups started over the run
         self.discarded = 0  # of those, groups that will never be trained on
@@ -98,11 +106,6 @@ class RolloutFeed:
                                (self.started, position, version))
             self.started += 1
 
-    def pending_positions(self) -> list[int]:
-        """Prompt positions started but not yet trained on (in flight, waiting, or to start again)."""
-        return ([tag[1] for tag in self.stream.tags()] + [g.prompt_position for g in sorted(self.ready, key=_seq)]
-                + list(self.requeued))
-
     # ---- taking a step ---------------------------------------------------------------------
 
     def take_step(self, version: int) -> StepGroups:
@@ -111,7 +114,7 @@ class RolloutFeed:
         uniform: list[Group] = []
         while len(step.groups) < self.per_step:
             self.ready.sort(key=_seq)
-            while self.ready and len(step.groups) < self.per_step:
+            while self.ready and len(step.groups) < self.per_step and self._may_take(self.ready[0]):
                 self._admit(self.ready.pop(0), version, step, uniform)
             if len(step.groups) == self.per_step:
                 break
@@ -128,6 +131,10 @@ class RolloutFeed:
         self.trained += len(step.groups)
         step.in_flight = len(self.stream)
         return step
+
+    def _may_take(self, group: Group) -> bool:
+        """Ordered: only once every group started before it has come back."""
+        return not self.ordered or group.seq < min((tag[0] for tag in self.stream.tags()), default=math.inf)
 
     def _receive(self, finished: list[FinishedGroup], version: int) -> None:
         for f in finished:
@@ -156,6 +163,17 @@ class RolloutFeed:
     def drain(self, version: int) -> None:
         """Wait for every group in flight (into the buffer)."""
         self._receive(self.stream.drain(), version)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to continue exactly, once :meth:`drain` has emptied the engines."""
+        if len(self.stream):
+            raise RuntimeError("RolloutFeed.state_dict() with groups in flight: drain() first")
+        return {"ready": list(self.ready), "started": self.started, "discarded": self.discarded,
+                "trained": self.trained, "requeued": list(self.requeued)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ready, self.requeued = list(state["ready"]), list(state["requeued"])
+        self.started, self.discarded, self.trained = state["started"], state["discarded"], state["trained"]
 
 
 def _seq(group: Group) -> int:

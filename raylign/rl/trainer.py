@@ -62,6 +62,8 @@ class RLTrainer:
         self.groups: dict[str, Any] = {}
         self.syncs = 0  # weight syncs sent to the engines (their weight_version once received)
         self.events: list[tuple[str, int, float]] = []  # (what, step, time.time()): when each step's phases began
+        self.group_log: list[tuple[int, int, float]] = []  # (step, group seq, time.time() its engine finished it)
+        self._pending_evals: list[tuple[int, int, Any]] = []  # (step, weight version, request) started, not logged
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -118,10 +120,10 @@ class RLTrainer:
             # The hybrid engine: each policy worker generates with an engine in its own process.
             self.groups["policy"].call("start_local_engine", self.model_path)
             self.engines = []
-            self.pool = RolloutPool(self.groups["policy"].workers)
+            self.pool = RolloutPool(self.groups["policy"].workers, cfg.rollout.generate_timeout_s)
         else:
             self.engines = launch_engines(self.model_path, cfg.rollout, startup_timeout_s=timeout)
-            self.pool = RolloutPool(self.engines)
+            self.pool = RolloutPool(self.engines, cfg.rollout.generate_timeout_s)
             self.groups["policy"].call("connect_engines", self.engines)
         self.positions = PromptPositions(self.sampler)
         r, a = cfg.rollout, cfg.algorithm
@@ -129,7 +131,7 @@ class RLTrainer:
             GroupStream(self.pool, r.generate_timeout_s), self.train_prompts, self.positions, cfg.sampling,
             cfg.train.prompts_per_step, r.max_staleness, r.stale_samples, self._group_samples, self._score_timed,
             uniform=_uniform_rewards if a.dynamic_sampling else None,
-            max_uniform_per_step=a.max_refill_rounds * cfg.train.prompts_per_step)
+            max_uniform_per_step=a.max_refill_rounds * cfg.train.prompts_per_step, ordered=r.reproducible)
         self.metrics = MetricsLogger(self.out, cfg.train.logging, dump)
         self._maybe_resume()
 
@@ -143,8 +145,13 @@ class RLTrainer:
         state = torch.load(ckpt / "controller.pt", weights_only=False)
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
-        # Prompts that were started but not trained on are generated again, first, with the restored weights.
-        self.feed.requeued = list(state.get("pending_positions", []))
+        # The groups that had come back but were not trained on yet, and the weight version count.
+        if "feed" in state:
+            self.feed.load_state_dict(state["feed"])
+            self.positions.load_state_dict(state["positions"])
+            self.syncs = int(state["syncs"]) - 1
+        else:  # a checkpoint of an earlier version: the prompts it had in flight are generated again
+            self.feed.requeued = list(state.get("next_indices") or [])
         _set_rng(state["rng"])
         self.sync_weights()
         log.info("resumed from %s at step %d", ckpt, self.step)
@@ -168,11 +175,14 @@ class RLTrainer:
                 progress.advance_to(self.step, format_metrics(metrics, ["reward/mean", "response_length/mean",
                                                                         "time/step_s"]))
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and self.step < cfg.train.max_steps:
-                    self.evaluate()
+                    # Streaming runs whose updates let sequences finish evaluate beside training.
+                    self.evaluate(wait=cfg.rollout.max_staleness == 0 or cfg.rollout.partial_rollouts)
+                self._finish_evals(wait=False)
                 if cfg.train.save_every and self.step % cfg.train.save_every == 0:
                     self.save_checkpoint()
             progress.close()
             final = self.evaluate() if self.eval_prompts else {}
+            self._finish_evals(wait=True)
             if not (cfg.train.save_every and self.step % cfg.train.save_every == 0):
                 self.save_checkpoint()
             if cfg.train.export:
@@ -201,6 +211,9 @@ class RLTrainer:
         train_metrics = self.update(samples, exp)
         timings["time/train_s"] = time.perf_counter() - t
         t = time.perf_counter()
+        if cfg.rollout.reproducible:  # every group in flight is sampled by the weights it started under
+            self.feed.drain(self.syncs)
+        self._finish_evals(wait=True)  # an evaluation started beside this step ends under its weights
         sync_metrics = self.sync_weights()
         self.feed.top_up(self.syncs)  # the next groups start under the new weights
         timings["time/sync_s"] = time.perf_counter() - t
@@ -247,6 +260,7 @@ class RLTrainer:
         step = self.feed.take_step(version)
         samples = []
         for g, group in enumerate(step.groups):
+            self.group_log.append((self.step + 1, group.seq, group.finished_at))
             for s in group.samples:
                 s.group = g
                 samples.append(s)
@@ -352,8 +366,8 @@ class RLTrainer:
     def sync_weights(self) -> dict[str, float]:
         if self.cfg.placement.colocate:
             self.pool.wake_up()
-        results = self.groups["policy"].call("sync_weights")
         self.syncs += 1
+        results = self.groups["policy"].call("sync_weights", self.syncs)
         return results[0]
 
     def _make_room_for(self, phase: str) -> None:
@@ -372,22 +386,42 @@ class RLTrainer:
 
     # ---- evaluation, checkpoints ---------------------------------------------------------
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, wait: bool = True) -> dict[str, float]:
+        """Evaluate the current weights on the eval prompts; returns the metrics of the evaluations finished.
+
+        ``wait=False``: the eval requests share the engines with the training stream while the next
+        step trains; they are collected before its weight sync, so they are generated by the weights
+        of the step they were started at, and logged under it."""
         cfg = self.cfg
         sampling = cfg.sampling.model_copy(update={
             "n": cfg.train.eval_n, "temperature": cfg.train.eval_temperature,
             "max_new_tokens": cfg.train.eval_max_new_tokens or cfg.sampling.max_new_tokens})
-        samples = self.generate(self.eval_prompts, sampling)
-        self.score(samples)
-        metrics = pass_at_k_metrics(samples, cfg.train.eval_n, cfg.train.eval_threshold)
-        self.metrics.log(metrics, self.step)
-        log.info("step %d eval: %s", self.step, format_metrics(metrics))
+        pending = self.pool.submit([p.token_ids for p in self.eval_prompts], sampling)
+        self._pending_evals.append((self.step, self.syncs, pending))
+        return self._finish_evals(wait)
+
+    def _finish_evals(self, wait: bool) -> dict[str, float]:
+        cfg, metrics, still = self.cfg, {}, []
+        for step, version, pending in self._pending_evals:
+            if not wait and not self.pool.is_done(pending):
+                still.append((step, version, pending))
+                continue
+            samples = self._samples(self.pool.collect(pending), self.eval_prompts)
+            self.score(samples)
+            metrics = pass_at_k_metrics(samples, cfg.train.eval_n, cfg.train.eval_threshold)
+            if any(s.weight_version != version for s in samples):
+                raise RuntimeError(f"evaluation of step {step}: generated by weight versions "
+                                   f"{sorted({s.weight_version for s in samples})}, not {version}")
+            self.metrics.log(metrics, step)
+            log.info("step %d eval: %s", step, format_metrics(metrics))
+        self._pending_evals = still
         return metrics
 
     def save_checkpoint(self) -> Path:
         root = self.out / "checkpoints"
-        state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": _get_rng(),
-                 "pending_positions": self.feed.pending_positions() + self.positions.buffered()}
+        self.feed.drain(self.syncs)  # the groups in flight come back first, so that nothing is lost
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": _get_rng(), "syncs": self.syncs,
+                 "feed": self.feed.state_dict(), "positions": self.positions.state_dict()}
 
         def write(tmp: Path) -> None:
             for role in ("policy", "critic"):
@@ -448,8 +482,12 @@ class PromptPositions:
             self._rest = list(batch)
         return self._rest.pop(0)
 
-    def buffered(self) -> list[int]:
-        return list(self._rest)
+    def state_dict(self) -> dict[str, Any]:
+        return {"rest": list(self._rest)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """After the sampler's own state is restored: the rest of the batch drawn before the checkpoint."""
+        self._rest = list(state["rest"])
 
 
 def _sample(c, prompt: Prompt, group: int) -> Sample:

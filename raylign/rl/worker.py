@@ -196,18 +196,19 @@ class ModelWorker:
         r = self.cfg.rollout
         self._pool.connect_weight_sync(bucket_mb=r.bucket_mb, timeout_s=r.sync_timeout_s)
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, version: int | None = None) -> dict[str, float]:
         """Collective over the policy ranks: gather full weights, then rank 0 pushes them in buckets
-        to the engine actors, or (colocated) every rank loads them into its own engine."""
+        to the engine actors, or (colocated) every rank loads them into its own engine; the engines
+        label them ``version`` (the controller's count of updates)."""
         start = time.perf_counter()
         state = self.engine.full_state_dict()
         gathered = time.perf_counter()
         if self._local_engine is not None:
-            self._load_local_engine(state)
+            self._load_local_engine(state, version)
             return {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start} if self.rank == 0 else {}
         if self.rank != 0:
             return {}
-        stats = self._pool.sync_weights(state.items(), keep_running=self.cfg.rollout.partial_rollouts)
+        stats = self._pool.sync_weights(state.items(), keep_running=self.cfg.rollout.partial_rollouts, version=version)
         return {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start,
                 **{f"sync/{k}": float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))}}
 
@@ -228,11 +229,11 @@ class ModelWorker:
             # CPU tensors travel over gloo whatever backend the training group uses.
             self._weights_group = dist.new_group(backend="gloo")
 
-    def _load_local_engine(self, state: dict[str, torch.Tensor]) -> None:
+    def _load_local_engine(self, state: dict[str, torch.Tensor], version: int | None) -> None:
         from raylign.rollout.weight_sync import load_and_drain, receive_named_tensors, send_named_tensors
 
         def load(named_tensors) -> None:
-            self._on_engine_loop(self._local_engine.update_weights(named_tensors))
+            self._on_engine_loop(self._local_engine.update_weights(named_tensors, False, version))
 
         if self._weights_group is None:
             load(state.items())

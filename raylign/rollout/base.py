@@ -14,6 +14,7 @@ importance ratio. Greedy decoding (``T == 0``) reports ``log_softmax(logits)``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -75,8 +76,8 @@ class RolloutEngine(ABC):
     """
 
     weight_version: int = 0
+    vocab_size: int
 
-    @abstractmethod
     async def generate(
         self,
         prompt_token_ids: list[list[int]],
@@ -87,8 +88,14 @@ class RolloutEngine(ABC):
 
         ``prompt_indices`` (default ``0..len-1``) label the prompts in the returned
         completions and derive per-prompt seeds; a pool passes each prompt's index in the
-        whole request.
+        whole request. Every prompt is its own group, all in flight at once.
         """
+        sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
+        indices = default_prompt_indices(prompt_token_ids, prompt_indices)
+        check_prompts(prompt_token_ids, self.vocab_size, indices)
+        groups = await asyncio.gather(*(self._group(list(ids), sampling, index)
+                                        for index, ids in zip(indices, prompt_token_ids)))
+        return [c for group in groups for c in group]
 
     async def generate_group(self, prompt_token_ids: list[int], sampling: SamplingConfig,
                              prompt_index: int = 0) -> list[Completion]:
@@ -97,13 +104,21 @@ class RolloutEngine(ABC):
         The streaming form of :meth:`generate`: a caller keeps many groups in flight and takes
         each as it finishes.
         """
-        return await self.generate([prompt_token_ids], sampling, [prompt_index])
+        sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
+        check_prompts([prompt_token_ids], self.vocab_size, [prompt_index])
+        return await self._group(list(prompt_token_ids), sampling, prompt_index)
 
     @abstractmethod
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False) -> float:
+    async def _group(self, prompt: list[int], sampling: SamplingConfig, index: int) -> list[Completion]:
+        """The completions of one prompt whose token ids were checked (``index`` labels them)."""
+
+    @abstractmethod
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False,
+                             version: int | None = None) -> float:
         """Load full weights (Hugging Face names) handed over in this process; returns seconds taken.
 
-        Resets the prefix cache and bumps ``weight_version``; ``keep_running`` as in :meth:`receive_weights`.
+        Resets the prefix cache and sets ``weight_version`` to ``version`` (default: one more);
+        ``keep_running`` as in :meth:`receive_weights`.
         """
 
     @abstractmethod
@@ -114,10 +129,11 @@ class RolloutEngine(ABC):
         """
 
     @abstractmethod
-    async def receive_weights(self, keep_running: bool = False) -> float:
+    async def receive_weights(self, keep_running: bool = False, version: int | None = None) -> float:
         """Receive one full weight sync from the group and load it; returns seconds taken.
 
-        Resets the prefix cache and bumps ``weight_version``. Sequences in flight finish under
+        Resets the prefix cache and sets ``weight_version`` to ``version`` (default: one more; the
+        trainer passes its own count, so versions survive a restart of the engines). Sequences in flight finish under
         the old weights first, unless ``keep_running``: then they are paused where they are and
         continue under the new weights (partial rollouts; engines that cannot pause
         mid-sequence finish them first).

@@ -30,9 +30,7 @@ from raylign.hardware import resolve_and_log
 from raylign.rollout.base import (
     Completion,
     RolloutEngine,
-    check_prompts,
     cut_after_stop_string,
-    default_prompt_indices,
     request_seed,
 )
 from raylign.rollout.weight_sync import (
@@ -128,32 +126,13 @@ class HFEngine(RolloutEngine):
         self._batcher: asyncio.Task | None = None
         self._busy: asyncio.Lock | None = None  # held by a running batch and by a weight update
 
-    async def generate(
-        self,
-        prompt_token_ids: list[list[int]],
-        sampling: SamplingConfig,
-        prompt_indices: Sequence[int] | None = None,
-    ) -> list[Completion]:
-        sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
-        indices = default_prompt_indices(prompt_token_ids, prompt_indices)
-        check_prompts(prompt_token_ids, self.vocab_size, indices)
-        groups = await asyncio.gather(*(self._enqueue(list(ids), index, sampling)
-                                        for index, ids in zip(indices, prompt_token_ids)))
-        return [c for group in groups for c in group]
-
-    async def generate_group(self, prompt_token_ids: list[int], sampling: SamplingConfig,
-                             prompt_index: int = 0) -> list[Completion]:
-        sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
-        check_prompts([prompt_token_ids], self.vocab_size, [prompt_index])
-        return await self._enqueue(list(prompt_token_ids), prompt_index, sampling)
-
     def _lock(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # a new asyncio.run(): nothing of the old loop's is in flight
             self._loop, self._queue, self._batcher, self._busy = loop, [], None, asyncio.Lock()
         return self._busy
 
-    async def _enqueue(self, prompt: list[int], index: int, sampling: SamplingConfig) -> list[Completion]:
+    async def _group(self, prompt: list[int], sampling: SamplingConfig, index: int) -> list[Completion]:
         self._lock()
         future = asyncio.get_running_loop().create_future()
         self._queue.append((prompt, index, sampling, future))
@@ -294,11 +273,12 @@ class HFEngine(RolloutEngine):
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
             target.copy_(tensor)
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False) -> float:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False,
+                             version: int | None = None) -> float:
         start = time.perf_counter()
         async with self._lock():  # after the running batch
             self._load_named_tensors(named_tensors)
-            self.weight_version += 1
+            self.weight_version = self.weight_version + 1 if version is None else version
         return time.perf_counter() - start
 
     async def join_weight_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
@@ -306,14 +286,14 @@ class HFEngine(RolloutEngine):
             raise ValueError(f"sync group of size {world_size} for an hf engine (one worker: size 2)")
         self._sync_group = join_group_as_receiver(host, port, 1, world_size, timeout_s)
 
-    async def receive_weights(self, keep_running: bool = False) -> float:
+    async def receive_weights(self, keep_running: bool = False, version: int | None = None) -> float:
         """``keep_running`` makes no difference here: the running batch finishes under the old weights."""
         if self._sync_group is None:
             raise RuntimeError("receive_weights before join_weight_sync_group")
         start = time.perf_counter()
         async with self._lock():
             load_and_drain(receive_named_tensors(self._sync_group[1]), self._load_named_tensors)
-            self.weight_version += 1
+            self.weight_version = self.weight_version + 1 if version is None else version
         return time.perf_counter() - start
 
     async def leave_weight_sync_group(self) -> None:

@@ -135,10 +135,12 @@ class PendingRollout:
 class RolloutPool:
     """Engine actors behind one ``generate``; also fans out weight syncs and cache resets."""
 
-    def __init__(self, engines: Sequence[Any]):
+    def __init__(self, engines: Sequence[Any], timeout_s: float = 1800.0):
+        """``timeout_s``: the longest wait for a whole request (:meth:`collect`)."""
         if not engines:
             raise ValueError("a rollout pool needs at least one engine")
         self.engines = list(engines)
+        self.timeout_s = timeout_s
         self._sender: WeightSyncSender | None = None
         self.outstanding = [0] * len(self.engines)  # tokens of work in flight per engine (streamed groups)
         self._group_load: dict[Any, tuple[int, int]] = {}
@@ -170,11 +172,22 @@ class RolloutPool:
                 for engine, shard in zip(self.engines, shards) if shard]
         return PendingRollout(refs, list(indices), sampling.n)
 
+    def is_done(self, pending: PendingRollout) -> bool:
+        import ray
+
+        ready, _ = ray.wait(pending.refs, num_returns=len(pending.refs), timeout=0)
+        return len(ready) == len(pending.refs)
+
     def collect(self, pending: PendingRollout) -> list[Completion]:
         """Wait for a submitted request: its completions in prompt order, then sample order."""
         import ray
 
-        results = ray.get(pending.refs)
+        try:
+            results = ray.get(pending.refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"rollout: a request of {len(pending.prompt_indices)} prompts did not finish within "
+                               f"{self.timeout_s:.0f} s on {len(self.engines)} engine(s); raise "
+                               "rollout.generate_timeout_s if generation is this slow") from None
         return order_completions((c for result in results for c in result), pending.prompt_indices, pending.n)
 
     def submit_group(self, prompt_token_ids: list[int], sampling: SamplingConfig, prompt_index: int) -> tuple[Any, int]:
@@ -197,11 +210,12 @@ class RolloutPool:
         self._sender = WeightSyncSender(self.engines, bucket_mb=bucket_mb, timeout_s=timeout_s, host=host)
         self._sender.connect()
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False) -> SyncStats:
-        """Send full weights to every engine; they reset their prefix caches afterwards."""
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False,
+                     version: int | None = None) -> SyncStats:
+        """Send full weights to every engine (labelled ``version``); they reset their prefix caches afterwards."""
         if self._sender is None:
             raise RuntimeError("RolloutPool.sync_weights() before connect_weight_sync()")
-        return self._sender.sync(named_tensors, keep_running)
+        return self._sender.sync(named_tensors, keep_running, version)
 
     def close_weight_sync(self) -> None:
         if self._sender is not None:

@@ -28,11 +28,10 @@ its own beside the actor. Settings that matter:
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -44,8 +43,6 @@ from raylign.hardware import resolve_and_log
 from raylign.rollout.base import (
     Completion,
     RolloutEngine,
-    check_prompts,
-    default_prompt_indices,
     log_once,
     request_seed,
 )
@@ -231,26 +228,7 @@ class VLLMEngine(RolloutEngine):
         self._request_ids = itertools.count()
         self._tokens_in_flight: dict[str, int] = {}  # request id -> tokens sampled so far
 
-    async def generate(
-        self,
-        prompt_token_ids: list[list[int]],
-        sampling: SamplingConfig,
-        prompt_indices: Sequence[int] | None = None,
-    ) -> list[Completion]:
-        sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
-        indices = default_prompt_indices(prompt_token_ids, prompt_indices)
-        check_prompts(prompt_token_ids, self.vocab_size, indices)
-        groups = await asyncio.gather(*(self._generate_group(list(ids), sampling, index)
-                                        for index, ids in zip(indices, prompt_token_ids)))
-        return [c for group in groups for c in group]
-
-    async def generate_group(self, prompt_token_ids: list[int], sampling: SamplingConfig,
-                             prompt_index: int = 0) -> list[Completion]:
-        sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
-        check_prompts([prompt_token_ids], self.vocab_size, [prompt_index])
-        return await self._generate_group(list(prompt_token_ids), sampling, prompt_index)
-
-    async def _generate_group(self, prompt: list[int], sampling: SamplingConfig, index: int) -> list[Completion]:
+    async def _group(self, prompt: list[int], sampling: SamplingConfig, index: int) -> list[Completion]:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -276,13 +254,14 @@ class VLLMEngine(RolloutEngine):
         """Tokens sampled so far by the sequences still generating."""
         return sum(self._tokens_in_flight.values())
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False) -> float:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False,
+                             version: int | None = None) -> float:
         start = time.perf_counter()
         from raylign.rollout.vllm_worker import pack_tensors
 
         packed = pack_tensors(named_tensors)  # copied to the engine's worker process
         await self._between_steps(lambda: self.llm.collective_rpc("raylign_load_packed", args=(packed,)),
-                                  keep_running)
+                                  keep_running, version)
         return time.perf_counter() - start
 
     async def join_weight_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
@@ -290,12 +269,12 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"sync group of size {world_size} for an engine with {self.config.tensor_parallel_size} workers")
         await self.llm.collective_rpc("raylign_join_sync_group", args=(host, port, world_size, timeout_s))
 
-    async def receive_weights(self, keep_running: bool = False) -> float:
+    async def receive_weights(self, keep_running: bool = False, version: int | None = None) -> float:
         start = time.perf_counter()
-        await self._between_steps(lambda: self.llm.collective_rpc("raylign_receive_weights"), keep_running)
+        await self._between_steps(lambda: self.llm.collective_rpc("raylign_receive_weights"), keep_running, version)
         return time.perf_counter() - start
 
-    async def _between_steps(self, load, keep_running: bool) -> None:
+    async def _between_steps(self, load, keep_running: bool, version: int | None) -> None:
         """Pause the scheduler, ``await load()``, reset the caches, label the new version, resume.
 
         Without ``keep_running`` the sequences in flight finish first (new ones wait in the queue);
@@ -305,7 +284,7 @@ class VLLMEngine(RolloutEngine):
             await load()
             if not await self.llm.reset_prefix_cache(reset_running_requests=True):
                 raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
-            self.weight_version += 1
+            self.weight_version = self.weight_version + 1 if version is None else version
             await self.llm.update_weight_version(str(self.weight_version))
         finally:
             await self.llm.resume_generation()

@@ -212,7 +212,8 @@ class WeightSyncSender:
             self._groups.append(group)
         logger.info("weight sync: connected to %d engine(s) at %s", len(self.engines), host)
 
-    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False) -> SyncStats:
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False,
+             version: int | None = None) -> SyncStats:
         """Send full weights (Hugging Face names) to every engine; returns when all have loaded them.
 
         ``keep_running``: sequences in flight continue under the new weights (partial rollouts)
@@ -222,7 +223,7 @@ class WeightSyncSender:
         if not self._groups:
             raise RuntimeError("WeightSyncSender.sync() before connect()")
         start = time.perf_counter()
-        loading = [engine.receive_weights.remote(keep_running) for engine in self.engines]
+        loading = [engine.receive_weights.remote(keep_running, version) for engine in self.engines]
         try:
             num_buckets, num_tensors, num_bytes = send_named_tensors(self._groups, named_tensors, self.bucket_bytes)
         except BaseException:

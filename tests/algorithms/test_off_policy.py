@@ -32,6 +32,8 @@ def test_token_level_truncated_weights_are_min_of_ratio_and_cap():
     assert metrics["is_weight_mean"].item() == pytest.approx((2.0 + 0.5 + 1.5 + 0.25 + 1.0) / 5)
     expected_kl = sum(r - 1 - math.log(r) for row, mrow in zip(RHO, MASK) for r, m in zip(row, mrow) if m) / 5
     assert metrics["mismatch_kl"].item() == pytest.approx(expected_kl)
+    counted = [3.0, 0.5, 1.5, 0.25, 1.0]  # Kish: (sum rho)^2 / (N sum rho^2), of the uncapped ratios
+    assert metrics["is_ess_fraction"].item() == pytest.approx(sum(counted) ** 2 / (5 * sum(r * r for r in counted)))
     assert not weights.requires_grad
 
 

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from raylign.rl.trainer import RLTrainer
 from raylign.trainers.metrics import read_metrics
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.slow
 def _async_run_config(model_dir, prompt_file, out):
     data = rl_config_data(model_dir, prompt_file, out, "grpo")
     data["train"].update(max_steps=3, log_samples=16)
-    data.setdefault("rollout", {})["max_staleness"] = 1
+    # Reproducible: groups enter steps in start order, so a resumed run's steps hold the same prompts.
+    data["rollout"].update(max_staleness=1, reproducible=True)
     data["optim"]["scheduler"] = "constant"
     return data
 
@@ -33,9 +35,21 @@ def _prompts_of_step(out, step: int) -> list[str]:
 def test_async_samples_are_one_update_old_and_resume_keeps_the_prompts_in_flight(
         ray_session, rl_model_dir, prompt_file, tmp_path):
     straight = _async_run_config(rl_model_dir, prompt_file, tmp_path / "straight")
-    RLTrainer(resolve(tmp_path, straight)).run()
-    records = read_metrics(tmp_path / "straight")
+    straight["data"]["eval"] = [{"path": str(prompt_file)}]
+    straight["train"]["eval_every"] = 1  # evaluations share the engines with the training stream
+    trainer = RLTrainer(resolve(tmp_path, straight))
+    trainer.run()
+    rows = read_metrics(tmp_path / "straight")
+    # One evaluation per weight version, each logged under the step whose weights generated it.
+    assert sorted(r["step"] for r in rows if "eval/all/reward_mean" in r) == [0, 1, 2, 3]
+    records = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
+    # The stream: when step 2 began training, the groups of step 3 were still generating (they
+    # started after step 1's weight sync, and the engine finished them after step 2's training began).
+    assert records[1]["rollout/groups_in_flight"] > 0
+    train_began = {step: t for what, step, t in trainer.events if what == "train"}
+    finished = [t for step, _, t in trainer.group_log if step == 3]
+    assert max(finished) > train_began[2]
     # Step 1 is generated before any update; steps 2 and 3 were generated during the step before,
     # by the engines one weight sync behind the policy that trains on them.
     assert [r["rollout/weight_lag"] for r in records] == [0, 1, 1]
@@ -53,3 +67,55 @@ def test_async_samples_are_one_update_old_and_resume_keeps_the_prompts_in_flight
     assert [r["step"] for r in read_metrics(tmp_path / "resumed")] == [1, 2, 3]
     for step in (1, 2, 3):
         assert _prompts_of_step(tmp_path / "resumed", step) == _prompts_of_step(tmp_path / "straight", step)
+
+
+def test_a_reproducible_stream_killed_mid_step_resumes_to_the_same_weights(ray_session, rl_model_dir, prompt_file,
+                                                                          tmp_path):
+    """``rollout.reproducible`` with seeded sampling, two updates of staleness, decoupled PPO: a run
+    killed with SIGKILL while step 3 trains and step 4's groups are generating, then started again,
+    ends with the same weights as a run that was never stopped. The killed run is a separate
+    ``raylign rl`` process joined to this session's Ray (its actors die with it)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .rl_helpers import state_dict_of, write_yaml
+
+    def config(out):
+        data = _async_run_config(rl_model_dir, prompt_file, out)
+        data["rollout"]["max_staleness"] = 2
+        data["algorithm"] = {"off_policy": "truncated_is"}
+        data["train"].update(max_steps=4, save_every=1)
+        return data
+
+    RLTrainer(resolve(tmp_path, config(tmp_path / "straight"))).run()
+
+    killed = tmp_path / "killed"
+    joined = config(killed)
+    joined.setdefault("placement", {})["ray_address"] = ray_session.get_runtime_context().gcs_address
+    spec = write_yaml(tmp_path / "killed.yaml", joined)
+    proc = subprocess.Popen([sys.executable, "-m", "raylign.cli.main", "rl", "--config", str(spec)],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 600
+        while not (killed / "checkpoints" / "step_2").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint of step 2 within 600 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver, mid-step 3
+        proc.wait(timeout=60)
+    assert not (killed / "final").exists()
+    RLTrainer(resolve(tmp_path, config(killed))).run()
+
+    steps = {name: [r for r in read_metrics(tmp_path / name) if "reward/mean" in r] for name in ("straight", "killed")}
+    resumed = {r["step"]: r for r in steps["killed"]}  # step 3 may be logged twice: by the killed run and again
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for row in steps["straight"]:
+        assert resumed[row["step"]]["reward/mean"] == pytest.approx(row["reward/mean"], abs=1e-6)
+        assert resumed[row["step"]]["policy/policy_loss"] == pytest.approx(row["policy/policy_loss"], abs=1e-6)
+    straight, again = state_dict_of(tmp_path / "straight" / "final"), state_dict_of(killed / "final")
+    for name, tensor in straight.items():
+        assert torch.allclose(tensor, again[name], atol=1e-6), name

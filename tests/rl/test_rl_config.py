@@ -278,3 +278,13 @@ def test_cli_prints_the_resolved_preset(base, tmp_path, capsys):
     assert printed["algorithm"]["advantage"] == "dr_grpo"
     assert printed["algorithm"]["aggregation"] == "constant_normalizer"
 
+
+
+def test_editing_preset_defaults_leaves_the_presets_as_they_are():
+    from raylign.config.rl import RLConfig
+
+    defaults = RLConfig.preset_defaults({"preset": "grpo"})
+    defaults["algorithm"]["off_policy"] = "truncated_is"
+    defaults["algorithm"] = {}
+    assert "off_policy" not in RLConfig.preset_defaults({"preset": "grpo"})["algorithm"]
+    assert RLConfig.preset_defaults({"preset": "grpo"})["algorithm"]["advantage"] == "grpo"

@@ -240,3 +240,28 @@ def test_max_staleness_zero_is_the_synchronous_loop(ray_session, rl_model_dir, p
     batch_weights = state_dict_of(tmp_path / "batch" / "final")
     for name, tensor in stream_weights.items():
         assert torch.allclose(tensor, batch_weights[name], atol=1e-6), name
+
+
+def test_dynamic_sampling_drops_uniform_groups_as_they_arrive(hf_engines, weights):
+    """Groups whose rewards are all equal carry no group advantage: they are dropped as they come
+    back and more are generated until the step has its quota. Here the even prompt positions are
+    uniform by construction (every sample scores 1), the odd ones are not."""
+    from raylign.rl.trainer import _uniform_rewards
+
+    def score(samples):
+        for i, s in enumerate(samples):
+            s.reward = 1.0 if s.prompt_text in {"p0", "p2", "p4", "p6"} else float(i % 2)
+
+    start = ray.get(hf_engines[0].weight_version_now.remote())
+    feed = RolloutFeed(GroupStream(RolloutPool(hf_engines), timeout_s=120), _prompts(), itertools.cycle(range(8)),
+                       SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3), PER_STEP, 1, "drop",
+                       RLTrainer._group_samples, score, uniform=_uniform_rewards, max_uniform_per_step=30)
+    taken = _run_steps(feed, hf_engines, 4, weights, start_version=start)
+    admitted = [g for _, step in taken for g in step.groups]
+    assert len(admitted) == 4 * PER_STEP
+    assert all(g.prompt_position % 2 == 1 for g in admitted)
+    # Every even group that came back before the last step was complete was dropped, and counted.
+    dropped = sum(step.dropped_uniform for _, step in taken)
+    assert dropped + sum(step.dropped_stale for _, step in taken) == feed.discarded
+    assert dropped >= 4 * PER_STEP - 3  # the last few even groups may still be in flight
+    assert all(step.padded_uniform == 0 for _, step in taken)
