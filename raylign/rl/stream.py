@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from raylign.rl.experience import Sample
@@ -64,7 +64,6 @@ class StepGroups:
     dropped_uniform: int = 0  # groups whose rewards were all equal (dynamic sampling)
     padded_uniform: int = 0  # uniform groups taken anyway, after the refill budget ran out
     in_flight: int = 0  # groups still generating when the step's batch was complete
-    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def samples(self) -> list[Sample]:
