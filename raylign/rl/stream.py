@@ -12,9 +12,11 @@ checked here, where groups enter a step, not by the length of a queue. A group t
 old is dropped (and counted) or generated again, as configured.
 
 How many groups may be started: the ``q``-th group to be trained on (0-based) goes into step
-``q // prompts_per_step``, so a group started while the engines hold version ``v`` can only
-be on time if ``q < (v + max_staleness + 1) * prompts_per_step``; no more are started than
-that. With ``max_staleness: 0`` this is the synchronous loop: one step's groups are started,
+``q // prompts_per_step``, so once ``t`` groups have been trained on (``t / prompts_per_step``
+weight updates), a group started now can only be on time if
+``q < t + (max_staleness + 1) * prompts_per_step``; no more are started than that. (Counted
+from the groups trained, not from the engines' version number, so the bound holds whatever
+version the engines started at.) With ``max_staleness: 0`` this is the synchronous loop: one step's groups are started,
 all of them finish, the step trains, the weights are synced, the next step's groups start.
 A step takes the groups that have finished (a slow group never holds back the others), and
 holds them in the order they were started; with ``max_staleness: 0`` it waits for all of its
@@ -99,7 +101,7 @@ class RolloutFeed:
 
     def top_up(self, version: int) -> None:
         """Start groups while they can still be trained on within the bound (module docstring)."""
-        while self.started - self.discarded < (version + self.k + 1) * self.per_step:
+        while self.started - self.discarded < self.trained + (self.k + 1) * self.per_step:
             position = self.requeued.pop(0) if self.requeued else next(self.positions)
             self.stream.submit(self.prompts[position].token_ids, self.sampling, self.started,
                                (self.started, position, version))
