@@ -115,7 +115,8 @@ class RLTrainer:
             # Colocated on GPUs: rank r of every role shares GPU r (the policy with its engine) in equal parts.
             gpus = (1.0 / len(roles) if p.colocate else 1.0) if has_gpus else 0.0
             self.groups[role] = WorkerGroup(role, dump, workers, updates, group, num_cpus=p.cpus_per_worker,
-                                            num_gpus=gpus, startup_timeout_s=timeout)
+                                            num_gpus=gpus, startup_timeout_s=timeout,
+                                            call_timeout_s=p.worker_call_timeout_s)
         if p.colocate:
             # The hybrid engine: each policy worker generates with an engine in its own process.
             self.groups["policy"].call("start_local_engine", self.model_path)
@@ -153,6 +154,7 @@ class RLTrainer:
         else:  # a checkpoint of an earlier version: the prompts it had in flight are generated again
             self.feed.requeued = list(state.get("next_indices") or [])
         _set_rng(state["rng"])
+        self.metrics.resume_from(self.step)
         self.sync_weights()
         log.info("resumed from %s at step %d", ckpt, self.step)
 
@@ -419,6 +421,7 @@ class RLTrainer:
 
     def save_checkpoint(self) -> Path:
         root = self.out / "checkpoints"
+        self._finish_evals(wait=True)  # logged before the checkpoint: a resume does not evaluate again
         self.feed.drain(self.syncs)  # the groups in flight come back first, so that nothing is lost
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": _get_rng(), "syncs": self.syncs,
                  "feed": self.feed.state_dict(), "positions": self.positions.state_dict()}

@@ -108,8 +108,8 @@ class OfflineTrainer:
             log.info("%d train / %d eval samples; %d optimizer steps of %d samples on %d rank(s)",
                      len(self.train_samples), len(self.eval_samples), self.total_steps,
                      self.train_cfg.global_batch_size, self.world_size)
+        if not self._maybe_resume():  # a resumed run has its data record already
             self.metrics.log({f"data/{k}": v for k, v in data_stats.items() if _is_number(v)}, step=0)
-        self._maybe_resume()
 
     def _micro_batches_per_rank(self) -> int:
         t = self.train_cfg
@@ -133,16 +133,19 @@ class OfflineTrainer:
             )
         return max(1, math.floor(t.epochs * per_epoch))
 
-    def _maybe_resume(self) -> None:
+    def _maybe_resume(self) -> bool:
+        """Continue from the newest checkpoint, if ``train.resume`` and there is one; whether it did."""
         if not self.train_cfg.resume:
-            return
+            return False
         state = resume_latest(self.engine, self.output_dir / "checkpoints")
         if state is None:
-            return
+            return False
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
+        self.metrics.resume_from(self.step)
         if self.is_main:
             log.info("resumed from the checkpoint of step %d in %s", self.step, self.output_dir / "checkpoints")
+        return True
 
     def run(self) -> dict[str, float]:
         self.setup()

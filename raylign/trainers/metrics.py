@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ log = logging.getLogger("raylign")
 class MetricsLogger:
     """Writes one record per call to ``<output_dir>/metrics.jsonl`` and the configured sinks.
 
-    Only the main process should create one; other ranks pass ``enabled=False``.
+    Only the main process should create one; other ranks pass ``enabled=False``. A resumed run
+    calls :meth:`resume_from` before it logs, so that each step appears once.
     """
 
     def __init__(self, output_dir: str | Path, cfg: LoggingConfig, run_config: dict[str, Any], enabled: bool = True):
@@ -28,11 +30,9 @@ class MetricsLogger:
             return
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.output_dir / "metrics.jsonl", "a", buffering=1)
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+        self._jsonl_path = self.output_dir / "metrics.jsonl"
+        self._jsonl = open(self._jsonl_path, "a", buffering=1)
+        self._purge_step: int | None = None  # TensorBoard hides the events from here on (a resume)
         if cfg.wandb:
             try:
                 import wandb
@@ -42,11 +42,43 @@ class MetricsLogger:
                 project=cfg.wandb_project, name=cfg.run_name or self.output_dir.name, config=run_config
             )
 
+    def resume_from(self, step: int) -> int:
+        """The run continues after the checkpoint of ``step``: records of later steps (written
+        before the run stopped, and about to be written again) move from ``metrics.jsonl`` to
+        ``metrics.superseded.jsonl``, and TensorBoard hides its events past ``step``. Returns
+        how many records moved."""
+        if not self.enabled:
+            return 0
+        self._jsonl.close()
+        kept, superseded = [], []
+        for line in self._jsonl_path.read_text().splitlines(keepends=True):
+            if line.strip():
+                (superseded if _step_of(line) > step else kept).append(line if line.endswith("\n") else line + "\n")
+        if superseded:
+            with open(self.output_dir / "metrics.superseded.jsonl", "a") as f:
+                f.writelines(superseded)
+            partial = self._jsonl_path.with_suffix(".jsonl.partial")
+            partial.write_text("".join(kept))
+            partial.replace(self._jsonl_path)  # atomic: a kill here leaves one whole file or the other
+        self._jsonl = open(self._jsonl_path, "a", buffering=1)
+        self._purge_step = step + 1
+        if self._tb is not None:  # reopened on the next record, with the purge step
+            self._tb.close()
+            self._tb = None
+        if superseded:
+            log.info("metrics: %d record(s) past step %d, logged before the run stopped, moved to %s",
+                     len(superseded), step, self.output_dir / "metrics.superseded.jsonl")
+        return len(superseded)
+
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
             return
         record = {"step": step, "time": round(time.time(), 3), **{k: _to_float(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
+        if self.cfg.tensorboard and self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), purge_step=self._purge_step)
         if self._tb is not None:
             for key, value in record.items():
                 if key not in ("step", "time"):
@@ -62,6 +94,14 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _step_of(line: str) -> float:
+    """The step of one ``metrics.jsonl`` line; a line cut short by a kill counts as past every step."""
+    try:
+        return json.loads(line).get("step", 0)
+    except json.JSONDecodeError:
+        return math.inf
 
 
 def _to_float(value: Any) -> float:

@@ -87,15 +87,33 @@ KILL_SCRIPT = textwrap.dedent("""
     from raylign.config.commands import SFTConfig
     from raylign.trainers.sft import SFTTrainer
 
-    class DiesAfterFirstCheckpoint(SFTTrainer):
+    class DiesAfterLoggingPastCheckpoint(SFTTrainer):
+        # saves the checkpoint of step N, trains and logs step N + 1, then crashes
+
         def save_checkpoint(self):
             super().save_checkpoint()
             if self.step == int(sys.argv[2]):
-                os._exit(17)  # a hard crash: no cleanup, no final save
+                log = self.metrics.log
+
+                def log_then_die(metrics, step):
+                    log(metrics, step)
+                    if step > int(sys.argv[2]):
+                        os._exit(17)  # a hard crash: no cleanup, no final save
+
+                self.metrics.log = log_then_die
 
     cfg = parse_config(SFTConfig, yaml.safe_load(open(sys.argv[1])))
-    DiesAfterFirstCheckpoint(cfg).run()
+    DiesAfterLoggingPastCheckpoint(cfg).run()
 """)
+
+
+def tensorboard_steps(out: Path, tag: str) -> list[int]:
+    """The steps of one scalar as TensorBoard shows it (purged events hidden)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    return [event.step for event in acc.Scalars(tag)]
 
 
 def test_run_killed_after_checkpoint_resumes_to_identical_weights(tmp_path, tiny_model_dir):
@@ -114,9 +132,17 @@ def test_run_killed_after_checkpoint_resumes_to_identical_weights(tmp_path, tiny
     assert proc.returncode == 17, proc.stderr[-2000:]
     assert not (tmp_path / "crashed" / "final").exists()
 
+    logged_before = [r["step"] for r in read_metrics(tmp_path / "crashed") if "train/loss" in r]
+    assert logged_before == [1, 2, 3, 4]  # step 4 was logged, its checkpoint never written
+
     SFTTrainer(crashed).run()  # resume picks step_3 and continues to step 6
-    resumed_steps = [r["step"] for r in read_metrics(tmp_path / "crashed") if "train/loss" in r]
-    assert resumed_steps == [1, 2, 3, 4, 5, 6]
+    records = read_metrics(tmp_path / "crashed")
+    resumed_steps = [r["step"] for r in records if "train/loss" in r]
+    assert resumed_steps == [1, 2, 3, 4, 5, 6]  # each step once: the first step 4 was superseded
+    assert [r["step"] for r in records if any(k.startswith("data/") for k in r)] == [0]
+    superseded = [json.loads(line) for line in (tmp_path / "crashed" / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in superseded] == [4]
+    assert tensorboard_steps(tmp_path / "crashed", "train/loss") == [1, 2, 3, 4, 5, 6]
 
     a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
     b = load_file(tmp_path / "crashed" / "final" / "model.safetensors")
