@@ -77,7 +77,15 @@ from raylign.algorithms.reward_shaping import (
     kimi_length_penalty,
     linear_length_penalty,
 )
-from raylign.algorithms.stats import masked_count, masked_mean, masked_std, masked_sum, masked_var, masked_whiten
+from raylign.algorithms.stats import (
+    masked_count,
+    masked_mean,
+    masked_min_max,
+    masked_std,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
 from raylign.algorithms.value_loss import compute_value_loss
 
 __all__ = [
@@ -142,6 +150,7 @@ __all__ = [
     "mask_by_importance_ratio",
     "masked_count",
     "masked_mean",
+    "masked_min_max",
     "masked_std",
     "masked_sum",
     "masked_var",

@@ -8,6 +8,9 @@ Inputs shared by all estimators:
   tokens only; masked tokens in between (prompt, padding, tool output) are skipped as if absent.
 * group estimators take ``group_size`` or ``group_ids`` (see :mod:`raylign.algorithms.groups`).
   Groups of one sample and groups whose rewards are all equal get advantage 0.
+* whitening estimators (GAE with ``whiten``, REINFORCE++, REINFORCE++-baseline) whiten over the
+  whole batch with :func:`~raylign.algorithms.stats.masked_whiten`: when all counted values are
+  equal (a batch of one sequence with an outcome reward, say) the advantage is exactly 0.
 * ``token_kl`` / ``kl_coef`` (where accepted): the reward becomes ``r_t - kl_coef * token_kl_t``.
 
 Registration metadata tells a caller what to pass: ``needs_groups`` (``group_size``/``group_ids``),
@@ -104,7 +107,7 @@ def compute_gae_advantages(
 
     ``delta_t = r_t + gamma * V_next - V_t``, ``A_t = delta_t + gamma * lam * A_next``, ``R_t = A_t + V_t``,
     with ``V = 0`` after the last counted token. Returns are unwhitened; advantages are whitened over
-    the batch (all ranks of ``process_group``) when ``whiten``.
+    the batch (all ranks of ``process_group``) when ``whiten``, and then 0 if they are all equal.
     """
     check_like_mask("values", values, mask)
     rewards = _shaped_token_rewards(rewards, mask, token_kl, kl_coef)
@@ -154,7 +157,7 @@ def compute_reinforce_plus_plus_advantages(
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language
     Models"): token rewards ``r_t - kl_coef * KL_t`` (outcome on the last token), returns ``G_t``,
     then global-batch whitening ``A_t = (G_t - mean(G)) / (std(G) + eps)`` over all counted tokens
-    of all ranks in ``process_group``."""
+    of all ranks in ``process_group``; ``A = 0`` when all counted ``G_t`` are equal."""
     returns = discounted_returns(_shaped_token_rewards(rewards, mask, token_kl, kl_coef), mask, gamma)
     advantages = masked_whiten(returns, mask, eps=eps, process_group=process_group)
     return advantages, returns
@@ -177,10 +180,12 @@ def compute_reinforce_plus_plus_baseline_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline (Hu 2025, "REINFORCE++", section 3.2): ``r'_i = r_i - mean_group(r)``,
     token rewards ``r'_i`` on the last token minus ``kl_coef * KL_t``, returns ``G_t``, then global
-    whitening ``(G - mean(G)) / (std(G) + eps)`` over all ranks of ``process_group``.
+    whitening ``(G - mean(G)) / (std(G) + eps)`` over all ranks of ``process_group``; ``A = 0`` when
+    all counted ``G_t`` are equal.
 
     With ``subtract_batch_mean=False`` the global step only divides by the std, which keeps
-    groups with equal rewards (and no KL term) at exactly 0 advantage.
+    groups with equal rewards (and no KL term) at exactly 0 advantage; if all counted ``G_t`` are
+    equal there is no std to divide by and ``A = G``.
     """
     outcome = sequence_rewards(rewards, mask)
     ids = resolve_group_ids(outcome.shape[0], group_size, group_ids, outcome.device)
@@ -229,7 +234,8 @@ def compute_grpo_advantages(
     stats = group_stats(outcome, resolve_group_ids(outcome.shape[0], group_size, group_ids, outcome.device))
     advantage = outcome - stats.mean
     if normalize_std:
-        advantage = advantage / (stats.std + eps)
+        # 1 where there is nothing to divide by (flat groups get 0 below) keeps the gradient finite
+        advantage = advantage / torch.where(stats.has_signal & (stats.std + eps > 0), stats.std + eps, 1)
     advantage = torch.where(stats.has_signal, advantage, torch.zeros_like(advantage))
     advantages = _broadcast(advantage, mask)
     return advantages, advantages.clone()

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from raylign.algorithms.stats import safe_sqrt
+
 
 def resolve_group_ids(
     batch_size: int,
@@ -39,7 +41,7 @@ class GroupStats:
     """Statistics of each sample's group, broadcast back to ``[batch]``."""
 
     mean: torch.Tensor
-    std: torch.Tensor  # unbiased (n - 1); 0 for groups of one
+    std: torch.Tensor  # unbiased (n - 1); 0 for groups of one, with gradient 0 where it is 0
     size: torch.Tensor  # samples in the group
     total: torch.Tensor  # sum of the group's values
     spread: torch.Tensor  # max - min within the group; exactly 0 when all values are equal
@@ -64,7 +66,7 @@ def group_stats(values: torch.Tensor, dense_ids: torch.Tensor) -> GroupStats:
     minima = zeros.scatter_reduce(0, dense_ids, values, "amin", include_self=False)
     return GroupStats(
         mean=means[dense_ids],
-        std=variances.sqrt()[dense_ids],
+        std=safe_sqrt(variances)[dense_ids],
         size=sizes[dense_ids],
         total=totals[dense_ids],
         spread=(maxima - minima)[dense_ids],

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from raylign.algorithms.checks import check_sequence
 from raylign.algorithms.groups import group_stats, resolve_group_ids
 from raylign.algorithms.registry import REWARD_SHAPERS, SAMPLE_FILTERS
-from raylign.algorithms.stats import masked_count, masked_mean, masked_var
+from raylign.algorithms.stats import masked_count, masked_mean, masked_min_max, masked_var
 
 
 @REWARD_SHAPERS.register("clip")
@@ -86,6 +86,10 @@ class RunningRewardNormalizer:
     rewards as ``(r - mean) / (std + eps)`` (or ``r / (std + eps)`` without ``shift_mean``), as in
     Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences".
 
+    Until the rewards seen differ (all equal, or none seen yet) there is no scale to divide by:
+    ``normalize`` returns ``r - mean`` (``r`` without ``shift_mean``), so rewards equal to those
+    seen map to exactly 0 rather than to rounding error divided by ``eps``.
+
     ``update`` with a ``process_group`` merges the whole data-parallel batch, so all ranks keep
     the same statistics. Checkpoint it with ``state_dict`` / ``load_state_dict``.
     """
@@ -96,6 +100,8 @@ class RunningRewardNormalizer:
         self.count = 0.0
         self.mean = 0.0
         self.m2 = 0.0  # sum of squared deviations from the mean
+        self.lowest = math.inf  # smallest and largest reward seen, to tell equal rewards apart from close ones
+        self.highest = -math.inf
 
     @property
     def std(self) -> float:
@@ -111,15 +117,22 @@ class RunningRewardNormalizer:
             return
         batch_mean = float(masked_mean(values, ones, process_group=process_group))
         batch_m2 = float(masked_var(values, ones, unbiased=False, process_group=process_group)) * batch_count
+        batch_lowest, batch_highest = masked_min_max(values, ones, process_group=process_group)
         total = self.count + batch_count
         delta = batch_mean - self.mean
         self.mean += delta * batch_count / total
         self.m2 += batch_m2 + delta * delta * self.count * batch_count / total
         self.count = total
+        self.lowest = min(self.lowest, float(batch_lowest))
+        self.highest = max(self.highest, float(batch_highest))
+        if self.highest == self.lowest:  # all equal: exact statistics, free of the update's rounding
+            self.mean, self.m2 = self.highest, 0.0
 
     def normalize(self, rewards: torch.Tensor) -> torch.Tensor:
         """Normalise with the current statistics (without updating them)."""
         centred = rewards - self.mean if self.shift_mean else rewards
+        if self.highest <= self.lowest:
+            return centred
         return centred / (self.std + self.eps)
 
     def __call__(self, rewards: torch.Tensor, process_group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -128,13 +141,18 @@ class RunningRewardNormalizer:
         return self.normalize(rewards)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "mean": self.mean, "m2": self.m2, "eps": self.eps, "shift_mean": self.shift_mean}
+        return {"count": self.count, "mean": self.mean, "m2": self.m2, "lowest": self.lowest, "highest": self.highest,
+                "eps": self.eps, "shift_mean": self.shift_mean}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"count", "mean", "m2"} - set(state)
         if missing:
             raise KeyError(f"RunningRewardNormalizer state is missing {sorted(missing)}")
         self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
+        # a state saved without the range: take the rewards seen to have differed if any were seen
+        seen = self.count > 0
+        self.lowest = float(state.get("lowest", -math.inf if seen else math.inf))
+        self.highest = float(state.get("highest", math.inf if seen else -math.inf))
         self.eps = float(state.get("eps", self.eps))
         self.shift_mean = bool(state.get("shift_mean", self.shift_mean))
 

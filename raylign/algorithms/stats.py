@@ -9,6 +9,8 @@ gradient of the global statistic with respect to the local inputs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -22,6 +24,15 @@ def _all_reduce_sum(value: torch.Tensor, process_group: dist.ProcessGroup | None
     total = value.detach().clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=process_group)
     return value + (total - value.detach())
+
+
+def _all_reduce_max(value: torch.Tensor, process_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Element-wise maximum of a detached ``value`` over the group."""
+    if process_group is None:
+        return value
+    highest = value.detach().clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=process_group)
+    return highest
 
 
 def _check_reduction(dim: int | None, process_group: dist.ProcessGroup | None) -> None:
@@ -88,6 +99,17 @@ def masked_var(
     return torch.where(denominator > 0, variance, torch.zeros_like(variance))
 
 
+def safe_sqrt(values: torch.Tensor) -> torch.Tensor:
+    """``sqrt(x)`` for ``x >= 0``, with gradient 0 at ``x == 0``.
+
+    sqrt's derivative is infinite at 0, and the chain rule turns it into NaN even where the
+    result is not used (``0 * inf``); the std of equal values is a kink, and 0 is its symmetric
+    subgradient.
+    """
+    positive = values > 0
+    return torch.where(positive, torch.where(positive, values, 1).sqrt(), 0)
+
+
 def masked_std(
     values: torch.Tensor,
     mask: torch.Tensor,
@@ -95,8 +117,28 @@ def masked_std(
     dim: int | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Square root of :func:`masked_var`."""
-    return masked_var(values, mask, unbiased=unbiased, dim=dim, process_group=process_group).sqrt()
+    """Square root of :func:`masked_var`; its gradient is 0 where the variance is 0 (see :func:`safe_sqrt`)."""
+    return safe_sqrt(masked_var(values, mask, unbiased=unbiased, dim=dim, process_group=process_group))
+
+
+def masked_min_max(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    process_group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smallest and largest counted value over all elements (and all ranks of ``process_group``), detached.
+
+    ``(inf, -inf)`` when nothing is counted. Unlike a floating-point std, ``max - min`` is exactly 0
+    when all counted values are equal, so it tells "no spread" apart from "small spread".
+    """
+    counted = mask.bool().reshape(-1)
+    flat = values.detach().reshape(-1)
+    inf = torch.full((1,), math.inf, dtype=flat.dtype, device=flat.device)
+    # the appended inf keeps the reductions defined for empty tensors
+    lowest = torch.cat([torch.where(counted, flat, inf), inf]).min()
+    highest = torch.cat([torch.where(counted, flat, -inf), -inf]).max()
+    extremes = _all_reduce_max(torch.stack([-lowest, highest]), process_group)
+    return -extremes[0], extremes[1]
 
 
 def masked_whiten(
@@ -109,10 +151,24 @@ def masked_whiten(
 ) -> torch.Tensor:
     """Whitening over all counted positions: ``(x - mean) / (std + eps)``, or ``x / (std + eps)`` without the shift.
 
-    Masked positions of the result are 0. The statistics are global over ``process_group``.
+    When the counted values have no spread (all equal, ``max == min``; one counted value included),
+    there is no scale to divide by: the result is exactly 0 with ``shift_mean``, and ``x`` unscaled
+    without it. (A two-pass mean leaves rounding error in ``x - mean`` that ``std + eps`` would
+    otherwise blow up to values of order 1 with an arbitrary sign.) Likewise nothing is divided by
+    ``std + eps == 0``, which only ``eps=0`` and a variance that underflows can give.
+
+    Masked positions of the result are 0. The statistics, the spread included, are global over
+    ``process_group``.
     """
     values = zero_masked(values, mask)
     mean = masked_mean(values, mask, process_group=process_group)
     std = masked_std(values, mask, unbiased=unbiased, process_group=process_group)
-    centred = values - mean if shift_mean else values
-    return zero_masked(centred / (std + eps), mask)
+    lowest, highest = masked_min_max(values, mask, process_group=process_group)
+    has_spread = highest > lowest
+    # 1 where there is nothing to divide by keeps values and gradients finite
+    scale = torch.where(has_spread & (std + eps > 0), std + eps, 1)
+    if shift_mean:
+        whitened = torch.where(has_spread, (values - mean) / scale, 0)
+    else:
+        whitened = values / scale
+    return zero_masked(whitened, mask)

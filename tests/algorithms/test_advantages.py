@@ -233,3 +233,32 @@ def test_bad_group_size_is_explained():
         compute_grpo_advantages(torch.zeros(4), torch.ones(4, 2), group_size=3)
     with pytest.raises(ValueError, match="exactly one of group_size"):
         compute_grpo_advantages(torch.zeros(4), torch.ones(4, 2))
+
+
+# ---------------------------------------------------------------- batch whitening without spread
+
+
+def test_reinforce_plus_plus_on_one_sequence_gives_zero_advantage():
+    # one outcome reward, gamma 1: every counted return is 0.1; whitening constants gives 0, not -0.41
+    adv, ret = compute_reinforce_plus_plus_advantages(torch.tensor([0.1]), torch.ones(1, 7))
+    assert ret.tolist() == [[pytest.approx(0.1)] * 7]
+    assert adv.tolist() == [[0.0] * 7]
+
+
+def test_reinforce_plus_plus_baseline_on_equal_returns_gives_zero_advantage():
+    # groups of one: centred rewards are 0, so only the KL term (equal in both rows) makes the returns
+    mask = torch.ones(3, 3)
+    token_kl = torch.tensor([[0.0, 0.0, 0.2]] * 3)
+    adv, ret = compute_reinforce_plus_plus_baseline_advantages(
+        torch.tensor([1.0, 0.0, 0.5]), mask, group_size=1, token_kl=token_kl, kl_coef=0.5
+    )
+    # token rewards -0.1 on the last token only: returns -0.1 on every token of every row
+    assert ret.tolist() == [[pytest.approx(-0.1)] * 3] * 3
+    assert adv.tolist() == [[0.0] * 3] * 3
+
+
+def test_whitened_gae_with_equal_advantages_gives_zero():
+    # single-token responses with reward 0.1 and value 0: every A_t = 0.1
+    adv, ret = compute_gae_advantages(torch.full((7,), 0.1), torch.ones(7, 1), values=torch.zeros(7, 1))
+    assert ret.flatten().tolist() == [pytest.approx(0.1)] * 7
+    assert adv.flatten().tolist() == [0.0] * 7

@@ -28,20 +28,58 @@ def hand_kl(estimator, d):
     return {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) - 1 + d}[estimator]
 
 
+def default_kl(estimator, d):
+    """With the default clamps: k3 at most 10 per token, k1 and k2 as they are (|d| < 20 here)."""
+    value = hand_kl(estimator, d)
+    return min(value, 10.0) if estimator == "k3" else value
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_token_kl_matches_formula_and_ignores_masked_positions(estimator):
     logp, ref, mask = inputs()
     kl = compute_token_kl(logp, ref, mask, estimator)
     for i in range(2):
         for j in range(3):
-            expected = hand_kl(estimator, LOGP[i][j] - REF[i][j]) if MASK[i][j] else 0.0
+            expected = default_kl(estimator, LOGP[i][j] - REF[i][j]) if MASK[i][j] else 0.0
             assert kl[i, j].item() == pytest.approx(expected, rel=1e-12)
 
 
 def test_k3_values_by_hand():
     # d = 0.5: exp(-0.5) - 1 + 0.5 = 0.10653...; d = -3: exp(3) - 4 = 16.0855...
-    kl = compute_token_kl(torch.tensor([[0.5, -3.0]]), torch.zeros(1, 2), torch.ones(1, 2), "k3")
-    assert kl.tolist()[0] == pytest.approx([0.1065306597, 16.0855369232], rel=1e-6)
+    logp, ref, mask = torch.tensor([[0.5, -3.0]]), torch.zeros(1, 2), torch.ones(1, 2)
+    unclamped = compute_token_kl(logp, ref, mask, "k3", value_clamp=None)
+    assert unclamped.tolist()[0] == pytest.approx([0.1065306597, 16.0855369232], rel=1e-6)
+    assert compute_token_kl(logp, ref, mask, "k3").tolist()[0] == pytest.approx([0.1065306597, 10.0], rel=1e-6)
+
+
+def test_k3_is_clamped_at_10_by_default_with_zero_gradient_where_it_binds():
+    # d = -19: exp(19) - 20 = 1.78e8 unclamped; d = -2: exp(2) - 3 = 4.389, below the clamp, gradient 1 - e^2
+    logp = torch.tensor([[-19.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    kl = compute_token_kl(logp, torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2), "k3")
+    assert kl.tolist()[0] == pytest.approx([10.0, math.exp(2) - 3], rel=1e-12)
+    kl.sum().backward()
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, 1 - math.exp(2)], rel=1e-12)
+
+
+def test_k3_default_clamp_applies_to_the_loss_and_the_reward_penalty():
+    logp, ref, mask = torch.tensor([[-19.0]], requires_grad=True), torch.zeros(1, 1), torch.ones(1, 1)
+    loss, metrics = compute_kl_loss(logp, ref, mask, "k3")
+    assert (loss.item(), metrics["kl"].item()) == (10.0, 10.0)
+    loss.backward()
+    assert logp.grad.item() == 0.0
+    assert kl_reward_penalty(logp, ref, mask, kl_coef=0.1, estimator="k3").item() == pytest.approx(-1.0)
+
+
+def test_k3_without_value_clamp_follows_the_formula():
+    kl = compute_token_kl(torch.tensor([[-19.0]], dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64),
+                          torch.ones(1, 1), "k3", value_clamp=None)
+    assert kl.item() == pytest.approx(math.exp(19) - 20, rel=1e-12)
+
+
+def test_k1_and_k2_are_not_value_clamped_by_default():
+    logp, ref, mask = torch.tensor([[-19.0]]), torch.zeros(1, 1), torch.ones(1, 1)
+    assert compute_token_kl(logp, ref, mask, "k1").item() == -19.0
+    assert compute_token_kl(logp, ref, mask, "k2").item() == 180.5
 
 
 def test_clamps_bound_log_ratio_and_value():
@@ -66,7 +104,7 @@ def test_reward_penalty_is_minus_coef_times_kl_and_detached():
 
 def test_kl_loss_is_token_mean_of_k3():
     logp, ref, mask = inputs()
-    values = [hand_kl("k3", LOGP[i][j] - REF[i][j]) for i in range(2) for j in range(3) if MASK[i][j]]
+    values = [default_kl("k3", LOGP[i][j] - REF[i][j]) for i in range(2) for j in range(3) if MASK[i][j]]
     loss, metrics = compute_kl_loss(logp, ref, mask, "k3")
     assert loss.item() == pytest.approx(sum(values) / len(values))
     assert metrics["kl"].item() == pytest.approx(sum(values) / len(values))

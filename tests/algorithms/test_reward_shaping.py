@@ -98,3 +98,33 @@ def test_dynamic_sampling_reports_caller_group_ids_and_drops_singletons():
 def test_nan_free_on_all_equal_batch():
     result = filter_zero_variance_groups(torch.zeros(4), group_size=4)
     assert result.kept_indices.numel() == 0 and not math.isnan(float(result.keep.float().sum()))
+
+
+def test_running_normalizer_on_equal_rewards_gives_exact_zeros():
+    # 0.1 three times: the running mean's rounding must not be divided by eps
+    normalizer = RunningRewardNormalizer()
+    rewards = torch.full((3,), 0.1, dtype=torch.float32)
+    assert normalizer(rewards).tolist() == [0.0, 0.0, 0.0]
+    assert normalizer(rewards).tolist() == [0.0, 0.0, 0.0]
+    assert normalizer.std == 0.0
+
+
+def test_running_normalizer_without_shift_leaves_equal_rewards_unscaled():
+    # no spread seen: no scale to divide by (1 / eps would give 1e8)
+    normalizer = RunningRewardNormalizer(shift_mean=False)
+    assert normalizer(torch.tensor([1.0, 1.0])).tolist() == [1.0, 1.0]
+    assert RunningRewardNormalizer(shift_mean=False).normalize(torch.tensor([2.0])).tolist() == [2.0]
+
+
+def test_running_normalizer_scales_once_rewards_differ():
+    normalizer = RunningRewardNormalizer(eps=0.0)
+    normalizer.update(torch.tensor([1.0, 1.0], dtype=torch.float64))
+    out = normalizer(torch.tensor([3.0, 3.0], dtype=torch.float64))
+    # seen 1, 1, 3, 3: mean 2, population std 1
+    assert out.tolist() == pytest.approx([1.0, 1.0])
+
+
+def test_running_normalizer_state_without_range_assumes_rewards_differed():
+    normalizer = RunningRewardNormalizer(eps=0.0)
+    normalizer.load_state_dict({"count": 4.0, "mean": 2.0, "m2": 4.0})
+    assert normalizer.normalize(torch.tensor([3.0], dtype=torch.float64)).tolist() == [1.0]
