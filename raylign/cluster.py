@@ -9,7 +9,9 @@ authentication alone: the token comes from ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_
 ``~/.ray/auth_token`` as Ray reads them.
 
 Every wait for actors to come up has a limit; past it the error names the actor, its node,
-its state and the last error lines Ray logged on this machine.
+its state and the last error lines Ray logged on this machine. Every wait for their answers
+has one too (:func:`get_within`); past it the error names the call, the actors still busy
+with it and the setting that sets the limit.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import glob
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 log = logging.getLogger("raylign")
@@ -132,6 +134,33 @@ def wait_until_ready(actors: Mapping[str, Any], timeout_s: float, setting: str =
                "\nRay logged no errors on this machine; a busy or too small cluster can leave actors waiting "
                "for resources (`ray status` shows them)"))
     return [results[name] for name in actors]
+
+
+def get_within(refs: Any, timeout_s: float, what: str, setting: str, names: Sequence[str] | None = None) -> Any:
+    """``ray.get(refs)`` (one ref or a list of them), waiting at most ``timeout_s`` in all.
+
+    ``what`` says what the refs are the results of (``"policy workers' train_policy"``) and
+    ``names`` who computes each one (default ``call 0``, ``call 1``, ...). A call that failed
+    raises its error as soon as it is known, not after the others finish; at the limit a
+    TimeoutError names ``what``, the callees still busy and ``setting``, the option to raise.
+    """
+    import ray
+
+    single = isinstance(refs, ray.ObjectRef)
+    refs = [refs] if single else list(refs)
+    names = list(names) if names is not None else [f"call {i}" for i in range(len(refs))]
+    deadline = time.monotonic() + timeout_s
+    results: dict[Any, Any] = {}
+    pending = refs
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            busy = [name for ref, name in zip(refs, names) if ref not in results]
+            raise TimeoutError(f"{what}: no answer within {timeout_s:g} s from {', '.join(busy)}; raise {setting} "
+                               "if it needs longer, or check their logs")
+        results[done[0]] = ray.get(done[0], timeout=max(0.0, deadline - time.monotonic()))  # raises its error
+    values = [results[ref] for ref in refs]
+    return values[0] if single else values
 
 
 def _cause(err: Exception) -> str:

@@ -153,7 +153,10 @@ def run_bounded(code: str, timeout_s: float) -> tuple[int | None, str, str]:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=10)  # what it wrote before it was killed
+        except subprocess.TimeoutExpired:  # a process outside the group still holds the pipes
+            out, err = "", ""
         return None, out, err
     return proc.returncode, out, err
 

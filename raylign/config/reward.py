@@ -19,7 +19,8 @@ RewardKind = Literal["function", "reward_model", "http", "math", "exact_match", 
 # Fields that only some kinds read; setting one for another kind is a mistake worth reporting.
 KIND_FIELDS: dict[str, tuple[str, ...]] = {
     "function": ("path", "function_name", "num_workers", "timeout_s"),
-    "reward_model": ("model_path", "batch_size", "normalize", "max_length", "dtype", "num_cpus", "num_gpus"),
+    "reward_model": ("model_path", "batch_size", "normalize", "max_length", "dtype", "num_cpus", "num_gpus",
+                     "timeout_s"),
     "http": ("url", "api_key", "api_key_env", "timeout_s", "max_retries", "backoff_s", "batch_size"),
     "math": (),
     "exact_match": ("case_sensitive",),
@@ -53,7 +54,8 @@ class RewardSourceConfig(Section):
     )
     timeout_s: float = Field(
         60.0, gt=0, le=86400,
-        description="[function] Seconds one call on a chunk may take. [http] Seconds one request may take.",
+        description="[function] Seconds one call on a chunk may take. [http] Seconds one request may take. "
+        "[reward_model] Seconds the model may take to score one batch handed to the source.",
     )
 
     # reward_model

@@ -41,7 +41,9 @@ class AlgorithmConfig(Section):
         None, gt=0, description="constant_normalizer aggregation: divide token sums by this (default max_new_tokens).")
     kl_mode: Literal["none", "reward", "loss"] = Field(
         "loss", description="KL to the reference policy: none, a per-token reward penalty, or a loss term.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL estimator (Schulman's k1/k2/k3); k3 is clamped at 10 per token (it grows as "
+        "exp(-log_ratio)), k1 and k2 are not clamped.")
     kl_coef: float = Field(0.001, ge=0, description="KL coefficient (reward penalty or loss weight).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
     vf_coef: float = Field(0.5, gt=0, description="Value-loss weight (PPO critic).")
@@ -88,6 +90,10 @@ class PlacementConfig(Section):
     startup_timeout_s: float = Field(600.0, ge=1.0, le=86_400.0, description="Longest wait (1 s - 1 day) for the "
                                      "model workers, rollout engines and reward actors to start (model loaded, "
                                      "process groups formed); past it the run stops naming what did not start.")
+    worker_call_timeout_s: float = Field(3600.0, ge=1.0, le=86_400.0, description="Longest wait (1 s - 1 day) for "
+                                         "the model workers' answers to one call: a step's forward or training "
+                                         "passes, a weight sync, a checkpoint save or export; past it the run "
+                                         "stops naming the ranks that did not answer.")
 
 
 class RLTrainConfig(Section):
@@ -110,6 +116,9 @@ class RLTrainConfig(Section):
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0 only at the end.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept.")
     log_samples: int = Field(4, ge=0, description="Completions per step written to <output_dir>/samples.jsonl.")
+    max_skipped_steps: int = Field(3, ge=0, description="RL steps in a row whose updates may be skipped for a "
+                                   "non-finite loss or gradient norm (counted in skipped_steps) before the run "
+                                   "stops with a diagnostic; 0 stops at the first.")
     resume: bool = Field(True, description="Continue from the newest complete checkpoint.")
     export: bool = Field(True, description="Export the final policy to <output_dir>/final.")
     seed: int = Field(42, description="Seed of model init and sampling.")

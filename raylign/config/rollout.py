@@ -108,8 +108,9 @@ class RolloutConfig(Section):
         "flight finishes before a weight update, so a run with sampling.seed repeats exactly, resumed or not "
         "(less overlap of generation and training).")
     generate_timeout_s: float = Field(
-        1800.0, gt=0, description="Longest wait for the next prompt group to finish before the run stops with an "
-        "error naming the engines.")
+        1800.0, gt=0, description="Longest wait for the next prompt group (or a whole request) to finish before "
+        "the run stops with an error naming the engines; also bounds the engines' other calls (sleep, wake-up, "
+        "cache resets).")
     num_cpus_per_engine: float = Field(
         1.0, ge=0.0, le=1024.0, description="Ray CPU slots reserved per engine actor (0-1024)."
     )

@@ -29,6 +29,9 @@ class TrainConfig(Section):
     resume: bool = Field(True, description="Continue from the newest complete checkpoint in output_dir if there is one.")
     export: bool = Field(True, description="Export the final model as a plain Hugging Face folder <output_dir>/final.")
     log_every: int = Field(1, ge=1, description="Log training metrics every N optimizer steps.")
+    max_skipped_steps: int = Field(3, ge=0, description="Optimizer steps in a row that may be skipped for a non-finite "
+                                   "loss or gradient norm (counted in skipped_steps) before the run stops with a "
+                                   "diagnostic; 0 stops at the first.")
     seed: int = Field(42, description="Seed for model init, shuffling and dropout.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metric sinks and console output.")
 

@@ -12,6 +12,7 @@ process computes on the whole batch.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from raylign.engine import checkpoint as ckpt
-from raylign.engine.distributed import barrier, is_main_process
+from raylign.engine.distributed import all_reduce_scalars, barrier, is_main_process
 from raylign.engine.export import to_hf_state_dict, write_hf_folder
 from raylign.engine.optim import current_lr
 
@@ -59,18 +60,30 @@ class TrainEngine(ABC):
         """Accumulate gradients of ``loss``; gradients are summed over calls until ``step``."""
 
     @abstractmethod
-    def _clip_and_update(self, max_grad_norm: float) -> float:
-        """Clip to the global norm, apply the optimizer, zero grads; returns the pre-clip norm."""
+    def _clip_and_update(self, max_grad_norm: float, update: bool) -> tuple[float, bool]:
+        """Measure the global gradient norm and clip to it; apply the optimizer if ``update`` and
+        the norm is finite; zero grads. Returns the pre-clip norm and whether it updated."""
 
-    def step(self) -> dict[str, float]:
-        """Clip, optimizer step, scheduler step, zero grads. Returns {'grad_norm', 'lr'}.
+    def step(self, finite_loss: bool = True) -> dict[str, float]:
+        """Clip, optimizer step, scheduler step, zero grads. Returns {'grad_norm', 'lr', 'skipped'}.
 
-        ``lr`` is the rate this step used; ``grad_norm`` the global L2 norm before clipping.
+        ``lr`` is the rate this step used; ``grad_norm`` the global L2 norm before clipping. The
+        update is skipped (gradients dropped; weights, optimizer state and schedule untouched)
+        when some rank's loss was not finite (``finite_loss`` is this rank's) or the gradient
+        norm is not finite; ``skipped`` is then 1. A backend that cannot skip (DeepSpeed) has
+        updated by then: that raises, since its weights are no longer valid.
         """
         lr = current_lr(self.optimizer)
-        grad_norm = self._clip_and_update(self.max_grad_norm)
-        self.scheduler.step()
-        return {"grad_norm": grad_norm, "lr": lr}
+        (finite_everywhere,) = all_reduce_scalars([float(finite_loss)], op="min")
+        grad_norm, updated = self._clip_and_update(self.max_grad_norm, update=finite_everywhere == 1.0)
+        if updated and not (finite_everywhere == 1.0 and math.isfinite(grad_norm)):
+            raise FloatingPointError(
+                f"the {self.backend_name} engine applied an update with a non-finite loss or gradient norm "
+                f"({grad_norm}) and cannot skip one: the weights are no longer valid. Resume from the newest "
+                "checkpoint with a lower optim.lr, or use engine.backend: fsdp2, which skips such steps")
+        if updated:
+            self.scheduler.step()
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": float(not updated)}
 
     # ------------------------------------------------------------------ checkpoints
 

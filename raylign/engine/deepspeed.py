@@ -22,6 +22,7 @@ On CPU the accelerator is DeepSpeed's ``cpu`` one with the gloo backend; oneCCL 
 
 from __future__ import annotations
 
+import datetime
 import os
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,8 @@ class DeepSpeedZeroEngine(TrainEngine):
         deepspeed = _import_deepspeed()
         self.rank, self.world_size, self.device = ensure_process_group(engine_cfg.dist_timeout_s)
         # Reuses the process group created above (gloo on CPU, nccl on GPU).
-        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
+                                   timeout=datetime.timedelta(seconds=engine_cfg.dist_timeout_s))
         self.model_dtype = floating_dtype(model)
         self.max_grad_norm = optim_cfg.max_grad_norm
         self.zero_stage = engine_cfg.zero_stage
@@ -136,10 +138,12 @@ class DeepSpeedZeroEngine(TrainEngine):
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
 
-    def _clip_and_update(self, max_grad_norm: float) -> float:
-        self.engine.step()  # reduce, clip (config gradient_clipping), update, zero grads
+    def _clip_and_update(self, max_grad_norm: float, update: bool) -> tuple[float, bool]:
+        # DeepSpeed reduces, clips (config gradient_clipping), updates and zeroes grads in one call,
+        # and measures the norm only inside it: it cannot skip, so it always updates.
+        self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return float("nan") if norm is None else float(norm)
+        return (float("nan") if norm is None else float(norm)), True
 
     def _save_engine_state(self, directory: Path) -> None:
         self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state={}, save_latest=False)

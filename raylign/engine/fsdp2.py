@@ -16,6 +16,7 @@ world size; :meth:`export_hf` gathers full weights to rank 0 for anything else.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -98,12 +99,14 @@ class FSDP2Engine(TrainEngine):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def _clip_and_update(self, max_grad_norm: float) -> float:
+    def _clip_and_update(self, max_grad_norm: float, update: bool) -> tuple[float, bool]:
         params = [p for p in self.module.parameters() if p.requires_grad]
-        grad_norm = clip_grad_norm(params, max_grad_norm)
-        self.optimizer.step()
+        grad_norm = clip_grad_norm(params, max_grad_norm)  # global: the same on every rank
+        update = update and math.isfinite(grad_norm)
+        if update:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return grad_norm, update
 
     def _sharded_state(self) -> dict[str, dict]:
         return {

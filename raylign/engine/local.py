@@ -8,6 +8,7 @@ step: without them an AdamW update smaller than the weight's rounding step (abou
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -72,15 +73,17 @@ class LocalEngine(TrainEngine):
             return self.master.masters
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def _clip_and_update(self, max_grad_norm: float) -> float:
+    def _clip_and_update(self, max_grad_norm: float, update: bool) -> tuple[float, bool]:
         if self.master is not None:
             self.master.pull_grads()
         grad_norm = clip_grad_norm(self._trainable_params(), max_grad_norm)
-        self.optimizer.step()
+        update = update and math.isfinite(grad_norm)
+        if update:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.master is not None:
+        if update and self.master is not None:
             self.master.push_weights()
-        return grad_norm
+        return grad_norm, update
 
     def _save_engine_state(self, directory: Path) -> None:
         state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}

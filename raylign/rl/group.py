@@ -9,7 +9,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raylign.cluster import actor_env, wait_until_ready
+from raylign.cluster import actor_env, get_within, wait_until_ready
 from raylign.rl.worker import ModelWorker
 
 
@@ -22,8 +22,12 @@ def _free_port() -> int:
 class WorkerGroup:
     def __init__(self, role: str, cfg: dict[str, Any], num_workers: int, total_steps: int,
                  placement_group: PlacementGroup | None, bundle_offset: int = 0, num_cpus: float = 1.0,
-                 num_gpus: float = 0.0, env: dict[str, str] | None = None, startup_timeout_s: float = 600.0):
+                 num_gpus: float = 0.0, env: dict[str, str] | None = None, startup_timeout_s: float = 600.0,
+                 call_timeout_s: float = 3600.0):
+        """``call_timeout_s``: the longest wait for the ranks' answers to one :meth:`call`
+        (``placement.worker_call_timeout_s``)."""
         self.role = role
+        self.call_timeout_s = call_timeout_s
         master_addr = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         port = _free_port()
         actor_cls = ray.remote(ModelWorker)
@@ -44,11 +48,17 @@ class WorkerGroup:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """The same call on every rank, results in rank order."""
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return self._results(method, [getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
     def call_sharded(self, method: str, per_rank: list[Any]) -> list[Any]:
         """Rank r gets ``per_rank[r]``; results in rank order."""
-        return ray.get([getattr(w, method).remote(arg) for w, arg in zip(self.workers, per_rank)])
+        return self._results(method, [getattr(w, method).remote(arg) for w, arg in zip(self.workers, per_rank)])
+
+    def _results(self, method: str, refs: list[Any]) -> list[Any]:
+        """The ranks' answers, waiting at most ``placement.worker_call_timeout_s``."""
+        names = [f"rank {rank} of {len(refs)}" for rank in range(len(refs))]
+        return get_within(refs, self.call_timeout_s, f"{self.role} workers' {method}",
+                          "placement.worker_call_timeout_s", names)
 
     def kill(self) -> None:
         for worker in self.workers:

@@ -48,6 +48,7 @@ from raylign.rl.placement import check_gpu_count, placement_groups
 from raylign.rl.prompts import Prompt, load_prompts
 from raylign.rl.stream import RolloutFeed
 from raylign.rollout.pool import GroupStream, stop_engines
+from raylign.trainers.guard import SkippedSteps
 from raylign.trainers.metrics import MetricsLogger, format_metrics
 from raylign.trainers.progress import Progress
 
@@ -134,6 +135,7 @@ class RLTrainer:
             uniform=_uniform_rewards if a.dynamic_sampling else None,
             max_uniform_per_step=a.max_refill_rounds * cfg.train.prompts_per_step, ordered=r.reproducible)
         self.metrics = MetricsLogger(self.out, cfg.train.logging, dump)
+        self.skipped = SkippedSteps(cfg.train.max_skipped_steps)
         self._maybe_resume()
 
     def _maybe_resume(self) -> None:
@@ -154,6 +156,8 @@ class RLTrainer:
         else:  # a checkpoint of an earlier version: the prompts it had in flight are generated again
             self.feed.requeued = list(state.get("next_indices") or [])
         _set_rng(state["rng"])
+        if "skipped" in state:
+            self.skipped.load_state_dict(state["skipped"])
         self.metrics.resume_from(self.step)
         self.sync_weights()
         log.info("resumed from %s at step %d", ckpt, self.step)
@@ -211,6 +215,7 @@ class RLTrainer:
         timings["time/experience_s"] = time.perf_counter() - t
         t = time.perf_counter()
         train_metrics = self.update(samples, exp)
+        self._count_skipped(train_metrics)
         timings["time/train_s"] = time.perf_counter() - t
         t = time.perf_counter()
         if cfg.rollout.reproducible:  # every group in flight is sampled by the weights it started under
@@ -348,6 +353,16 @@ class RLTrainer:
                 metrics[f"mismatch/logprob_{key}"] = metrics.pop(f"policy/mismatch_{key}")
         return metrics
 
+    def _count_skipped(self, metrics: dict[str, float]) -> None:
+        """A step some of whose updates were dropped for a non-finite loss or gradient norm is counted
+        (``train.max_skipped_steps`` in a row stop the run)."""
+        parts = [f"{metrics[f'{role}/skipped']:.0%} of the {role} updates skipped (gradient norm "
+                 f"{metrics[f'{role}/grad_norm']})" for role in ("policy", "critic") if metrics.get(f"{role}/skipped")]
+        self.skipped.after_step(self.step + 1, bool(parts),
+                                "; ".join(parts) + " for a non-finite loss or gradient norm (the workers' log "
+                                "names the micro-batches)")
+        metrics["skipped_steps"] = self.skipped.total
+
     def _shard(self, samples: list[Sample], idx: list[int], exp: Experience, world: int) -> list[list[MicroBatch]]:
         """The samples at ``idx`` as each of ``world`` ranks' micro-batches, with their rows of ``exp``."""
         chosen = [samples[i] for i in idx]
@@ -424,7 +439,8 @@ class RLTrainer:
         self._finish_evals(wait=True)  # logged before the checkpoint: a resume does not evaluate again
         self.feed.drain(self.syncs)  # the groups in flight come back first, so that nothing is lost
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": _get_rng(), "syncs": self.syncs,
-                 "feed": self.feed.state_dict(), "positions": self.positions.state_dict()}
+                 "feed": self.feed.state_dict(), "positions": self.positions.state_dict(),
+                 "skipped": self.skipped.state_dict()}
 
         def write(tmp: Path) -> None:
             for role in ("policy", "critic"):

@@ -14,7 +14,10 @@ broadcasts them to the others in size-bounded buckets over a gloo group of the p
 from __future__ import annotations
 
 import asyncio
+import datetime
 import functools
+import logging
+import math
 import os
 import threading
 import time
@@ -42,6 +45,8 @@ from raylign.rl.metric import Metric, combine
 OffPolicyCorrection = Callable[[MicroBatch], tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]]
 # Statistics of the algorithm library that are maxima; all others are means over counted tokens.
 MAXIMA = {"ratio_max"}
+
+log = logging.getLogger("raylign")
 
 
 class ModelWorker:
@@ -141,11 +146,21 @@ class ModelWorker:
             stats.append(_token_means(correction_stats, batch.mask))
         scale = self._scale([mask for mask, _ in corrected])
         self.module.train()
-        for batch, (mask, token_weights) in zip(micro_batches, corrected):
+        finite = True
+        for j, (batch, (mask, token_weights)) in enumerate(zip(micro_batches, corrected)):
             loss, loss_stats = self._policy_loss(batch, mask, token_weights, scale)
+            finite &= self._finite("policy", j, loss)
             self.engine.backward(loss)
             stats.append(loss_stats)
-        return {**combine(stats), **_step_metrics(self.engine.step())}
+        return {**combine(stats), **_step_metrics(self.engine.step(finite_loss=finite))}
+
+    def _finite(self, role: str, j: int, loss: torch.Tensor) -> bool:
+        """Whether a micro-batch's loss is finite; says which one when it is not (the update is then skipped)."""
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            log.warning("%s rank %d: the loss of micro-batch %d is %s; this update is skipped", role, self.rank, j,
+                        value)
+        return math.isfinite(value)
 
     def _policy_loss(self, batch: MicroBatch, mask: torch.Tensor, token_weights: torch.Tensor | None,
                      scale: LossScale) -> tuple[torch.Tensor, dict[str, Metric]]:
@@ -176,13 +191,14 @@ class ModelWorker:
         micro_batches = [batch.to(self.device) for batch in micro_batches]
         scale = self._scale([batch.mask for batch in micro_batches])
         self.module.train()
-        stats = []
-        for batch in micro_batches:
+        stats, finite = [], True
+        for j, batch in enumerate(micro_batches):
             loss, loss_stats = compute_value_loss(self._values(batch), batch.values, batch.returns, batch.mask,
                                                   clip_eps=a.value_clip, aggregation="token_mean", scale=scale)
+            finite &= self._finite("critic", j, loss)
             self.engine.backward(a.vf_coef * loss)
             stats.append({**_token_means(loss_stats, batch.mask), "value_loss": _loss_share(loss, scale)})
-        return {**combine(stats), **_step_metrics(self.engine.step())}
+        return {**combine(stats), **_step_metrics(self.engine.step(finite_loss=finite))}
 
     # ---- weights, checkpoints ------------------------------------------------------------
 
@@ -227,7 +243,8 @@ class ModelWorker:
             import torch.distributed as dist
 
             # CPU tensors travel over gloo whatever backend the training group uses.
-            self._weights_group = dist.new_group(backend="gloo")
+            self._weights_group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.rollout.sync_timeout_s))
 
     def _load_local_engine(self, state: dict[str, torch.Tensor], version: int | None) -> None:
         from raylign.rollout.weight_sync import load_and_drain, receive_named_tensors, send_named_tensors

@@ -136,7 +136,8 @@ class RolloutPool:
     """Engine actors behind one ``generate``; also fans out weight syncs and cache resets."""
 
     def __init__(self, engines: Sequence[Any], timeout_s: float = 1800.0):
-        """``timeout_s``: the longest wait for a whole request (:meth:`collect`)."""
+        """``timeout_s``: the longest wait for a whole request (:meth:`collect`) and for the engines'
+        other calls (sleep, wake-up, cache reset)."""
         if not engines:
             raise ValueError("a rollout pool needs at least one engine")
         self.engines = list(engines)
@@ -153,7 +154,10 @@ class RolloutPool:
     ) -> list[Completion]:
         """``sampling.n`` completions per prompt from all engines, in prompt order then sample order."""
         pending = self.submit(prompt_token_ids, sampling, prompt_indices)
-        results = await asyncio.gather(*pending.refs)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*pending.refs), timeout=self.timeout_s)
+        except TimeoutError:
+            raise self._request_timeout(pending) from None
         return order_completions((c for result in results for c in result), pending.prompt_indices, pending.n)
 
     def generate_blocking(
@@ -185,10 +189,13 @@ class RolloutPool:
         try:
             results = ray.get(pending.refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"rollout: a request of {len(pending.prompt_indices)} prompts did not finish within "
-                               f"{self.timeout_s:.0f} s on {len(self.engines)} engine(s); raise "
-                               "rollout.generate_timeout_s if generation is this slow") from None
+            raise self._request_timeout(pending) from None
         return order_completions((c for result in results for c in result), pending.prompt_indices, pending.n)
+
+    def _request_timeout(self, pending: PendingRollout) -> TimeoutError:
+        return TimeoutError(f"rollout: a request of {len(pending.prompt_indices)} prompts did not finish within "
+                            f"{self.timeout_s:.0f} s on {len(self.engines)} engine(s); raise "
+                            "rollout.generate_timeout_s if generation is this slow")
 
     def submit_group(self, prompt_token_ids: list[int], sampling: SamplingConfig, prompt_index: int) -> tuple[Any, int]:
         """Start one prompt group on the engine with the least outstanding work: ``(ref, engine)``.
@@ -223,9 +230,11 @@ class RolloutPool:
             self._sender = None
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
-        import ray
+        from raylign.cluster import get_within
 
-        return ray.get([getattr(engine, method).remote(*args) for engine in self.engines])
+        return get_within([getattr(engine, method).remote(*args) for engine in self.engines], self.timeout_s,
+                          f"rollout engines' {method}", "rollout.generate_timeout_s",
+                          [f"engine {i}" for i in range(len(self.engines))])
 
     def reset_prefix_cache(self) -> None:
         self._call_all("reset_prefix_cache")

@@ -36,12 +36,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raylign.cluster import get_within
 from raylign.rollout.buckets import Bucket, iter_packed_buckets, metas_from_header, unpack_bucket
 
 logger = logging.getLogger(__name__)
 
 TIED_EMBEDDING_NAME = "model.embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
+TIMEOUT_SETTING = "rollout.sync_timeout_s"
 
 
 def open_group_as_sender(host: str, world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
@@ -69,14 +71,26 @@ def _broadcast(group: dist.ProcessGroupGloo, tensor: torch.Tensor) -> Any:
     return group.broadcast([tensor], dist.BroadcastOptions())  # root 0 by default; returns a Work
 
 
+def _wait_all(works: Sequence[Any]) -> None:
+    """Wait for broadcasts in flight. Each fails by itself after its group's timeout (the one given
+    to :func:`make_gloo_group`, or to the colocated policy ranks' group: rollout.sync_timeout_s)."""
+    try:
+        for work in works:
+            work.wait()
+    except RuntimeError as err:
+        if "timed out" not in str(err).lower():
+            raise
+        raise TimeoutError(f"weight sync: the other side of a broadcast did not take part within the group's "
+                           f"timeout; raise {TIMEOUT_SETTING} if it needs longer, or check the other side's logs "
+                           f"(gloo: {err})") from err
+
+
 def send_bucket(groups: Sequence[dist.ProcessGroupGloo], bucket: Bucket) -> None:
     """Broadcast one bucket to every group, the groups in parallel."""
     header = torch.frombuffer(bytearray(bucket.header_bytes()), dtype=torch.uint8)
     sizes = torch.tensor([header.numel(), bucket.buffer.numel()], dtype=torch.int64)
     for tensor in (sizes, header, bucket.buffer):
-        works = [_broadcast(group, tensor) for group in groups]
-        for work in works:
-            work.wait()
+        _wait_all([_broadcast(group, tensor) for group in groups])
 
 
 END_OF_SYNC, ABORT_SYNC = 0, -1
@@ -84,9 +98,7 @@ END_OF_SYNC, ABORT_SYNC = 0, -1
 
 def send_end_of_sync(groups: Sequence[dist.ProcessGroupGloo], marker: int = END_OF_SYNC) -> None:
     sizes = torch.tensor([marker, 0], dtype=torch.int64)
-    works = [_broadcast(group, sizes) for group in groups]
-    for work in works:
-        work.wait()
+    _wait_all([_broadcast(group, sizes) for group in groups])
 
 
 def send_named_tensors(
@@ -114,16 +126,16 @@ def receive_named_tensors(group: dist.ProcessGroupGloo) -> Iterator[tuple[str, t
     """Yield the tensors of one sync as they arrive (views into a new buffer per bucket)."""
     while True:
         sizes = torch.empty(2, dtype=torch.int64)
-        _broadcast(group, sizes).wait()
+        _wait_all([_broadcast(group, sizes)])
         header_len, payload_len = (int(v) for v in sizes)
         if header_len == END_OF_SYNC:
             return
         if header_len == ABORT_SYNC:
             raise RuntimeError("weight sync aborted by the sender; the engine holds partly updated weights")
         header = torch.empty(header_len, dtype=torch.uint8)
-        _broadcast(group, header).wait()
+        _wait_all([_broadcast(group, header)])
         payload = torch.empty(payload_len, dtype=torch.uint8)  # new buffer per bucket, never reused
-        _broadcast(group, payload).wait()
+        _wait_all([_broadcast(group, payload)])
         yield from unpack_bucket(Bucket(metas_from_header(header.numpy().tobytes()), payload))
 
 
@@ -196,18 +208,21 @@ class WeightSyncSender:
         self._stores: list[dist.TCPStore] = []
         self._groups: list[dist.ProcessGroupGloo] = []
 
+    def _results(self, refs: list[Any], what: str) -> list[Any]:
+        """The engines' answers to one call each, waiting at most ``timeout_s``."""
+        return get_within(refs, self.timeout_s, f"weight sync: {what}", TIMEOUT_SETTING,
+                          [f"engine {i}" for i in range(len(refs))])
+
     def connect(self) -> None:
         """Open one group per engine; each engine's workers join it."""
-        import ray
-
         host = self.host or local_host_address()
-        ranks = ray.get([engine.num_sync_ranks.remote() for engine in self.engines])
-        for engine, engine_ranks in zip(self.engines, ranks):
+        ranks = self._results([engine.num_sync_ranks.remote() for engine in self.engines], "the engines' sync ranks")
+        for index, (engine, engine_ranks) in enumerate(zip(self.engines, ranks)):
             world_size = 1 + engine_ranks
             store, port = open_group_as_sender(host, world_size, self.timeout_s)
             joined = engine.join_weight_sync_group.remote(host, port, world_size, self.timeout_s)
             group = make_gloo_group(store, 0, world_size, self.timeout_s)  # returns once the engine joined
-            ray.get(joined)
+            get_within(joined, self.timeout_s, "weight sync: joining the group", TIMEOUT_SETTING, [f"engine {index}"])
             self._stores.append(store)
             self._groups.append(group)
         logger.info("weight sync: connected to %d engine(s) at %s", len(self.engines), host)
@@ -218,8 +233,6 @@ class WeightSyncSender:
 
         ``keep_running``: sequences in flight continue under the new weights (partial rollouts)
         instead of finishing first; see :meth:`RolloutEngine.receive_weights`."""
-        import ray
-
         if not self._groups:
             raise RuntimeError("WeightSyncSender.sync() before connect()")
         start = time.perf_counter()
@@ -229,7 +242,7 @@ class WeightSyncSender:
         except BaseException:
             self._await_aborted(loading)
             raise
-        ray.get(loading)
+        self._results(loading, "loading the new weights")
         stats = SyncStats(time.perf_counter() - start, num_buckets, num_tensors, num_bytes)
         logger.info(
             "weight sync: %d tensors, %.1f MiB in %d buckets to %d engine(s) in %.3f s",
@@ -248,9 +261,7 @@ class WeightSyncSender:
                 logger.warning("weight sync: engine reported after abort: %s", str(err).splitlines()[-1])
 
     def close(self) -> None:
-        import ray
-
         if self._groups:
-            ray.get([engine.leave_weight_sync_group.remote() for engine in self.engines])
+            self._results([engine.leave_weight_sync_group.remote() for engine in self.engines], "leaving the group")
         self._groups.clear()
         self._stores.clear()

@@ -30,6 +30,7 @@ from raylign.data import ResumableSampler, rank_micro_batches
 from raylign.engine import create_engine
 from raylign.engine.checkpoint import resume_latest, save_step_checkpoint
 from raylign.engine.distributed import all_reduce_scalars, barrier, init_distributed
+from raylign.trainers.guard import SkippedSteps
 from raylign.trainers.metrics import MetricsLogger, format_metrics
 from raylign.trainers.progress import Progress
 
@@ -100,6 +101,7 @@ class OfflineTrainer:
         self.engine = create_engine(model, self.cfg.engine, self.cfg.optim, self.total_steps)
         self.metrics = MetricsLogger(self.output_dir, self.train_cfg.logging, self.cfg.model_dump(mode="json"),
                                      enabled=self.is_main)
+        self.skipped = SkippedSteps(self.train_cfg.max_skipped_steps)
         self.sampler = ResumableSampler(len(self.train_samples), self.train_cfg.global_batch_size,
                                         shuffle=self.cfg.data.shuffle, seed=self.cfg.data.seed, drop_last=True)
         self.on_setup()
@@ -142,6 +144,8 @@ class OfflineTrainer:
             return False
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
+        if "skipped" in state:
+            self.skipped.load_state_dict(state["skipped"])
         self.metrics.resume_from(self.step)
         if self.is_main:
             log.info("resumed from the checkpoint of step %d in %s", self.step, self.output_dir / "checkpoints")
@@ -178,26 +182,29 @@ class OfflineTrainer:
     def train_step(self, global_indices: list[int]) -> dict[str, float]:
         start = time.perf_counter()
         self.engine.train()
-        micro_batches = [
-            self.collate([self.train_samples[i] for i in indices])
-            for indices in rank_micro_batches(global_indices, self.rank, self.world_size,
-                                              self.train_cfg.micro_batch_size)
-        ]
+        micro_indices = rank_micro_batches(global_indices, self.rank, self.world_size, self.train_cfg.micro_batch_size)
+        micro_batches = [self.collate([self.train_samples[i] for i in indices]) for indices in micro_indices]
         local_units = sum(self.batch_units(b) for b in micro_batches)
         (total_units,) = all_reduce_scalars([local_units], op="sum")
         if total_units == 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no loss units (every target is masked)")
         sums: dict[str, float] = {}
         tokens = 0
-        for batch in micro_batches:
+        not_finite: list[str] = []
+        for j, (indices, batch) in enumerate(zip(micro_indices, micro_batches, strict=True)):
             batch = _to_device(batch, self.engine.device)
             loss_sum, stats = self.compute_loss(self.engine.module, batch)
             self.engine.backward(loss_sum * (self.world_size / total_units))
             stats = {"loss": float(loss_sum.detach()), **stats}
+            if not math.isfinite(stats["loss"]):
+                not_finite.append(f"loss {stats['loss']} in micro-batch {j} of rank {self.rank} "
+                                  f"({self._describe(indices)})")
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             tokens += self.batch_tokens(batch)
-        step_info = self.engine.step()
+        step_info = self.engine.step(finite_loss=not not_finite)
+        self.skipped.after_step(self.step + 1, bool(step_info["skipped"]),
+                                "; ".join(not_finite) or f"gradient norm {step_info['grad_norm']}")
         keys = sorted(sums)
         reduced = all_reduce_scalars([sums[k] for k in keys] + [float(tokens)], op="sum")
         elapsed = time.perf_counter() - start
@@ -205,9 +212,20 @@ class OfflineTrainer:
         metrics.update(step_info)
         metrics["tokens_per_s"] = reduced[-1] / elapsed
         metrics["step_time_s"] = elapsed
-        if not math.isfinite(metrics["loss"]):
-            raise FloatingPointError(f"step {self.step + 1}: loss is {metrics['loss']}; lower optim.lr or check the data")
+        metrics["skipped_steps"] = self.skipped.total
         return metrics
+
+    def _describe(self, indices: list[int]) -> str:
+        """Where training samples came from (file and rows, where the data knows them), for a diagnostic."""
+        rows: dict[str, list[str]] = {}
+        for i in indices:
+            sample = self.train_samples[i]
+            source, row = getattr(sample, "source", None), getattr(sample, "row", None)
+            if source and row is not None:
+                rows.setdefault(f"{source} rows", []).append(str(row))
+            else:
+                rows.setdefault("training samples", []).append(f"#{i}")
+        return "; ".join(f"{where} {', '.join(numbers)}" for where, numbers in rows.items())
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -245,7 +263,7 @@ class OfflineTrainer:
         return metrics
 
     def save_checkpoint(self) -> None:
-        state = {"step": self.step, "sampler": self.sampler.state_dict()}
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "skipped": self.skipped.state_dict()}
         path = save_step_checkpoint(self.engine, self.output_dir / "checkpoints", self.step, state,
                                     keep_last=self.train_cfg.keep_last)
         if self.is_main:

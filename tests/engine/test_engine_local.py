@@ -228,3 +228,33 @@ def test_export_loads_in_vllm_with_the_same_log_probs(tmp_path):
     greedy = [int(logprobs[pos].argmax()) for pos in positions]
     assert result["tokens"] == greedy
     assert result["logprobs"] == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_non_finite_loss_or_gradient_skips_the_update_and_leaves_everything_as_it_was(dtype):
+    """A step whose loss is NaN, or whose loss is finite but whose gradient is not, changes no
+    weight, no optimizer moment and no learning rate; the next finite step is the one a run
+    without the bad step would have taken first."""
+    cfg = OptimConfig(lr=1e-2, warmup_steps=2, weight_decay=0.1, max_grad_norm=1.0)
+    engine = create_engine(tiny_model().to(dtype), local_cfg(), cfg, total_steps=10)
+    clean = create_engine(copy.deepcopy(engine.module), local_cfg(), cfg, total_steps=10)
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+    ids = token_batch(1)
+    engine.backward(engine.module(input_ids=ids, labels=ids).loss * float("nan"))
+    nan_loss = engine.step(finite_loss=False)
+    weight = next(engine.module.parameters())
+    engine.backward((weight * float("inf")).sum() * 0)  # 0 * inf: a NaN loss nobody reported, NaN gradients
+    inf_grad = engine.step()  # the caller saw nothing wrong; the gradient norm does
+    for metrics in (nan_loss, inf_grad):
+        assert metrics["skipped"] == 1.0 and not math.isfinite(metrics["grad_norm"])
+        assert metrics["lr"] == pytest.approx(1e-2 / 2)  # the schedule did not move
+    for name, value in engine.module.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert all(not s for s in engine.optimizer.state.values())  # no moments yet
+
+    for e in (engine, clean):
+        e.backward(e.module(input_ids=ids, labels=ids).loss)
+        assert e.step()["skipped"] == 0.0
+    for name, value in engine.module.state_dict().items():
+        assert torch.equal(value, clean.module.state_dict()[name]), name

@@ -18,6 +18,7 @@ from raylign.rl.experience import Experience, behaviour_for, pack_samples, respo
 from raylign.rl.group import WorkerGroup
 from raylign.rl.metric import Metric, average_updates, combine
 from raylign.rl.trainer import RLTrainer
+from raylign.trainers.guard import SkippedSteps
 
 from .rl_helpers import fp32_model, make_sample, resolve, response_logprobs, rl_config_data
 
@@ -199,3 +200,40 @@ def test_engine_behaviour_takes_the_ratio_against_the_rollout_logprobs(ray_sessi
     assert stats["ratio_max"].value == pytest.approx(float(expected.max()), abs=1e-5)
     assert stats["ratio_max"].reduce == "max" and stats["ratio_mean"].weight == float(counted.sum())
     assert math.isfinite(stats["policy_loss"].value)
+
+
+@pytest.mark.slow
+def test_an_update_with_a_non_finite_loss_is_skipped_on_every_rank(ray_session, rl_model_dir, prompt_file, tmp_path):
+    """One sample's advantage is NaN, so one rank's micro-batch loss is: both ranks drop the update
+    (the weights give the same log-probs as before, to the bit), the step is counted as skipped,
+    and with ``train.max_skipped_steps: 0`` the controller stops naming the role."""
+    data = _config_data(rl_model_dir, prompt_file, tmp_path, aggregation="token_mean")
+    data["train"].update(prompts_per_step=8, micro_batch_tokens=24, max_skipped_steps=0)
+    data["placement"] = {"policy_workers": 2}
+    data["engine"] = {"backend": "fsdp2", "dist_timeout_s": 120}
+    cfg = resolve(tmp_path, data)
+    trainer = RLTrainer(cfg)
+    trainer.skipped = SkippedSteps(cfg.train.max_skipped_steps)  # what setup() would make
+    samples = _samples()
+    trainer.groups = {"policy": WorkerGroup("policy", cfg.model_dump(mode="json"), 2, 1, None, env=ENV)}
+    try:
+        before = trainer._forward_all("policy", "compute_logprobs", samples)
+        mask = response_tensor([[1.0] * len(s.response_ids) for s in samples])
+        advantages = torch.tensor(ADVANTAGES).unsqueeze(-1) * mask
+        advantages[5, 0] = float("nan")
+        exp = Experience(mask, advantages, advantages.clone(), before, torch.zeros_like(mask, dtype=torch.long),
+                         "trainer_recomputed", old_logprobs=before)
+        metrics = trainer.update(samples, exp)
+        after = trainer._forward_all("policy", "compute_logprobs", samples)
+        advantages[5, 0] = -2.0
+        finite = trainer.update(samples, Experience(mask, advantages, advantages.clone(), before, exp.versions,
+                                                    "trainer_recomputed", old_logprobs=before))
+        moved = trainer._forward_all("policy", "compute_logprobs", samples)
+    finally:
+        trainer.groups["policy"].kill()
+    assert metrics["policy/skipped"] == 1.0 and not math.isfinite(metrics["policy/grad_norm"])
+    assert torch.equal(after, before)
+    assert finite["policy/skipped"] == 0.0 and math.isfinite(finite["policy/grad_norm"])
+    assert not torch.equal(moved, before)
+    with pytest.raises(FloatingPointError, match=r"step 1: 100% of the policy updates skipped .*max_skipped_steps = 0"):
+        trainer._count_skipped(metrics)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,9 @@ def test_run_killed_after_checkpoint_resumes_to_identical_weights(tmp_path, tiny
     logged_before = [r["step"] for r in read_metrics(tmp_path / "crashed") if "train/loss" in r]
     assert logged_before == [1, 2, 3, 4]  # step 4 was logged, its checkpoint never written
 
+    # TensorBoard reads event files in name order, and a name carries the second it was opened in:
+    # a real resume comes seconds later, this one could come within the same second.
+    time.sleep(1.0 - time.time() % 1.0 + 0.05)
     SFTTrainer(crashed).run()  # resume picks step_3 and continues to step 6
     records = read_metrics(tmp_path / "crashed")
     resumed_steps = [r["step"] for r in records if "train/loss" in r]
@@ -152,3 +156,45 @@ def test_run_killed_after_checkpoint_resumes_to_identical_weights(tmp_path, tiny
     losses_a = [r["train/loss"] for r in read_metrics(tmp_path / "straight") if "train/loss" in r]
     losses_b = [r["train/loss"] for r in read_metrics(tmp_path / "crashed") if "train/loss" in r]
     assert losses_b == pytest.approx(losses_a, rel=1e-6)
+
+
+class NaNOnSteps(SFTTrainer):
+    """SFT whose loss is NaN on the chosen (1-based) steps: a batch that blows up."""
+
+    def __init__(self, cfg, nan_steps):
+        super().__init__(cfg)
+        self.nan_steps, self.weights_after = set(nan_steps), {}
+
+    def compute_loss(self, model, batch):
+        loss, stats = super().compute_loss(model, batch)
+        return (loss * float("nan") if model.training and self.step + 1 in self.nan_steps else loss), stats
+
+    def train_step(self, global_indices):
+        metrics = super().train_step(global_indices)
+        self.weights_after[self.step + 1] = {k: v.clone() for k, v in self.engine.module.state_dict().items()}
+        return metrics
+
+
+def test_a_step_with_a_non_finite_loss_is_skipped_and_the_run_goes_on(tmp_path, tiny_model_dir):
+    train_file = write_jsonl(tmp_path / "train.jsonl", make_string_rows("reverse", 64, seed=0))
+    trainer = NaNOnSteps(sft_config(tiny_model_dir, train_file, tmp_path / "run", max_steps=4), nan_steps=[2])
+    trainer.run()
+    rows = {r["step"]: r for r in read_metrics(tmp_path / "run") if "train/loss" in r}
+    assert [rows[s]["train/skipped"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 0.0, 0.0]
+    assert [rows[s]["train/skipped_steps"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    for name, value in trainer.weights_after[2].items():  # step 2 changed nothing
+        assert torch.equal(value, trainer.weights_after[1][name]), name
+    assert not torch.equal(trainer.weights_after[3]["lm_head.weight"], trainer.weights_after[2]["lm_head.weight"])
+
+
+def test_non_finite_steps_in_a_row_stop_the_run_naming_the_step_and_the_rows(tmp_path, tiny_model_dir):
+    train_file = write_jsonl(tmp_path / "train.jsonl", make_string_rows("reverse", 64, seed=0))
+    cfg = sft_config(tiny_model_dir, train_file, tmp_path / "run", max_steps=6, max_skipped_steps=1)
+    trainer = NaNOnSteps(cfg, nan_steps=[2, 3, 4])
+    with pytest.raises(FloatingPointError) as err:
+        trainer.run()
+    message = str(err.value)
+    assert message.startswith(f"step 3: loss nan in micro-batch 0 of rank 0 ({train_file} rows ")
+    assert "2 step(s) in a row" in message and "train.max_skipped_steps = 1" in message
+    for name, value in trainer.engine.module.state_dict().items():  # the weights are those of step 1
+        assert torch.equal(value, trainer.weights_after[1][name]), name

@@ -65,7 +65,7 @@ def build_source(cfg: RewardSourceConfig, startup_timeout_s: float = 600.0) -> R
 
         return RewardModelSource(cfg.model_path, batch_size=cfg.batch_size, normalize=cfg.normalize,
                                  max_length=cfg.max_length, dtype=cfg.dtype, num_cpus=cfg.num_cpus,
-                                 num_gpus=cfg.num_gpus, startup_timeout_s=startup_timeout_s)
+                                 num_gpus=cfg.num_gpus, startup_timeout_s=startup_timeout_s, timeout_s=cfg.timeout_s)
     if cfg.kind == "http":
         from raylign.rollout.rewards.remote import HttpRewardSource
 

@@ -152,12 +152,13 @@ class RewardModelSource(RewardSource):
 
     def __init__(self, model_path: str, batch_size: int = 16, normalize: bool = True, max_length: int | None = None,
                  dtype: str = "float32", num_cpus: float = 1.0, num_gpus: float = 0.0,
-                 startup_timeout_s: float = 600.0):
+                 startup_timeout_s: float = 600.0, timeout_s: float = 60.0):
         import ray
 
         from raylign.cluster import StartupError, actor_env, wait_until_ready
 
         self.description = f"reward model {model_path}"
+        self.timeout_s = timeout_s
         actor_class = ray.remote(RewardModelScorer).options(num_cpus=num_cpus, num_gpus=num_gpus,
                                                             runtime_env={"env_vars": actor_env()})
         self._actor = actor_class.remote(model_path, batch_size=batch_size, normalize=normalize,
@@ -171,12 +172,16 @@ class RewardModelSource(RewardSource):
 
     def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
                metadata: list[dict]) -> RewardResult:
-        import ray
+        from raylign.cluster import get_within
 
         if self._actor is None:
             raise RewardError(f"{self.description}: the source was closed")
         try:
-            rewards = ray.get(self._actor.score_texts.remote(prompts, responses, _prompt_messages(metadata)))
+            rewards = get_within(self._actor.score_texts.remote(prompts, responses, _prompt_messages(metadata)),
+                                 self.timeout_s, f"{self.description} scoring {describe_batch(prompts)}",
+                                 "this source's timeout_s", ["its Ray actor"])
+        except TimeoutError as err:
+            raise RewardError(str(err)) from None
         except Exception as err:
             raise RewardError(f"{self.description} failed on {describe_batch(prompts)}: {_cause(err)}") from None
         return RewardResult(rewards=rewards)
