@@ -18,6 +18,7 @@ DCP folder for ``fsdp2``, DeepSpeed's files for ``deepspeed``):
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -41,7 +42,21 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: names the folder and what is wrong."""
+    """A checkpoint that cannot be used, or written: names the folder and what is wrong."""
+
+
+def check_writable(folder: str | Path, setting: str) -> None:
+    """Create ``folder`` and write a file in it, so that an output folder that cannot be written
+    stops a run before it trains, not at its first save; the error names ``setting``."""
+    folder = Path(folder)
+    probe = folder / f".write_test_{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise CheckpointError(f"{setting} {folder} cannot be written ({err.strerror or err}); choose another "
+                              "folder or make this one writable") from None
 
 
 def step_directory(root: str | Path, step: int) -> Path:
@@ -141,12 +156,35 @@ def write_atomically(final: str | Path, write: Callable[[Path], None], meta: dic
     """Collective: every rank calls ``write(temp_folder)``; the folder appears at ``final`` when all are done."""
     final = Path(final)
     temp = _prepare_temp_directory(final)
-    write(temp)
+    try:
+        write(temp)
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+        raise _not_written(final, temp, err) from err
     barrier()
     if is_main_process():
-        _commit(temp, final, meta)
+        try:
+            _commit(temp, final, meta)
+        except OSError as err:
+            raise _not_written(final, temp, err) from err
     barrier()
     return final
+
+
+def _not_written(final: Path, temp: Path, err: Exception) -> CheckpointError:
+    """The error for a checkpoint that could not be written; its partial folder is removed (the
+    space goes back, and nothing half-written is left beside the whole checkpoints)."""
+    try:
+        free = shutil.disk_usage(final.parent).free
+    except OSError:
+        free = None
+    shutil.rmtree(temp, ignore_errors=True)
+    # torch.save reports a full disk as a failed write ("unexpected pos ..."), without ENOSPC.
+    full = getattr(err, "errno", None) == errno.ENOSPC or (free is not None and free < 2**20)
+    where = (f"the filesystem is full ({free / 2**20:.1f} MiB free)" if full else
+             f"{free / 2**20:.0f} MiB free there" if free is not None else "free space unknown")
+    return CheckpointError(f"checkpoint {final.name} could not be written in {final.parent}: {where}; {err}. "
+                           "The checkpoints before it are whole: make room (or move the output folder) and run "
+                           "again to resume from the newest")
 
 
 def read_meta(directory: str | Path) -> dict[str, Any]:

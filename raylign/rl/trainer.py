@@ -26,7 +26,8 @@ from raylign.cluster import start_ray
 from raylign.config.base import save_yaml
 from raylign.config.rl import RLConfig
 from raylign.data import ResumableSampler
-from raylign.engine.checkpoint import latest_checkpoint, prune_checkpoints, step_directory, write_atomically
+from raylign.engine.checkpoint import (check_writable, latest_checkpoint, prune_checkpoints, step_directory,
+                                      write_atomically)
 from raylign.rl.advantages import compute_advantages, shaped_rewards
 from raylign.rl.evaluation import pass_at_k_metrics
 from raylign.rl.experience import (
@@ -77,7 +78,7 @@ class RLTrainer:
         from raylign.rl.group import WorkerGroup
 
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
+        check_writable(self.out, "train.output_dir")
         save_yaml(cfg, self.out / "config.yaml")
         _seed(cfg.train.seed)
         self.model_path = str(resolve_model_path(cfg.model.path))

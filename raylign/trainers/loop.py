@@ -28,7 +28,7 @@ import torch
 from raylign.config.base import Section, save_yaml
 from raylign.data import ResumableSampler, rank_micro_batches
 from raylign.engine import create_engine
-from raylign.engine.checkpoint import resume_latest, save_step_checkpoint
+from raylign.engine.checkpoint import check_writable, resume_latest, save_step_checkpoint
 from raylign.engine.distributed import all_reduce_scalars, barrier, init_distributed
 from raylign.trainers.guard import SkippedSteps
 from raylign.trainers.metrics import MetricsLogger, format_metrics
@@ -88,7 +88,7 @@ class OfflineTrainer:
         self.rank, self.world_size, self.device = init_distributed(self.cfg.engine.dist_timeout_s)
         self.is_main = self.rank == 0
         if self.is_main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
+            check_writable(self.output_dir, "train.output_dir")
             save_yaml(self.cfg, self.output_dir / "config.yaml")
         _seed_everything(self.train_cfg.seed)
         self.tokenizer = self.build_tokenizer()
@@ -169,14 +169,15 @@ class OfflineTrainer:
                     self.evaluate_and_log()
                 if self.train_cfg.save_every and self.step % self.train_cfg.save_every == 0:
                     self.save_checkpoint()
-        finally:
             progress.close()
-        final = self.evaluate_and_log()
-        if not (self.train_cfg.save_every and self.step % self.train_cfg.save_every == 0):
-            self.save_checkpoint()
-        if self.train_cfg.export:
-            self.export()
-        self.metrics.close()
+            final = self.evaluate_and_log()
+            if not (self.train_cfg.save_every and self.step % self.train_cfg.save_every == 0):
+                self.save_checkpoint()
+            if self.train_cfg.export:
+                self.export()
+        finally:  # a failed run keeps what it logged: every sink flushed, no file left open
+            progress.close()
+            self.metrics.close()
         return {**{f"train/{k}": v for k, v in last_metrics.items()}, **final}
 
     def train_step(self, global_indices: list[int]) -> dict[str, float]:

@@ -87,13 +87,16 @@ class MetricsLogger:
             self._wandb.log(metrics, step=step)
 
     def close(self) -> None:
+        """Flush and close every sink; closing twice does nothing."""
         if not self.enabled:
             return
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
         if self._wandb is not None:
             self._wandb.finish()
+            self._wandb = None
 
 
 def _step_of(line: str) -> float:

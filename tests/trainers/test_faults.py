@@ -1,0 +1,132 @@
+"""Faults during an offline run: an output folder that cannot be written, a kill between two files
+of a checkpoint, a disk that fills up during a save. Each run either stops at once with an error
+that names the folder, or resumes to the weights of a run that was never interrupted."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from raylign.engine.checkpoint import CheckpointError
+from raylign.tasks.strings import make_string_rows
+from raylign.trainers.sft import SFTTrainer
+
+from .test_sft import sft_config, write_jsonl
+
+
+def _assert_same_final_weights(a: Path, b: Path) -> None:
+    wa, wb = load_file(a / "final" / "model.safetensors"), load_file(b / "final" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.fixture
+def train_file(tmp_path):
+    return write_jsonl(tmp_path / "train.jsonl", make_string_rows("reverse", 96, seed=0))
+
+
+@pytest.fixture
+def straight(tmp_path, tiny_model_dir, train_file):
+    """An uninterrupted run of 6 steps with checkpoints at 3 and 6: the reference."""
+    out = tmp_path / "straight"
+    SFTTrainer(sft_config(tiny_model_dir, train_file, out, max_steps=6, save_every=3, keep_last=1)).run()
+    return out
+
+
+def test_an_output_folder_that_cannot_be_written_stops_the_run_before_it_trains(tmp_path, tiny_model_dir,
+                                                                               train_file):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+
+    class NeverBuilds(SFTTrainer):
+        def build_model(self):
+            raise AssertionError("the model was built before the output folder was checked")
+
+    with pytest.raises(CheckpointError, match=rf"train.output_dir {blocker}/run cannot be written \(Not a directory\)"):
+        NeverBuilds(sft_config(tiny_model_dir, train_file, blocker / "run", max_steps=2)).run()
+
+
+KILL_MID_SAVE = textwrap.dedent("""
+    import os, sys, torch, yaml
+    from raylign.config.base import parse_config
+    from raylign.config.commands import SFTConfig
+    from raylign.trainers.sft import SFTTrainer
+
+    save = torch.save
+
+    def dies_between_two_files(obj, f, *args, **kwargs):
+        # the engine state of step N is written; the process dies before the scheduler's file
+        if str(f).endswith("scheduler.pt") and f".step_{sys.argv[2]}.tmp" in str(f):
+            os._exit(17)
+        return save(obj, f, *args, **kwargs)
+
+    torch.save = dies_between_two_files
+    SFTTrainer(parse_config(SFTConfig, yaml.safe_load(open(sys.argv[1])))).run()
+""")
+
+
+@pytest.mark.slow
+def test_a_kill_between_two_files_of_a_checkpoint_resumes_from_the_one_before(tmp_path, tiny_model_dir, train_file,
+                                                                               straight):
+    cfg = sft_config(tiny_model_dir, train_file, tmp_path / "killed", max_steps=6, save_every=3, keep_last=1)
+    (tmp_path / "killed.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    (tmp_path / "dies.py").write_text(KILL_MID_SAVE)
+    proc = subprocess.run([sys.executable, str(tmp_path / "dies.py"), str(tmp_path / "killed.yaml"), "6"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    assert (checkpoints / ".step_6.tmp" / "engine_state.pt").exists()  # half a checkpoint was left
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")) == ["step_3"]
+
+    SFTTrainer(cfg).run()  # resumes from step 3, not from the half-written step 6
+    assert not (checkpoints / ".step_6.tmp").exists()
+    _assert_same_final_weights(straight, tmp_path / "killed")
+
+
+def _mount_tmpfs(folder: Path, size_bytes: int) -> None:
+    folder.mkdir(parents=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", f"raylign-{uuid.uuid4().hex[:8]}",
+                           str(folder)], capture_output=True, text=True, timeout=30)
+    if proc.returncode:
+        pytest.skip(f"a small filesystem to fill is a tmpfs mount, which this machine refuses: {proc.stderr.strip()}")
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_during_a_save_stops_the_run_and_loses_nothing(tmp_path, tiny_model_dir, train_file,
+                                                                        straight):
+    """The output folder is a filesystem with room for one checkpoint and a half: the checkpoint of
+    step 3 fits, the one of step 6 (written beside it before step 3's is pruned) does not."""
+    one_checkpoint = _size(straight / "checkpoints" / "step_6")
+    logs = _size(straight) - _size(straight / "checkpoints") - _size(straight / "final")  # config, metrics, events
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, int(1.5 * one_checkpoint) + logs + 2**16)
+    try:
+        cfg = sft_config(tiny_model_dir, train_file, disk / "run", max_steps=6, save_every=3, keep_last=1)
+        with pytest.raises(CheckpointError) as err:
+            SFTTrainer(cfg).run()
+        message = str(err.value)
+        assert message.startswith(f"checkpoint step_6 could not be written in {disk / 'run' / 'checkpoints'}")
+        assert ": the filesystem is full (0.0 MiB free);" in message
+        checkpoints = disk / "run" / "checkpoints"
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["step_3"]  # the partial folder is gone
+        moved = tmp_path / "moved"
+        shutil.copytree(disk / "run", moved)  # the user makes room: here, a bigger disk
+    finally:  # lazily: a file still open there must not leave the mount behind
+        subprocess.run(["umount", "--lazy", str(disk)], capture_output=True, timeout=30)
+    SFTTrainer(sft_config(tiny_model_dir, train_file, moved, max_steps=6, save_every=3, keep_last=1)).run()
+    _assert_same_final_weights(straight, moved)
