@@ -231,6 +231,7 @@ class RLTrainer:
         generated = sum(len(s.response_ids) for s in samples)
         return {**gen_metrics, **exp.metrics, **train_metrics, **sync_metrics, **timings,
                 "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
+                "reward/worker_restarts": float(self.reward.restarts),
                 "throughput/generated_tokens_per_s": generated / max(timings["time/generate_s"], 1e-9)}
 
     # ---- rollout and rewards ---------------------------------------------------------------

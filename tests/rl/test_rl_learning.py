@@ -54,15 +54,31 @@ def warm_model_and_prompts(tmp_path_factory):
     return tmp / "sft" / "final", prompts
 
 
+# The reward of examples/rewards/letter_match.py, whose first batch kills its worker process (as
+# the out-of-memory killer would): the run restarts the workers, scores that batch again, goes on.
+DIES_ONCE = """
+import os, signal
+from pathlib import Path
+from raylign.tasks.strings import letter_match_reward
+
+def reward_func(prompts, responses, labels, **metadata):
+    marker = Path(__file__).with_suffix(".died")
+    if not marker.exists():
+        marker.write_text("x")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return letter_match_reward(prompts, responses, labels, **metadata)
+"""
+
+
 def run_rl(preset: str, model: Path, prompts: Path, out: Path, prompts_per_step: int, n: int,
-           max_staleness: int = 0, off_policy: str = "none") -> list[float]:
+           max_staleness: int = 0, off_policy: str = "none", reward_file: Path = REWARD_FILE) -> list[float]:
     defaults = RLConfig.preset_defaults({"preset": preset})
     defaults["algorithm"] = {**defaults.get("algorithm", {}), "off_policy": off_policy}
     cfg = parse_config(RLConfig, {
         **defaults,
         "preset": preset,
         "model": {"path": str(model), "dtype": "float32"},
-        "reward": {"sources": [{"kind": "function", "path": str(REWARD_FILE)}]},
+        "reward": {"sources": [{"kind": "function", "path": str(reward_file)}]},
         "rollout": {"engine": "hf", "dtype": "float32", "max_staleness": max_staleness},
         "sampling": {"n": n, "max_new_tokens": 10, "temperature": 1.0},
         "data": {"train": [str(prompts)]},
@@ -81,9 +97,14 @@ def assert_learned(rewards: list[float]) -> None:
     assert last >= first + MARGIN, (first, last, rewards)
 
 
-def test_grpo_raises_the_reward(warm_model_and_prompts, tmp_path, ray_session):
+def test_grpo_raises_the_reward_through_a_reward_worker_that_dies(warm_model_and_prompts, tmp_path, ray_session):
     model, prompts = warm_model_and_prompts
-    assert_learned(run_rl("grpo", model, prompts, tmp_path / "grpo", prompts_per_step=32, n=8))
+    reward_file = tmp_path / "dies_once.py"
+    reward_file.write_text(DIES_ONCE)
+    assert_learned(run_rl("grpo", model, prompts, tmp_path / "grpo", prompts_per_step=32, n=8,
+                          reward_file=reward_file))
+    restarts = [r["reward/worker_restarts"] for r in read_metrics(tmp_path / "grpo") if "reward/mean" in r]
+    assert restarts[0] == 1 and restarts[-1] == 1
 
 
 def test_ppo_raises_the_reward(warm_model_and_prompts, tmp_path, ray_session):

@@ -100,6 +100,8 @@ class RewardSource(ABC):
 
     #: Names the source in errors, e.g. "reward function 'reward_func' in /path/r.py".
     description: str = "reward source"
+    #: Worker processes or actors restarted after they died mid-batch (the batch was scored again).
+    restarts: int = 0
 
     def score(
         self,

@@ -47,6 +47,10 @@ class CombinedReward(RewardSource):
             metrics.update({f"{item.name}/{k}": v for k, v in result.metrics.items()})
         return RewardResult(rewards=total, metrics=metrics)
 
+    @property
+    def restarts(self) -> int:  # type: ignore[override]
+        return sum(item.source.restarts for item in self.sources)
+
     def close(self) -> None:
         for item in self.sources:
             item.source.close()

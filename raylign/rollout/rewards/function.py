@@ -16,6 +16,7 @@ outlives ``timeout_s`` stops the workers (they restart on the next batch) and ra
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import time
 import weakref
@@ -35,6 +36,8 @@ from raylign.rollout.rewards.base import (
 from raylign.rollout.rewards.function_worker import call_reward_function, check_loadable
 
 RESERVED_KEYWORDS = ("prompts", "responses", "labels")
+
+log = logging.getLogger("raylign")
 
 
 def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
@@ -73,6 +76,14 @@ def _stop_pool(executor: ProcessPoolExecutor) -> None:
     executor.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         process.join(timeout=5)
+
+
+class _WorkerDied(Exception):
+    """A worker process of the pool died while scoring ``where``."""
+
+    def __init__(self, where: str):
+        super().__init__(where)
+        self.where = where
 
 
 class PythonFileReward(RewardSource):
@@ -142,8 +153,24 @@ class PythonFileReward(RewardSource):
 
     def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
                metadata: list[dict]) -> RewardResult:
-        if self._executor is None:
-            self._start_pool()
+        """Scores the batch; a worker that dies (killed, out of memory) is restarted and the batch
+        scored again, once: a batch that kills a worker twice is an error."""
+        for attempt in (1, 2):
+            if self._executor is None:
+                self._start_pool()
+            try:
+                return self._score_once(prompts, responses, labels, metadata)
+            except _WorkerDied as died:
+                if attempt == 2:
+                    raise RewardError(f"{self.description}: a worker process died (killed, out of memory or "
+                                      f"os._exit) on {died.where}, again after a restart") from None
+                self.restarts += 1
+                log.warning("%s: a worker process died on %s; restarting the workers and scoring the batch again "
+                            "(%d restart(s) so far)", self.description, died.where, self.restarts)
+        raise AssertionError("unreachable")
+
+    def _score_once(self, prompts: list[str], responses: list[str], labels: list[Any],
+                    metadata: list[dict]) -> RewardResult:
         chunks = self._submit_chunks(prompts, responses, labels, metadata)
         deadline = time.monotonic() + self.timeout_s
         results = []
@@ -165,9 +192,7 @@ class PythonFileReward(RewardSource):
             ) from None
         except BrokenProcessPool:
             self.close()
-            raise RewardError(
-                f"{self.description}: a worker process died (killed, out of memory or os._exit) on {where}"
-            ) from None
+            raise _WorkerDied(where) from None
         except Exception as err:  # e.g. a return value that cannot be pickled back
             raise RewardError(f"{self.description} failed on {where}: {type(err).__name__}: {err}") from None
         if status == "error":

@@ -134,3 +134,42 @@ def test_file_with_import_error_reports_the_traceback(tmp_path):
     broken.write_text("import not_a_real_module_xyz\n")
     with pytest.raises(ValueError, match=r"importing reward file .*broken.py failed:(.|\n)*not_a_real_module_xyz"):
         PythonFileReward(broken)
+
+
+KILLER_FILE = """
+import os, signal
+from pathlib import Path
+
+def dies_once(prompts, responses, labels):
+    # the first call kills its own worker process (as the OOM killer would); later calls score
+    marker = Path(__file__).with_suffix(".died")
+    if not marker.exists():
+        marker.write_text("x")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [float(len(r)) for r in responses]
+
+def always_dies(prompts, responses, labels):
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_worker_killed_mid_batch_is_restarted_and_the_batch_scored_again(tmp_path):
+    path = tmp_path / "killer.py"
+    path.write_text(textwrap.dedent(KILLER_FILE))
+    with PythonFileReward(path, function_name="dies_once", num_workers=2, timeout_s=60) as source:
+        result = source.score(["p1", "p2", "p3"], ["a", "bbb", "cc"], None)
+        assert result.rewards == [1.0, 3.0, 2.0]
+        assert source.restarts == 1
+        assert source.score(["p4"], ["dddd"], None).rewards == [4.0]  # the new workers keep serving
+        assert source.restarts == 1
+
+
+def test_a_batch_that_kills_its_worker_after_a_restart_too_is_an_error(tmp_path):
+    path = tmp_path / "killer.py"
+    path.write_text(textwrap.dedent(KILLER_FILE))
+    with PythonFileReward(path, function_name="always_dies", num_workers=1, timeout_s=60) as source:
+        with pytest.raises(RewardError, match=r"'always_dies' .*: a worker process died \(killed, out of memory or "
+                                              r"os._exit\) on 2 samples starting at sample 0 \(prompt 'p1'\), "
+                                              r"again after a restart"):
+            source.score(["p1", "p2"], ["a", "b"], None)
+        assert source.restarts == 1
