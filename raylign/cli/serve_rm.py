@@ -2,18 +2,29 @@
 
 Clients (the ``http`` reward source) ``POST /score`` with prompts, responses and labels and get
 one reward per sample; see :mod:`raylign.rollout.rewards.server` for the protocol.
+
+SIGTERM or Ctrl+C stops the server gracefully: it stops accepting connections, finishes the
+requests in flight for up to ``shutdown_grace_s`` seconds, cuts the rest (logged), closes the
+scorer and exits with code 0. A second Ctrl+C cuts the requests at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
-from typing import Literal
+import signal
+import threading
+from typing import TYPE_CHECKING, Iterator, Literal
 
 from pydantic import Field, model_validator
 
 from raylign.config.base import Section
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
 
 log = logging.getLogger("raylign")
 
@@ -44,6 +55,10 @@ class ServeRMConfig(Section):
         None, min_length=1, description="Environment variable holding the API key (used when api_key is not set)."
     )
     max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Larger request bodies are refused with 413.")
+    # 20 s: inside the 30 s that Kubernetes waits after SIGTERM before it kills a pod.
+    shutdown_grace_s: float = Field(
+        20.0, gt=0, description="On SIGTERM or Ctrl+C, seconds to finish the requests in flight (no new connections "
+                                "are accepted); the requests still unanswered then are cut (their clients get a 500).")
 
     @model_validator(mode="after")
     def _one_scorer(self) -> "ServeRMConfig":
@@ -82,10 +97,52 @@ def build_scorer(cfg: ServeRMConfig):
     return PythonFileReward(cfg.reward_file, cfg.function_name, num_workers=cfg.num_workers, timeout_s=cfg.timeout_s)
 
 
-def run_serve_rm(cfg: ServeRMConfig) -> None:
-    """Load the scorer and serve it with uvicorn until interrupted."""
+def uvicorn_server(app: "FastAPI", host: str, port: int, shutdown_grace_s: float) -> "uvicorn.Server":
+    """The uvicorn server that serve-rm runs ``app`` with (port 0: a free port, read from ``server.servers``)."""
     import uvicorn
 
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                         timeout_graceful_shutdown=shutdown_grace_s))
+
+
+@contextlib.contextmanager
+def stop_signals_end_serving(server: "uvicorn.Server") -> Iterator[None]:
+    """SIGINT and SIGTERM stop ``server`` and are then done with, so that serve-rm returns normally.
+
+    uvicorn handles both while it serves (a graceful shutdown), then raises the signal again for
+    the handler that was there before: by default SIGTERM would kill the process at that point,
+    before the scorer is closed (a reward file's worker processes would be left running).
+    """
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def serve_until_stopped(app: "FastAPI", cfg: ServeRMConfig) -> None:
+    """Serve ``app`` until SIGTERM or Ctrl+C, then finish the requests in flight within the grace period."""
+    server = uvicorn_server(app, cfg.host, cfg.port, cfg.shutdown_grace_s)
+    with stop_signals_end_serving(server):
+        server.run()
+    cut = app.state.scoring.requests_cut
+    if cut:
+        log.warning("shutdown: %d request(s) still in flight after shutdown_grace_s=%g s were cut (their clients "
+                    "got a 500); a scoring call in progress is let finish before the scorer closes", cut,
+                    cfg.shutdown_grace_s)
+    log.info("serve-rm stopped")
+
+
+def run_serve_rm(cfg: ServeRMConfig) -> None:
+    """Load the scorer and serve it with uvicorn until SIGTERM or Ctrl+C (see the module docstring)."""
     from raylign.rollout.rewards.server import create_app
 
     api_key = _api_key(cfg)
@@ -95,7 +152,11 @@ def run_serve_rm(cfg: ServeRMConfig) -> None:
     scorer = build_scorer(cfg)
     try:
         app = create_app(scorer, api_key=api_key, max_request_bytes=cfg.max_request_bytes)
-        log.info("serving %s on http://%s:%d/score", scorer.description, cfg.host, cfg.port)
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
-    finally:
+    except BaseException:
         scorer.close()
+        raise
+    try:
+        log.info("serving %s on http://%s:%d/score", scorer.description, cfg.host, cfg.port)
+        serve_until_stopped(app, cfg)
+    finally:
+        app.state.scoring.close_scorer()

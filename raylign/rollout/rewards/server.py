@@ -5,16 +5,21 @@ metadata optional), answer ``{"rewards": [...], "metrics": {...}}``. Status code
 the right ``Authorization: Bearer <key>`` (when a key is set), 413 for a body over
 ``max_request_bytes``, 422 for a malformed request, 500 when the scorer fails (its message in
 ``detail``). ``GET /health`` answers ``{"status": "ok"}``.
+
+Scoring calls run one at a time. When a shutdown runs past its grace period, the server cuts the
+requests still in flight (their clients get a 500 and may retry); those still waiting for their
+turn are then skipped instead of scored for nobody.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import threading
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -67,18 +72,50 @@ def parse_request(body: bytes) -> ScoreRequest:
         raise HTTPException(422, f"malformed request: {problems}") from None
 
 
+class SerialScoring:
+    """Calls into ``scorer`` one at a time: a model on one device gains nothing from overlapping calls."""
+
+    def __init__(self, scorer: RewardSource):
+        self.scorer = scorer
+        self.lock = threading.Lock()
+        self.requests_cut = 0  # requests whose answer was cancelled (a shutdown past its grace period)
+
+    def score(self, request: ScoreRequest, cut: threading.Event) -> RewardResult | None:
+        """The scorer's result, or None when the request was cut before its turn came."""
+        with self.lock:
+            if cut.is_set():
+                return None
+            return self.scorer.score(request.prompts, request.responses, request.labels, request.metadata)
+
+    def close_scorer(self) -> None:
+        """Close the scorer once the call in progress, if any, has ended.
+
+        Closed under a running call, a reward file's worker pool would restart to score that batch again.
+        """
+        with self.lock:
+            self.scorer.close()
+
+
+async def score_in_turn(scoring: SerialScoring, request: ScoreRequest) -> RewardResult:
+    """``scoring.score`` in a worker thread; when this request is cut, a call still waiting is skipped."""
+    cut = threading.Event()
+    try:
+        # The thread is abandoned on cancellation: the cut client's answer must not wait for the scorer.
+        return await anyio.to_thread.run_sync(scoring.score, request, cut, abandon_on_cancel=True)
+    except asyncio.CancelledError:
+        cut.set()
+        scoring.requests_cut += 1
+        raise
+
+
 def create_app(scorer: RewardSource, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """A FastAPI app serving ``scorer`` on ``POST /score``; calls into the scorer run one at a time."""
+    """A FastAPI app serving ``scorer`` on ``POST /score``; ``app.state.scoring`` is its :class:`SerialScoring`."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     app = FastAPI(title="raylign reward server")
-    # One scoring call at a time: a model on one device gains nothing from overlapping calls.
-    scoring_lock = threading.Lock()
-
-    def score_locked(request: ScoreRequest) -> RewardResult:
-        with scoring_lock:
-            return scorer.score(request.prompts, request.responses, request.labels, request.metadata)
+    scoring = SerialScoring(scorer)
+    app.state.scoring = scoring
 
     @app.get("/health")
     def health() -> dict[str, str]:
@@ -91,7 +128,7 @@ def create_app(scorer: RewardSource, api_key: str | None = None,
                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
         parsed = parse_request(await read_body_limited(request, max_request_bytes))
         try:
-            result = await run_in_threadpool(score_locked, parsed)
+            result = await score_in_turn(scoring, parsed)
         except ValueError as err:  # the batch itself is inconsistent (lengths, types)
             raise HTTPException(422, str(err)) from None
         except Exception as err:  # noqa: BLE001 - the client must see why, and may retry
