@@ -33,7 +33,7 @@ from raylign.rollout.rewards.base import (
     describe_batch,
     to_float_list,
 )
-from raylign.rollout.rewards.function_worker import call_reward_function, check_loadable
+from raylign.rollout.rewards.function_worker import call_reward_function, check_loadable, ignore_interrupts
 
 RESERVED_KEYWORDS = ("prompts", "responses", "labels")
 
@@ -113,7 +113,8 @@ class PythonFileReward(RewardSource):
 
     def _start_pool(self) -> None:
         """Spawn the workers and import the file in each, so start-up never counts against ``timeout_s``."""
-        executor = ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("spawn"))
+        executor = ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=ignore_interrupts)
         self._executor = executor
         self._finalizer = weakref.finalize(self, _stop_pool, executor)
         probes = [executor.submit(check_loadable, str(self.path), self.function_name) for _ in range(self.num_workers)]

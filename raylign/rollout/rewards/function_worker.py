@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -19,6 +20,12 @@ _LOADED: dict[tuple[str, str], Callable[..., Any]] = {}
 
 class RewardFileError(ValueError):
     """The reward file cannot be imported, or lacks a callable of the given name."""
+
+
+def ignore_interrupts() -> None:
+    """Run first in each worker: Ctrl+C in a terminal reaches the whole process group, and the
+    process that owns the pool decides what stops (a server drains its requests first)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def load_reward_function(path: str, function_name: str) -> Callable[..., Any]:

@@ -173,3 +173,17 @@ def test_a_batch_that_kills_its_worker_after_a_restart_too_is_an_error(tmp_path)
                                               r"again after a restart"):
             source.score(["p1", "p2"], ["a", "b"], None)
         assert source.restarts == 1
+
+
+def test_workers_ignore_an_interrupt_sent_to_the_whole_process_group(reward_file):
+    """Ctrl+C reaches every process of the terminal's group: the workers leave the decision to stop
+    to the process that owns them, and keep scoring."""
+    import signal
+
+    with PythonFileReward(reward_file, num_workers=1, timeout_s=60) as source:
+        (pid,) = set(source.score(["a"], ["xy"], ["xy"], [{"bonus": 1}]).metrics["worker_pid"])
+        os.kill(int(pid), signal.SIGINT)
+        time.sleep(0.5)
+        result = source.score(["b"], ["xyz"], ["no"], [{"bonus": 2}])
+        assert result.rewards == [3.0] and result.metrics["worker_pid"] == [pid]
+        assert source.restarts == 0
