@@ -71,7 +71,8 @@ def reward_func(prompts, responses, labels, **metadata):
 
 
 def run_rl(preset: str, model: Path, prompts: Path, out: Path, prompts_per_step: int, n: int,
-           max_staleness: int = 0, off_policy: str = "none", reward_file: Path = REWARD_FILE) -> list[float]:
+           max_staleness: int = 0, off_policy: str = "none", reward_file: Path = REWARD_FILE,
+           reproducible: bool = False) -> list[float]:
     defaults = RLConfig.preset_defaults({"preset": preset})
     defaults["algorithm"] = {**defaults.get("algorithm", {}), "off_policy": off_policy}
     cfg = parse_config(RLConfig, {
@@ -79,7 +80,8 @@ def run_rl(preset: str, model: Path, prompts: Path, out: Path, prompts_per_step:
         "preset": preset,
         "model": {"path": str(model), "dtype": "float32"},
         "reward": {"sources": [{"kind": "function", "path": str(reward_file)}]},
-        "rollout": {"engine": "hf", "dtype": "float32", "max_staleness": max_staleness},
+        "rollout": {"engine": "hf", "dtype": "float32", "max_staleness": max_staleness,
+                    "reproducible": reproducible},
         "sampling": {"n": n, "max_new_tokens": 10, "temperature": 1.0},
         "data": {"train": [str(prompts)]},
         "optim": {"lr": 1e-3, "scheduler": "constant"},
@@ -115,10 +117,11 @@ def test_ppo_raises_the_reward(warm_model_and_prompts, tmp_path, ray_session):
 def test_async_grpo_raises_the_reward(warm_model_and_prompts, tmp_path, ray_session):
     """Samples up to two updates old still learn, by the same margin as the synchronous run, with
     decoupled PPO: the ratio against the policy the trainer recomputes before the update, the
-    behaviour (engine) weights truncated."""
+    behaviour (engine) weights truncated. In reproducible mode, so that how old each group is
+    does not depend on how busy the machine is: every run of this test is the same run."""
     model, prompts = warm_model_and_prompts
     rewards = run_rl("grpo", model, prompts, tmp_path / "grpo_async", prompts_per_step=32, n=8, max_staleness=2,
-                     off_policy="truncated_is")
+                     off_policy="truncated_is", reproducible=True)
     assert_learned(rewards)
     lags = [r["staleness/token_lag_max"] for r in read_metrics(tmp_path / "grpo_async") if "reward/mean" in r]
     assert max(lags) <= 2 and lags[0] == 0
