@@ -7,6 +7,7 @@ field and what it allows, before any work starts.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
@@ -21,18 +22,33 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys fail, assignments are validated."""
+    """Base of every config section: unknown keys fail, assignments are validated, numbers are finite.
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    No field means anything by NaN or infinity: limits that can be switched off take None.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
+
+
+def _path_part(part: str | int) -> str:
+    """A field name as written, quoted when it is empty or holds spaces or invisible characters."""
+    text = str(part)
+    plain = text and text.isprintable() and not any(c.isspace() for c in text)
+    return text if plain else repr(text)
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for item in err.errors():
-        path = ".".join(str(p) for p in item["loc"]) or "<root>"
+        path = ".".join(_path_part(p) for p in item["loc"]) or "<root>"
         kind = item["type"]
         if kind == "extra_forbidden":
             lines.append(f"  {path}: unknown field (check the spelling; see --help for the fields)")
+            continue
+        if kind == "invalid_key":  # the location ends with the key itself, where a bool shows as 0 or 1
+            key = item["input"]
+            path = ".".join([_path_part(p) for p in item["loc"][:-1]] + [_path_part(str(key))])
+            lines.append(f"  {path}: a field name must be text, not {type(key).__name__} {key!r} (quote it in YAML)")
             continue
         allowed = ""
         ctx = item.get("ctx") or {}
@@ -57,9 +73,15 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {err}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except (yaml.YAMLError, ValueError) as err:  # ValueError: a value YAML cannot build, e.g. the date 2001-13-01
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} is not usable YAML: nested too deeply") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
     return data
@@ -69,7 +91,7 @@ def _parse_scalar(text: str) -> Any:
     """Read a command-line value the way YAML would ('1e-5' -> float, 'true' -> bool, '[a, b]' -> list)."""
     try:
         value = yaml.safe_load(text)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):  # not YAML, or a value YAML cannot build: plain text
         return text
     if isinstance(value, str):
         # YAML 1.1 reads '1e-5' as a string; users mean a number.
@@ -83,6 +105,8 @@ def _parse_scalar(text: str) -> Any:
 def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     """Set ``data['a']['b']`` for ``dotted='a.b'``, creating intermediate mappings."""
     keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(f"--{dotted}: an override names a field by its dotted path, e.g. --optim.lr")
     node = data
     for key in keys[:-1]:
         child = node.get(key)
@@ -123,7 +147,7 @@ def resolve_config(
     base: dict[str, Any] | None = None,
 ) -> T:
     """Precedence, lowest first: schema defaults < ``base`` (a preset) < YAML file < overrides."""
-    data: dict[str, Any] = _deep_merge({}, base or {})
+    data: dict[str, Any] = copy.deepcopy(base or {})  # overrides below must not write into the caller's preset
     source = "defaults"
     if yaml_path is not None:
         data = _deep_merge(data, load_yaml(yaml_path))

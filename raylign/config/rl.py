@@ -152,6 +152,8 @@ class RLConfig(Section):
         from raylign.rl.presets import PRESETS
 
         name = data.get("preset", "grpo")
+        if not isinstance(name, str):  # not a preset name: the field's own validation reports it
+            return {}
         return copy.deepcopy(PRESETS.get(name, {}))
 
     @property

@@ -124,6 +124,9 @@ def _response_messages(row: dict[str, Any], key: str, where: RowRef) -> tuple[li
     prompt, reply = _split_reply(validate_messages(value, key, where))
     if not reply:
         raise where.error(key, "the conversation has no assistant reply at its end", "no_target")
+    if reply[0]["role"] != "assistant":
+        raise where.error(key, f"the reply starts with a {reply[0]['role']!r} message; a reply starts with an "
+                          "assistant message", "bad_role")
     return (prompt or None), reply
 
 
@@ -197,9 +200,14 @@ def _plain_pair(
 
 def _read_margin(row: dict[str, Any], key: str, where: RowRef) -> float:
     value = require_key(row, key, where)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise where.error(key, f"expected a finite number (the pair's margin), got {value!r:.80}", "wrong_type")
-    return float(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond the float range
+            number = math.inf
+        if math.isfinite(number):
+            return number
+    raise where.error(key, f"expected a finite number (the pair's margin), got {value!r:.80}", "wrong_type")
 
 
 # ---- length policy ---------------------------------------------------------------------

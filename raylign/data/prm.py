@@ -19,7 +19,6 @@ that still fit (at least ``min_response_tokens`` tokens of steps when there are 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,7 +138,8 @@ def _hard_label(value: Any) -> float | None:
 def _soft_label(value: Any) -> float | None:
     if isinstance(value, (bool, str)):
         return _hard_label(value)
-    if isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value <= 1:
+    # The comparisons also refuse NaN and infinities, and need no float() of a huge integer.
+    if isinstance(value, (int, float)) and 0 <= value <= 1:
         return float(value)
     return None
 

@@ -70,27 +70,46 @@ def _reject(err: RowError, on_bad_row: BadRowHandler | None) -> None:
     on_bad_row(err)
 
 
+def _not_json(where: RowRef, err: ValueError | RecursionError) -> RowError:
+    if isinstance(err, json.JSONDecodeError):
+        problem = f"line {where.row} is not valid JSON: {err.msg} at column {err.colno}"
+    elif isinstance(err, RecursionError):
+        problem = f"line {where.row} is not usable JSON: nested too deeply"
+    else:  # e.g. an integer with more digits than Python converts
+        problem = f"line {where.row} is not usable JSON: {err}"
+    return where.error(None, problem, "bad_json")
+
+
+def _undecodable_byte(path: Path, line_number: int, line: str) -> DataError | None:
+    """The error for a line holding bytes that are not UTF-8, or None for a clean line.
+
+    The file is decoded with ``surrogateescape``, which turns each such byte into a lone surrogate
+    U+DC80..U+DCFF (valid UTF-8 never decodes to one), so the line that holds it can be named.
+    """
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as err:
+        byte = ord(line[err.start]) - 0xDC00
+        return DataError(f"{path}, line {line_number}: not UTF-8 text (byte 0x{byte:02x} at column {err.start + 1})")
+    return None
+
+
 def _read_jsonl(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[int, Row]]:
     # The standard json parser per line (not pyarrow.json): rows keep their own types and nesting,
     # and a bad line is reported by its number without losing the rest of the file.
-    with path.open(encoding="utf-8-sig") as handle:  # -sig: tolerate a byte-order mark
-        line_number = 0
-        while True:
-            line_number += 1
-            try:
-                line = handle.readline()
-            except UnicodeDecodeError as err:
-                raise DataError(f"{path}, line {line_number}: not UTF-8 text ({err})") from None
-            if not line:
-                return
+    # -sig: tolerate a byte-order mark.
+    with path.open(encoding="utf-8-sig", errors="surrogateescape") as handle:
+        for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
+            undecodable = _undecodable_byte(path, line_number, line)
+            if undecodable is not None:
+                raise undecodable
             where = RowRef(str(path), line_number)
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as err:
-                problem = f"line {line_number} is not valid JSON: {err.msg} at column {err.colno}"
-                _reject(where.error(None, problem, "bad_json"), on_bad_row)
+            except (ValueError, RecursionError) as err:
+                _reject(_not_json(where, err), on_bad_row)
                 continue
             if not isinstance(row, dict):
                 _reject(_not_an_object(where, row), on_bad_row)
@@ -105,6 +124,10 @@ def _read_json(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[i
         raise DataError(f"{path}: not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from None
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: not UTF-8 text ({err})") from None
+    except RecursionError:
+        raise DataError(f"{path}: not usable JSON: nested too deeply") from None
+    except ValueError as err:  # e.g. an integer with more digits than Python converts
+        raise DataError(f"{path}: not usable JSON: {err}") from None
     if not isinstance(data, list):
         raise DataError(
             f"{path}: a .json dataset must hold a list of objects, got {type(data).__name__} "

@@ -34,11 +34,17 @@ def require_key(row: dict[str, Any], key: str, where: RowRef) -> Any:
 
 
 def check_text(value: Any, key: str, where: RowRef) -> str:
-    """``value`` must be a string with something other than whitespace in it."""
+    """``value`` must be a string with something other than whitespace in it, encodable as UTF-8."""
     if not isinstance(value, str):
         raise where.error(key, f"expected a string, got {_type_name(value)}: {value!r:.80}", "wrong_type")
     if not value.strip():
         raise where.error(key, "empty text", "empty_text")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate, e.g. from a "\ud800" escape in JSON
+        bad = f"U+{ord(value[err.start]):04X}"
+        raise where.error(key, f"not valid Unicode text: lone surrogate {bad} at character {err.start}",
+                          "bad_unicode") from None
     return value
 
 

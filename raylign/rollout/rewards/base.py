@@ -8,6 +8,7 @@ per sample plus optional per-sample metrics. A source that cannot score raises
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,25 +61,66 @@ def check_batch(prompts: Sequence[str], responses: Sequence[str], labels: Sequen
             raise ValueError(f"{describe_sample(prompts, i)}: metadata must be a dict, got {type(meta).__name__}")
 
 
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages."""
+    try:
+        text = repr(value)
+    except ValueError:  # e.g. an integer with more digits than Python turns into text
+        if isinstance(value, int):
+            return f"an integer of about {int(value.bit_length() * math.log10(2))} digits"
+        return f"a {type(value).__name__} too large to show"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _as_sequence(values: Any) -> list[Any] | tuple[Any, ...] | None:
+    """``values`` when it is a list or tuple, a 1-d numpy array or tensor as a list; else None."""
+    if isinstance(values, (list, tuple)):
+        return values
+    if getattr(values, "ndim", None) == 1 and hasattr(values, "tolist"):
+        return values.tolist()
+    return None
+
+
+def _as_number(value: Any) -> float | None:
+    """A real number (bools count as 0/1), numpy scalar or 0-d array/tensor as a float; else None.
+
+    Text is not a number here, even text that float() would read: a reward function that returns
+    strings is more likely wrong than meaning them as numbers.
+    """
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond the float range
+        return math.inf
+
+
 def to_float_list(values: Any, expected_len: int, what: str, prompts: Sequence[str], offset: int = 0) -> list[float]:
     """``values`` as a list of finite floats of length ``expected_len``; else RewardError saying ``what`` was wrong.
 
-    Accepts any sequence of numbers (lists, tuples, numpy arrays, 1-d tensors; bools count as 0/1).
+    Accepts a list or tuple of numbers, or a 1-d numpy array or tensor (bools count as 0/1). Sets,
+    mappings, text, 0-d or 2-d arrays, and elements that are text or nested sequences are refused.
     """
-    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
-        raise RewardError(f"{what}: expected a list of {expected_len} numbers, got {type(values).__name__}")
-    if len(values) != expected_len:
-        raise RewardError(f"{what}: expected {expected_len} values (one per sample), got {len(values)}")
+    sequence = _as_sequence(values)
+    if sequence is None:
+        shape = getattr(values, "shape", None)
+        kind = type(values).__name__ + (f" of shape {tuple(shape)}" if shape is not None else "")
+        raise RewardError(f"{what}: expected a list of {expected_len} numbers, got {kind}")
+    if len(sequence) != expected_len:
+        raise RewardError(f"{what}: expected {expected_len} values (one per sample), got {len(sequence)}")
     out: list[float] = []
-    for i, value in enumerate(values):
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
+    for i, value in enumerate(sequence):
+        number = _as_number(value)
+        if number is None:
             raise RewardError(
-                f"{what}: value for {describe_sample(prompts, i, offset)} is not a number: {value!r:.80}"
-            ) from None
+                f"{what}: value for {describe_sample(prompts, i, offset)} is not a number: {short_repr(value)}"
+            )
         if not math.isfinite(number):
-            raise RewardError(f"{what}: value for {describe_sample(prompts, i, offset)} is {number}")
+            raise RewardError(
+                f"{what}: value for {describe_sample(prompts, i, offset)} is not a finite number: {short_repr(value)}"
+            )
         out.append(number)
     return out
 

@@ -205,7 +205,8 @@ class PythonFileReward(RewardSource):
         what = f"{self.description} returned a bad value for {where}"
         if isinstance(payload, dict):
             if "rewards" not in payload:
-                raise RewardError(f"{what}: a dict result needs a 'rewards' key (got keys {sorted(payload)})")
+                keys = ", ".join(sorted(map(repr, payload))) or "none"  # repr: keys of any type sort as text
+                raise RewardError(f"{what}: a dict result needs a 'rewards' key (got keys {keys})")
             metrics = {
                 str(name): to_float_list(values, len(prompts), f"{what} (metric '{name}')", prompts, offset)
                 for name, values in payload.items() if name != "rewards"

@@ -24,6 +24,7 @@ from raylign.rollout.rewards.base import (
     RewardSource,
     concatenate_results,
     describe_batch,
+    short_repr,
 )
 
 
@@ -66,12 +67,14 @@ def parse_answer(response: Any, expected: int) -> RewardResult:
     """Rewards (and metrics) from a 2xx answer; _Retryable if it is not the promised JSON."""
     try:
         body = response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+    except (ValueError, RecursionError):  # ValueError covers JSON and Unicode decoding errors
         raise _Retryable(f"the answer is not valid JSON: {_answer_text(response)!r}") from None
     if not isinstance(body, dict) or "rewards" not in body:
         raise _Retryable(f"the answer has no 'rewards' field: {_answer_text(response)!r}")
     rewards = _numbers(body["rewards"], expected, "rewards")
-    metrics = body.get("metrics") or {}
+    metrics = body.get("metrics")
+    if metrics is None:
+        metrics = {}
     if not isinstance(metrics, dict):
         raise _Retryable(f"'metrics' in the answer is a {type(metrics).__name__}, not an object")
     return RewardResult(rewards, {str(k): _numbers(v, expected, f"metric '{k}'") for k, v in metrics.items()})
@@ -82,11 +85,20 @@ def _numbers(values: Any, expected: int, what: str) -> list[float]:
         raise _Retryable(f"'{what}' in the answer is a {type(values).__name__}, not a list")
     if len(values) != expected:
         raise _Retryable(f"the answer has {len(values)} {what} for {expected} samples")
-    bad = [i for i, v in enumerate(values)
-           if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+    bad = [i for i, v in enumerate(values) if not _is_finite_number(v)]
     if bad:
-        raise _Retryable(f"{what} value {values[bad[0]]!r} (position {bad[0]}) in the answer is not a finite number")
+        raise _Retryable(f"{what} value {short_repr(values[bad[0]])} (position {bad[0]}) in the answer is not a "
+                         "finite number")
     return [float(v) for v in values]
+
+
+def _is_finite_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond the float range
+        return False
 
 
 def _plain_value(value: Any) -> Any:
