@@ -17,7 +17,6 @@ import asyncio
 import datetime
 import functools
 import logging
-import math
 import os
 import threading
 import time
@@ -146,21 +145,24 @@ class ModelWorker:
             stats.append(_token_means(correction_stats, batch.mask))
         scale = self._scale([mask for mask, _ in corrected])
         self.module.train()
-        finite = True
-        for j, (batch, (mask, token_weights)) in enumerate(zip(micro_batches, corrected)):
+        losses = []
+        for batch, (mask, token_weights) in zip(micro_batches, corrected):
             loss, loss_stats = self._policy_loss(batch, mask, token_weights, scale)
-            finite &= self._finite("policy", j, loss)
+            losses.append(loss.detach())
             self.engine.backward(loss)
             stats.append(loss_stats)
-        return {**combine(stats), **_step_metrics(self.engine.step(finite_loss=finite))}
+        return {**combine(stats), **_step_metrics(self.engine.step(finite_loss=self._finite("policy", losses)))}
 
-    def _finite(self, role: str, j: int, loss: torch.Tensor) -> bool:
-        """Whether a micro-batch's loss is finite; says which one when it is not (the update is then skipped)."""
-        value = float(loss.detach())
-        if not math.isfinite(value):
+    def _finite(self, role: str, losses: list[torch.Tensor]) -> bool:
+        """Whether every micro-batch's loss is finite (one device sync for all); names those that
+        are not (the update is then skipped)."""
+        finite = torch.isfinite(torch.stack(losses))
+        if bool(finite.all()):
+            return True
+        for j in (~finite).nonzero().flatten().tolist():
             log.warning("%s rank %d: the loss of micro-batch %d is %s; this update is skipped", role, self.rank, j,
-                        value)
-        return math.isfinite(value)
+                        float(losses[j]))
+        return False
 
     def _policy_loss(self, batch: MicroBatch, mask: torch.Tensor, token_weights: torch.Tensor | None,
                      scale: LossScale) -> tuple[torch.Tensor, dict[str, Metric]]:
@@ -191,14 +193,14 @@ class ModelWorker:
         micro_batches = [batch.to(self.device) for batch in micro_batches]
         scale = self._scale([batch.mask for batch in micro_batches])
         self.module.train()
-        stats, finite = [], True
-        for j, batch in enumerate(micro_batches):
+        stats, losses = [], []
+        for batch in micro_batches:
             loss, loss_stats = compute_value_loss(self._values(batch), batch.values, batch.returns, batch.mask,
                                                   clip_eps=a.value_clip, aggregation="token_mean", scale=scale)
-            finite &= self._finite("critic", j, loss)
+            losses.append(loss.detach())
             self.engine.backward(a.vf_coef * loss)
             stats.append({**_token_means(loss_stats, batch.mask), "value_loss": _loss_share(loss, scale)})
-        return {**combine(stats), **_step_metrics(self.engine.step(finite_loss=finite))}
+        return {**combine(stats), **_step_metrics(self.engine.step(finite_loss=self._finite("critic", losses)))}
 
     # ---- weights, checkpoints ------------------------------------------------------------
 
