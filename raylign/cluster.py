@@ -42,6 +42,18 @@ class StartupError(RuntimeError):
         self.cause = cause
 
 
+class ActorDied(RuntimeError):
+    """An actor's process died while a caller waited for its answer (:func:`get_within`).
+
+    ``name`` is the caller's name for it (``"rank 1 of 2"``, ``"engine 0"``) and ``index`` its
+    position among the refs waited for."""
+
+    def __init__(self, message: str, name: str, index: int):
+        super().__init__(message)
+        self.name = name
+        self.index = index
+
+
 def actor_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The ``env_vars`` of an actor's runtime environment: :data:`WORKER_ENV` plus ``extra``."""
     env = {**WORKER_ENV, **(extra or {})}
@@ -158,9 +170,25 @@ def get_within(refs: Any, timeout_s: float, what: str, setting: str, names: Sequ
             busy = [name for ref, name in zip(refs, names) if ref not in results]
             raise TimeoutError(f"{what}: no answer within {timeout_s:g} s from {', '.join(busy)}; raise {setting} "
                                "if it needs longer, or check their logs")
-        results[done[0]] = ray.get(done[0], timeout=max(0.0, deadline - time.monotonic()))  # raises its error
+        try:
+            results[done[0]] = ray.get(done[0], timeout=max(0.0, deadline - time.monotonic()))  # raises its error
+        except ray.exceptions.RayActorError as err:
+            index = refs.index(done[0])
+            raise ActorDied(f"{what}: {names[index]} died while computing it ({death_cause(err)})",
+                            names[index], index) from err
     values = [results[ref] for ref in refs]
     return values[0] if single else values
+
+
+def death_cause(err: Exception) -> str:
+    """Why an actor died, in one line, from Ray's error: its exit detail, else its first line."""
+    text = str(err)
+    for marker in ("Worker exit detail:", "exit detail:"):
+        if marker in text:
+            detail = text.split(marker, 1)[1].strip().split(". ")[0].splitlines()[0]
+            return f"its process exited: {detail}" if detail else "its process exited"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return first or type(err).__name__
 
 
 def _cause(err: Exception) -> str:

@@ -111,6 +111,11 @@ class RolloutConfig(Section):
         1800.0, gt=0, description="Longest wait for the next prompt group (or a whole request) to finish before "
         "the run stops with an error naming the engines; also bounds the engines' other calls (sleep, wake-up, "
         "cache resets).")
+    max_engine_restarts: int = Field(
+        3, ge=0, le=1000, description="An engine actor whose process dies is replaced by a new one with the current "
+        "weights and its prompt groups are generated again (counted in rollout/engine_restarts), at most this many "
+        "times in a run; then the run stops naming the engine. Engines in the policy workers (placement.colocate) "
+        "are not restarted.")
     num_cpus_per_engine: float = Field(
         1.0, ge=0.0, le=1024.0, description="Ray CPU slots reserved per engine actor (0-1024)."
     )

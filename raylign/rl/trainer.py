@@ -66,6 +66,8 @@ class RLTrainer:
         self.events: list[tuple[str, int, float]] = []  # (what, step, time.time()): when each step's phases began
         self.group_log: list[tuple[int, int, float]] = []  # (step, group seq, time.time() its engine finished it)
         self._pending_evals: list[tuple[int, int, Any]] = []  # (step, weight version, request) started, not logged
+        self.engine_restarts = 0  # engine actors replaced after their process died
+        self._policy_ahead = False  # the policy has been updated since the engines' last weight sync
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -130,8 +132,9 @@ class RLTrainer:
             self.groups["policy"].call("connect_engines", self.engines)
         self.positions = PromptPositions(self.sampler)
         r, a = cfg.rollout, cfg.algorithm
+        stream = GroupStream(self.pool, r.generate_timeout_s, restart=None if p.colocate else self._restart_engines)
         self.feed = RolloutFeed(
-            GroupStream(self.pool, r.generate_timeout_s), self.train_prompts, self.positions, cfg.sampling,
+            stream, self.train_prompts, self.positions, cfg.sampling,
             cfg.train.prompts_per_step, r.max_staleness, r.stale_samples, self._group_samples, self._score_timed,
             uniform=_uniform_rewards if a.dynamic_sampling else None,
             max_uniform_per_step=a.max_refill_rounds * cfg.train.prompts_per_step, ordered=r.reproducible)
@@ -216,6 +219,7 @@ class RLTrainer:
         timings["time/experience_s"] = time.perf_counter() - t
         t = time.perf_counter()
         train_metrics = self.update(samples, exp)
+        self._policy_ahead = True
         self._count_skipped(train_metrics)
         timings["time/train_s"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -232,6 +236,8 @@ class RLTrainer:
         return {**gen_metrics, **exp.metrics, **train_metrics, **sync_metrics, **timings,
                 "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
                 "reward/worker_restarts": float(self.reward.restarts),
+                "rollout/engine_restarts": float(self.engine_restarts),
+                "rollout/resubmitted_groups": float(self.feed.stream.resubmitted),
                 "throughput/generated_tokens_per_s": generated / max(timings["time/generate_s"], 1e-9)}
 
     # ---- rollout and rewards ---------------------------------------------------------------
@@ -383,11 +389,47 @@ class RLTrainer:
                                    default=str) + "\n")
 
     def sync_weights(self) -> dict[str, float]:
-        if self.cfg.placement.colocate:
+        """The policy's weights to every engine, labelled with the next version. An engine that died
+        is replaced first (:meth:`_restart_engines`) and the sync is sent again: the others had been
+        sent part of it."""
+        colocate = self.cfg.placement.colocate
+        if colocate:
             self.pool.wake_up()
-        self.syncs += 1
-        results = self.groups["policy"].call("sync_weights", self.syncs)
+        version = self.syncs + 1
+        try:
+            results = self.groups["policy"].call("sync_weights", version)
+        except Exception as err:
+            dead = [] if colocate else self.pool.dead_engines()
+            if not dead:
+                raise
+            log.warning("weight sync %d failed (%s): engine(s) %s died", version, str(err).splitlines()[0], dead)
+            self._restart_engines(dead)
+            results = self.groups["policy"].call("sync_weights", version)
+        self.syncs = version
+        self._policy_ahead = False
         return results[0]
+
+    def _restart_engines(self, dead: list[int]) -> None:
+        """Replace the engine actors ``dead`` (their processes died) by new ones holding the policy's
+        current weights, under the version those weights have or will have once synced; at most
+        ``rollout.max_engine_restarts`` in a run."""
+        from raylign.rollout.pool import EngineDied, launch_engines
+
+        cfg = self.cfg
+        if self.engine_restarts + len(dead) > cfg.rollout.max_engine_restarts:
+            raise EngineDied(f"rollout engine(s) {dead} died, after {self.engine_restarts} restart(s) in this run "
+                             f"(rollout.max_engine_restarts={cfg.rollout.max_engine_restarts}); see the engines' "
+                             "logs for why", dead)
+        log.warning("rollout engine(s) %s died; starting new ones (%d restart(s) before)", dead, self.engine_restarts)
+        one = cfg.rollout.model_copy(update={"num_engines": 1})
+        replaced = {}
+        for index in dead:
+            replaced[index] = launch_engines(self.model_path, one, startup_timeout_s=cfg.placement.startup_timeout_s)[0]
+            self.engines[index] = replaced[index]
+            self.pool.replace_engine(index, replaced[index])
+        self.groups["policy"].call("replace_engines", replaced)
+        self.groups["policy"].call("sync_weights", self.syncs + int(self._policy_ahead), sorted(dead))
+        self.engine_restarts += len(dead)
 
     def _make_room_for(self, phase: str) -> None:
         """Colocated placement (the hybrid engine): only one side holds its memory at a time.

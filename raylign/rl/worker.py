@@ -214,10 +214,15 @@ class ModelWorker:
         r = self.cfg.rollout
         self._pool.connect_weight_sync(bucket_mb=r.bucket_mb, timeout_s=r.sync_timeout_s)
 
-    def sync_weights(self, version: int | None = None) -> dict[str, float]:
+    def replace_engines(self, replaced: dict[int, Any]) -> None:
+        """Rank 0 opens sync groups to engines that took the place of dead ones (``index -> actor``)."""
+        if self.rank == 0:
+            self._pool.reconnect_weight_sync(replaced)
+
+    def sync_weights(self, version: int | None = None, only: list[int] | None = None) -> dict[str, float]:
         """Collective over the policy ranks: gather full weights, then rank 0 pushes them in buckets
-        to the engine actors, or (colocated) every rank loads them into its own engine; the engines
-        label them ``version`` (the controller's count of updates)."""
+        to the engine actors (all, or the engines ``only``), or (colocated) every rank loads them into
+        its own engine; the engines label them ``version`` (the controller's count of updates)."""
         start = time.perf_counter()
         state = self.engine.full_state_dict()
         gathered = time.perf_counter()
@@ -226,7 +231,8 @@ class ModelWorker:
             return {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start} if self.rank == 0 else {}
         if self.rank != 0:
             return {}
-        stats = self._pool.sync_weights(state.items(), keep_running=self.cfg.rollout.partial_rollouts, version=version)
+        stats = self._pool.sync_weights(state.items(), keep_running=self.cfg.rollout.partial_rollouts, version=version,
+                                        only=only)
         return {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start,
                 **{f"sync/{k}": float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))}}
 

@@ -7,7 +7,9 @@ they share the prompt's KV blocks), runs the shards concurrently and returns eve
 completion in prompt order, samples in order within a prompt.
 
 A stream (:class:`GroupStream`): prompt groups are submitted one at a time, each to the
-engine with the least work outstanding, and taken back as each one finishes.
+engine with the least work outstanding, and taken back as each one finishes. When an
+engine's process dies, the stream hands the dead engines to its owner's ``restart``
+(which replaces them) and submits their groups again; without one it raises, naming them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -212,17 +214,46 @@ class RolloutPool:
         engine, load = self._group_load.pop(ref)
         self.outstanding[engine] -= load
 
+    def dead_engines(self, timeout_s: float = 60.0) -> list[int]:
+        """The engines whose actor has died (each is asked for its weight version)."""
+        import ray
+
+        refs = [engine.weight_version_now.remote() for engine in self.engines]
+        dead = []
+        for index, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.RayActorError:
+                dead.append(index)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"rollout engine {index} did not say its weight version within {timeout_s:.0f} s "
+                                   "(alive but stuck?)") from None
+        return dead
+
+    def replace_engine(self, index: int, engine: Any) -> None:
+        """Put a new engine actor in the place of engine ``index`` (which died)."""
+        self.engines[index] = engine
+
     def connect_weight_sync(self, bucket_mb: float = 32.0, timeout_s: float = 600.0, host: str | None = None) -> None:
         """Open the sync groups to every engine (call on the trainer rank that holds full weights)."""
         self._sender = WeightSyncSender(self.engines, bucket_mb=bucket_mb, timeout_s=timeout_s, host=host)
         self._sender.connect()
 
+    def reconnect_weight_sync(self, replaced: dict[int, Any]) -> None:
+        """Engines ``index -> new actor`` took the place of dead ones: open their sync groups."""
+        if self._sender is None:
+            raise RuntimeError("RolloutPool.reconnect_weight_sync() before connect_weight_sync()")
+        for index, engine in replaced.items():
+            self.engines[index] = engine
+            self._sender.replace(index, engine)
+
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False,
-                     version: int | None = None) -> SyncStats:
-        """Send full weights to every engine (labelled ``version``); they reset their prefix caches afterwards."""
+                     version: int | None = None, only: Sequence[int] | None = None) -> SyncStats:
+        """Send full weights to every engine, or to the engines ``only`` (labelled ``version``); they
+        reset their prefix caches afterwards."""
         if self._sender is None:
             raise RuntimeError("RolloutPool.sync_weights() before connect_weight_sync()")
-        return self._sender.sync(named_tensors, keep_running, version)
+        return self._sender.sync(named_tensors, keep_running, version, only)
 
     def close_weight_sync(self) -> None:
         if self._sender is not None:
@@ -258,25 +289,47 @@ class FinishedGroup:
     finished_at: float
 
 
+class EngineDied(RuntimeError):
+    """A rollout engine's process died and nothing could restart it; ``engines`` are their indices."""
+
+    def __init__(self, message: str, engines: list[int]):
+        super().__init__(message)
+        self.engines = engines
+
+
+@dataclass
+class _InFlight:
+    tag: Any
+    engine: int
+    submitted: float
+    request: tuple[list[int], SamplingConfig, int]  # what to submit again if the engine dies
+
+
 class GroupStream:
     """Prompt groups in flight on a pool's engines, taken back in the order they finish."""
 
-    def __init__(self, pool: RolloutPool, timeout_s: float, timeout_setting: str = "rollout.generate_timeout_s"):
+    def __init__(self, pool: RolloutPool, timeout_s: float, timeout_setting: str = "rollout.generate_timeout_s",
+                 restart: Callable[[list[int]], None] | None = None):
+        """``restart(dead)``: replace the dead engines (by index) in the pool; their groups are then
+        submitted again. Without it a dead engine raises :class:`EngineDied`."""
         self.pool = pool
         self.timeout_s = timeout_s
         self.timeout_setting = timeout_setting
-        self._pending: dict[Any, tuple[Any, int, float]] = {}  # ref -> (tag, engine, submitted at)
+        self.restart = restart
+        self.resubmitted = 0  # groups submitted again after their engine died
+        self._pending: dict[Any, _InFlight] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
 
     def tags(self) -> list[Any]:
         """Tags of the groups in flight, in submission order."""
-        return [tag for tag, _, _ in self._pending.values()]
+        return [group.tag for group in self._pending.values()]
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingConfig, prompt_index: int, tag: Any) -> None:
         ref, engine = self.pool.submit_group(prompt_token_ids, sampling, prompt_index)
-        self._pending[ref] = (tag, engine, time.perf_counter())
+        self._pending[ref] = _InFlight(tag, engine, time.perf_counter(), (list(prompt_token_ids), sampling,
+                                                                          prompt_index))
 
     def finished(self, wait: bool = True) -> list[FinishedGroup]:
         """The groups that have finished; with ``wait``, blocks until at least one has (at most
@@ -288,18 +341,43 @@ class GroupStream:
         refs = list(self._pending)
         ready, _ = ray.wait(refs, num_returns=1, timeout=self.timeout_s if wait else 0)
         if wait and not ready:
-            engines = sorted({engine for _, engine, _ in self._pending.values()})
+            engines = sorted({group.engine for group in self._pending.values()})
             raise TimeoutError(f"rollout: no prompt group finished within {self.timeout_s:.0f} s "
                                f"({len(refs)} in flight on engine(s) {engines}); raise {self.timeout_setting} "
                                "if generation is this slow, or check the engines' logs")
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)  # everything else already done too
-        out = []
+        out, dead = [], {}
         for ref in ready:
-            tag, engine, submitted = self._pending.pop(ref)
+            group = self._pending[ref]
+            try:
+                completions = ray.get(ref, timeout=self.timeout_s)
+            except ray.exceptions.RayActorError as err:
+                dead.setdefault(group.engine, err)
+                continue
+            del self._pending[ref]
             self.pool.group_done(ref)
-            out.append(FinishedGroup(tag, ray.get(ref, timeout=self.timeout_s), engine, submitted,
-                                     time.perf_counter()))
+            out.append(FinishedGroup(group.tag, completions, group.engine, group.submitted, time.perf_counter()))
+        if dead:
+            self._recover(dead)
         return out
+
+    def _recover(self, dead: dict[int, Exception]) -> None:
+        """Engines died: every group they had is lost. Restart them, then submit those groups again."""
+        from raylign.cluster import death_cause
+
+        if self.restart is None:
+            engine, err = next(iter(sorted(dead.items())))
+            raise EngineDied(f"rollout engine {engine} died ({death_cause(err)}) with "
+                             f"{sum(g.engine in dead for g in self._pending.values())} prompt group(s) in flight",
+                             sorted(dead))
+        lost = {ref: group for ref, group in self._pending.items() if group.engine in dead}
+        for ref in lost:
+            del self._pending[ref]
+            self.pool.group_done(ref)
+        self.restart(sorted(dead))
+        for group in lost.values():
+            self.submit(*group.request, tag=group.tag)
+        self.resubmitted += len(lost)
 
     def drain(self) -> list[FinishedGroup]:
         """Wait for every group in flight."""

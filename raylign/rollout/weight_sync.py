@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -71,54 +71,124 @@ def _broadcast(group: dist.ProcessGroupGloo, tensor: torch.Tensor) -> Any:
     return group.broadcast([tensor], dist.BroadcastOptions())  # root 0 by default; returns a Work
 
 
-def _wait_all(works: Sequence[Any]) -> None:
-    """Wait for broadcasts in flight. Each fails by itself after its group's timeout (the one given
-    to :func:`make_gloo_group`, or to the colocated policy ranks' group: rollout.sync_timeout_s)."""
-    try:
-        for work in works:
+class ReceiverDied(RuntimeError):
+    """Receiving engines' processes died during a sync (the others were sent the abort marker)."""
+
+
+# How often a sender waiting on broadcasts asks whether the receiving engines are still alive.
+LIVENESS_CHECK_S = 0.2
+
+
+def _wait_all(works: Sequence[Any], dead_receivers: Callable[[], set[int]] | None = None) -> set[int]:
+    """Wait for broadcasts in flight, ``works[i]`` to group ``i``. Each fails by itself after its
+    group's timeout (the one given to :func:`make_gloo_group`, or to the colocated policy ranks'
+    group: rollout.sync_timeout_s).
+
+    A broadcast to a process that died is not failed by gloo until that timeout, so a sender
+    that can tell (``dead_receivers()``: the groups whose receiver died) polls instead, asking
+    every :data:`LIVENESS_CHECK_S`, and stops waiting for those groups; returns them."""
+    dead: set[int] = set()
+    if dead_receivers is not None:
+        delay, checked = 1e-4, time.monotonic()
+        while not all(work.is_completed() for i, work in enumerate(works) if i not in dead):
+            if time.monotonic() - checked > LIVENESS_CHECK_S:
+                dead |= dead_receivers() & set(range(len(works)))
+                checked = time.monotonic()
+            time.sleep(delay)
+            delay = min(2 * delay, 0.01)
+    for i, work in enumerate(works):
+        if i in dead:
+            continue
+        try:
             work.wait()
-    except RuntimeError as err:
-        if "timed out" not in str(err).lower():
-            raise
-        raise TimeoutError(f"weight sync: the other side of a broadcast did not take part within the group's "
-                           f"timeout; raise {TIMEOUT_SETTING} if it needs longer, or check the other side's logs "
-                           f"(gloo: {err})") from err
+        except RuntimeError as err:
+            if dead_receivers is not None and _receiver_died(i, dead_receivers):
+                dead.add(i)  # gloo saw the connection close before the receiver's death was known
+                continue
+            if "timed out" not in str(err).lower():
+                raise
+            raise TimeoutError(f"weight sync: the other side of a broadcast did not take part within the group's "
+                               f"timeout; raise {TIMEOUT_SETTING} if it needs longer, or check the other side's logs "
+                               f"(gloo: {err})") from err
+    return dead
+
+
+# How long a broadcast that failed waits to learn whether its receiver died (then it is left out).
+DEATH_NOTICE_S = 30.0
+
+
+def _receiver_died(position: int, dead_receivers: Callable[[], set[int]]) -> bool:
+    deadline = time.monotonic() + DEATH_NOTICE_S
+    while time.monotonic() < deadline:
+        if position in dead_receivers():
+            return True
+        time.sleep(LIVENESS_CHECK_S)
+    return False
+
+
+class _Broadcasts:
+    """The sender's side of one sync: broadcasts to every group whose receiver is alive."""
+
+    def __init__(self, groups: Sequence[dist.ProcessGroupGloo], dead_receivers: Callable[[], set[int]] | None):
+        self.groups, self.dead_receivers = list(groups), dead_receivers
+        self.dead: set[int] = set()
+
+    def send(self, tensor: torch.Tensor) -> None:
+        live = [i for i in range(len(self.groups)) if i not in self.dead]
+        dead = _wait_all([_broadcast(self.groups[i], tensor) for i in live],
+                         None if self.dead_receivers is None else lambda: {live.index(i) for i in
+                                                                         self.dead_receivers() if i in live})
+        self.dead |= {live[i] for i in dead}
+
+    def bucket(self, bucket: Bucket) -> None:
+        """One bucket (three broadcasts); a receiver that dies meanwhile is left out from then on."""
+        header = torch.frombuffer(bytearray(bucket.header_bytes()), dtype=torch.uint8)
+        for tensor in (torch.tensor([header.numel(), bucket.buffer.numel()], dtype=torch.int64), header,
+                       bucket.buffer):
+            self.send(tensor)
+
+    def marker(self, marker: int) -> None:
+        self.send(torch.tensor([marker, 0], dtype=torch.int64))
 
 
 def send_bucket(groups: Sequence[dist.ProcessGroupGloo], bucket: Bucket) -> None:
     """Broadcast one bucket to every group, the groups in parallel."""
-    header = torch.frombuffer(bytearray(bucket.header_bytes()), dtype=torch.uint8)
-    sizes = torch.tensor([header.numel(), bucket.buffer.numel()], dtype=torch.int64)
-    for tensor in (sizes, header, bucket.buffer):
-        _wait_all([_broadcast(group, tensor) for group in groups])
+    _Broadcasts(groups, None).bucket(bucket)
 
 
 END_OF_SYNC, ABORT_SYNC = 0, -1
 
 
 def send_end_of_sync(groups: Sequence[dist.ProcessGroupGloo], marker: int = END_OF_SYNC) -> None:
-    sizes = torch.tensor([marker, 0], dtype=torch.int64)
-    _wait_all([_broadcast(group, sizes) for group in groups])
+    _Broadcasts(groups, None).marker(marker)
 
 
 def send_named_tensors(
-    groups: Sequence[dist.ProcessGroupGloo], named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    groups: Sequence[dist.ProcessGroupGloo], named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+    dead_receivers: Callable[[], set[int]] | None = None,
 ) -> tuple[int, int, int]:
     """Broadcast one whole sync in buckets, then its end marker; ``(buckets, tensors, bytes)`` sent.
 
     If packing or sending fails, the receivers get the abort marker at once (rather than waiting
-    for the gloo timeout) and the error is re-raised."""
+    for the gloo timeout) and the error is re-raised. ``dead_receivers()``: the positions of the
+    groups whose receiver died; once one has, the others are sent the abort marker after the
+    bucket they are in, and :class:`ReceiverDied` is raised."""
     num_buckets = num_tensors = num_bytes = 0
+    out = _Broadcasts(groups, dead_receivers)
     try:
         for bucket in iter_packed_buckets(named_tensors, bucket_bytes):
-            send_bucket(groups, bucket)
+            out.bucket(bucket)
+            if out.dead:
+                raise ReceiverDied(f"weight sync: the receivers of group(s) {sorted(out.dead)} died during the sync")
             num_buckets += 1
             num_tensors += len(bucket.metas)
             num_bytes += bucket.buffer.numel()
     except BaseException:
-        send_end_of_sync(groups, ABORT_SYNC)
+        out.marker(ABORT_SYNC)
         raise
-    send_end_of_sync(groups)
+    out.marker(END_OF_SYNC)
+    if out.dead:  # died at the very end: it missed the end marker
+        raise ReceiverDied(f"weight sync: the receivers of group(s) {sorted(out.dead)} died during the sync")
     return num_buckets, num_tensors, num_bytes
 
 
@@ -172,6 +242,23 @@ def with_tied_lm_head(
             yield LM_HEAD_NAME, tensor
 
 
+def _dead_receivers(loading: list[Any]) -> set[int]:
+    """The positions ``i`` whose engine's call to receive this sync (``loading[i]``) failed because
+    its process died."""
+    import ray
+
+    ready, _ = ray.wait(loading, num_returns=len(loading), timeout=0)
+    dead = set()
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError:
+            dead.add(loading.index(ref))
+        except Exception:  # it failed otherwise: its own error comes back from the sync
+            pass
+    return dead
+
+
 @dataclass
 class SyncStats:
     seconds: float
@@ -208,45 +295,60 @@ class WeightSyncSender:
         self._stores: list[dist.TCPStore] = []
         self._groups: list[dist.ProcessGroupGloo] = []
 
-    def _results(self, refs: list[Any], what: str) -> list[Any]:
+    def _results(self, refs: list[Any], what: str, names: Sequence[str] | None = None) -> list[Any]:
         """The engines' answers to one call each, waiting at most ``timeout_s``."""
         return get_within(refs, self.timeout_s, f"weight sync: {what}", TIMEOUT_SETTING,
-                          [f"engine {i}" for i in range(len(refs))])
+                          names or [f"engine {i}" for i in range(len(refs))])
 
     def connect(self) -> None:
         """Open one group per engine; each engine's workers join it."""
         host = self.host or local_host_address()
-        ranks = self._results([engine.num_sync_ranks.remote() for engine in self.engines], "the engines' sync ranks")
-        for index, (engine, engine_ranks) in enumerate(zip(self.engines, ranks)):
-            world_size = 1 + engine_ranks
-            store, port = open_group_as_sender(host, world_size, self.timeout_s)
-            joined = engine.join_weight_sync_group.remote(host, port, world_size, self.timeout_s)
-            group = make_gloo_group(store, 0, world_size, self.timeout_s)  # returns once the engine joined
-            get_within(joined, self.timeout_s, "weight sync: joining the group", TIMEOUT_SETTING, [f"engine {index}"])
+        for index, engine in enumerate(self.engines):
+            store, group = self._open(index, engine, host)
             self._stores.append(store)
             self._groups.append(group)
         logger.info("weight sync: connected to %d engine(s) at %s", len(self.engines), host)
 
+    def _open(self, index: int, engine: Any, host: str) -> tuple[dist.TCPStore, dist.ProcessGroupGloo]:
+        """A new group with engine ``index``'s workers in it."""
+        world_size = 1 + self._results([engine.num_sync_ranks.remote()], "the engine's sync ranks",
+                                       [f"engine {index}"])[0]
+        store, port = open_group_as_sender(host, world_size, self.timeout_s)
+        joined = engine.join_weight_sync_group.remote(host, port, world_size, self.timeout_s)
+        group = make_gloo_group(store, 0, world_size, self.timeout_s)  # returns once the engine joined
+        get_within(joined, self.timeout_s, "weight sync: joining the group", TIMEOUT_SETTING, [f"engine {index}"])
+        return store, group
+
+    def replace(self, index: int, engine: Any) -> None:
+        """A new engine took the place of engine ``index`` (which died): its own new group replaces the old."""
+        self.engines[index] = engine
+        self._stores[index], self._groups[index] = self._open(index, engine, self.host or local_host_address())
+        logger.info("weight sync: reconnected engine %d", index)
+
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False,
-             version: int | None = None) -> SyncStats:
-        """Send full weights (Hugging Face names) to every engine; returns when all have loaded them.
+             version: int | None = None, only: Sequence[int] | None = None) -> SyncStats:
+        """Send full weights (Hugging Face names) to every engine, or to the engines ``only``; returns
+        when they have loaded them.
 
         ``keep_running``: sequences in flight continue under the new weights (partial rollouts)
         instead of finishing first; see :meth:`RolloutEngine.receive_weights`."""
         if not self._groups:
             raise RuntimeError("WeightSyncSender.sync() before connect()")
+        indices = list(range(len(self.engines))) if only is None else list(only)
         start = time.perf_counter()
-        loading = [engine.receive_weights.remote(keep_running, version) for engine in self.engines]
+        loading = [self.engines[i].receive_weights.remote(keep_running, version) for i in indices]
         try:
-            num_buckets, num_tensors, num_bytes = send_named_tensors(self._groups, named_tensors, self.bucket_bytes)
+            num_buckets, num_tensors, num_bytes = send_named_tensors(
+                [self._groups[i] for i in indices], named_tensors, self.bucket_bytes,
+                lambda: _dead_receivers(loading))
         except BaseException:
             self._await_aborted(loading)
             raise
-        self._results(loading, "loading the new weights")
+        self._results(loading, "loading the new weights", [f"engine {i}" for i in indices])
         stats = SyncStats(time.perf_counter() - start, num_buckets, num_tensors, num_bytes)
         logger.info(
             "weight sync: %d tensors, %.1f MiB in %d buckets to %d engine(s) in %.3f s",
-            stats.num_tensors, stats.num_bytes / (1 << 20), stats.num_buckets, len(self.engines), stats.seconds,
+            stats.num_tensors, stats.num_bytes / (1 << 20), stats.num_buckets, len(indices), stats.seconds,
         )
         return stats
 
