@@ -132,7 +132,9 @@ class DataConfig(Section):
         "sample) instead of padding them to the longest.",
     )
     skip_bad_rows: bool = Field(
-        False, description="Skip invalid rows (counted by reason in the data statistics) instead of stopping."
+        False,
+        description="Skip invalid rows (a line that is not JSON or not UTF-8 text, a missing key, a wrong type, "
+        "...) instead of stopping; they are counted by reason in the data statistics.",
     )
     shuffle: bool = Field(True, description="Reshuffle the training samples every epoch.")
     seed: int = Field(0, ge=0, description="Seed of shuffling, mixing and the eval hold-out.")

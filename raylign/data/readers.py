@@ -4,14 +4,21 @@ Row numbers are 1-based: the line number for ``.jsonl`` (blank lines count, as i
 the position in the list for ``.json``, and the data row (header not counted) for ``.csv``,
 ``.parquet``, Arrow files and ``datasets`` folders. A file that cannot be read raises
 :class:`DataError` naming the file and, where the format allows, the row; a row that is not
-a JSON object (or a ``.jsonl`` line that is not JSON) raises :class:`RowError`, or is handed
-to ``on_bad_row`` and skipped when one is given.
+a JSON object (or a ``.jsonl`` line that is not JSON, or a JSON row holding bytes that are not
+UTF-8) raises :class:`RowError`, or is handed to ``on_bad_row`` and skipped when one is given.
+
+JSON files are decoded with ``surrogateescape``, which turns each byte that is not UTF-8 into a
+lone surrogate U+DC80..U+DCFF (valid UTF-8 never decodes to one), so the row that holds it can
+be found, named and skipped while the rows around it still load.
 """
 
 from __future__ import annotations
 
+import bisect
 import csv
+import itertools
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +34,9 @@ BadRowHandler = Callable[[RowError], None]
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".feather")
 SUPPORTED_TEXT = ", ".join(SUPPORTED_SUFFIXES) + ", or a folder saved with datasets.save_to_disk"
+
+ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of a byte that is not UTF-8
+JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 
 def read_rows(
@@ -80,18 +90,14 @@ def _not_json(where: RowRef, err: ValueError | RecursionError) -> RowError:
     return where.error(None, problem, "bad_json")
 
 
-def _undecodable_byte(path: Path, line_number: int, line: str) -> DataError | None:
-    """The error for a line holding bytes that are not UTF-8, or None for a clean line.
+def _bad_byte(text: str, index: int, line_number: int, line_start: int) -> str:
+    """Where the byte that ``text[index]`` stands for lies: 'byte 0xe9 at byte offset 10 of line 4'."""
+    offset = len(text[line_start:index].encode("utf-8", "surrogateescape"))
+    return f"byte 0x{ord(text[index]) - 0xDC00:02x} at byte offset {offset} of line {line_number}"
 
-    The file is decoded with ``surrogateescape``, which turns each such byte into a lone surrogate
-    U+DC80..U+DCFF (valid UTF-8 never decodes to one), so the line that holds it can be named.
-    """
-    try:
-        line.encode("utf-8")
-    except UnicodeEncodeError as err:
-        byte = ord(line[err.start]) - 0xDC00
-        return DataError(f"{path}, line {line_number}: not UTF-8 text (byte 0x{byte:02x} at column {err.start + 1})")
-    return None
+
+def _not_utf8(where: RowRef, place: str) -> RowError:
+    return where.error(None, f"not UTF-8 text: {place}", "not_utf8")
 
 
 def _read_jsonl(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[int, Row]]:
@@ -102,10 +108,11 @@ def _read_jsonl(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            undecodable = _undecodable_byte(path, line_number, line)
-            if undecodable is not None:
-                raise undecodable
             where = RowRef(str(path), line_number)
+            undecodable = ESCAPED_BYTE.search(line)
+            if undecodable is not None:
+                _reject(_not_utf8(where, _bad_byte(line, undecodable.start(), line_number, 0)), on_bad_row)
+                continue
             try:
                 row = json.loads(line)
             except (ValueError, RecursionError) as err:
@@ -117,25 +124,72 @@ def _read_jsonl(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[
             yield line_number, row
 
 
-def _read_json(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[int, Row]]:
+class _Lines:
+    """Line number and start of any position of a text, for messages about a whole-file format."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.newlines = [match.start() for match in re.finditer("\n", text)]
+
+    def bad_byte(self, index: int) -> str:
+        number = bisect.bisect_left(self.newlines, index) + 1
+        start = self.newlines[number - 2] + 1 if number > 1 else 0
+        return _bad_byte(self.text, index, number, start)
+
+
+def _load_json(path: Path, text: str) -> Any:
     try:
-        data = json.loads(path.read_text(encoding="utf-8-sig"))
+        return json.loads(text)
     except json.JSONDecodeError as err:
+        if ESCAPED_BYTE.match(text, err.pos):  # a byte that is not UTF-8 where JSON expected structure
+            raise DataError(f"{path}: not UTF-8 text outside a string: {_Lines(text).bad_byte(err.pos)}") from None
         raise DataError(f"{path}: not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from None
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err})") from None
     except RecursionError:
         raise DataError(f"{path}: not usable JSON: nested too deeply") from None
     except ValueError as err:  # e.g. an integer with more digits than Python converts
         raise DataError(f"{path}: not usable JSON: {err}") from None
+
+
+def _json_list_spans(text: str) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` in ``text`` of each item of the JSON list it holds, which json.loads has accepted."""
+    decoder = json.JSONDecoder()
+    position = JSON_SPACE.match(text).end() + 1  # past the opening bracket
+    while True:
+        position = JSON_SPACE.match(text, position).end()
+        if text[position] == "]":
+            return
+        _, end = decoder.raw_decode(text, position)
+        yield position, end
+        position = JSON_SPACE.match(text, end).end()
+        if text[position] == ",":
+            position += 1
+
+
+def _bad_bytes_of_items(text: str) -> Iterator[str | None]:
+    """For each item of the JSON list in ``text``: where its first byte that is not UTF-8 lies, or None."""
+    lines = _Lines(text)
+    for start, end in _json_list_spans(text):
+        undecodable = ESCAPED_BYTE.search(text, start, end)
+        yield None if undecodable is None else lines.bad_byte(undecodable.start())
+
+
+def _read_json(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[int, Row]]:
+    text = path.read_text(encoding="utf-8-sig", errors="surrogateescape")
+    data = _load_json(path, text)
     if not isinstance(data, list):
         raise DataError(
             f"{path}: a .json dataset must hold a list of objects, got {type(data).__name__} "
             "(use .jsonl for one object per line)"
         )
-    for number, row in enumerate(data, start=1):
+    # Only a file with bytes that are not UTF-8 is parsed a second time, item by item, to find them.
+    bad_bytes = _bad_bytes_of_items(text) if ESCAPED_BYTE.search(text) else itertools.repeat(None)
+    for number, (row, bad_byte) in enumerate(zip(data, bad_bytes), start=1):
+        where = RowRef(str(path), number)
+        if bad_byte is not None:
+            _reject(_not_utf8(where, bad_byte), on_bad_row)
+            continue
         if not isinstance(row, dict):
-            _reject(_not_an_object(RowRef(str(path), number), row), on_bad_row)
+            _reject(_not_an_object(where, row), on_bad_row)
             continue
         yield number, row
 

@@ -63,6 +63,47 @@ def test_jsonl_bad_line_goes_to_the_handler_and_the_rest_is_read(tmp_path):
     assert [(e.row, e.reason) for e in rejected] == [(2, "bad_json"), (3, "not_an_object")]
 
 
+def test_jsonl_line_that_is_not_utf8_names_the_file_the_line_and_the_byte(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    # line 2: 12 bytes of '{"prompt": "', then e-acute as UTF-8 (2 bytes), 't', e-acute, ' ', then a lone 0xff
+    path.write_bytes(b'{"prompt": "x"}\n{"prompt": "\xc3\xa9t\xc3\xa9 \xff"}\n')
+    with pytest.raises(RowError) as info:
+        list(read_rows(path))
+    assert str(info.value) == f"{path}, row 2: not UTF-8 text: byte 0xff at byte offset 18 of line 2"
+    assert (info.value.row, info.value.reason) == (2, "not_utf8")
+
+
+def test_jsonl_line_that_is_not_utf8_goes_to_the_handler_and_the_rest_is_read(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"a": "x"}\n{"a": "caf\xe9"}\n\n{"a": "caf\xc3\xa9"}\n{"a": "\x80"}\n')
+    rejected = []
+    rows = list(read_rows(path, on_bad_row=rejected.append))
+    assert rows == [(1, {"a": "x"}), (4, {"a": "caf\u00e9"})]
+    assert [(e.row, e.reason) for e in rejected] == [(2, "not_utf8"), (5, "not_utf8")]
+    assert str(rejected[1]) == f"{path}, row 5: not UTF-8 text: byte 0x80 at byte offset 7 of line 5"
+
+
+def test_json_item_with_bytes_that_are_not_utf8_is_a_bad_row_and_the_other_items_are_read(tmp_path):
+    path = tmp_path / "latin1.json"
+    # item 2 holds a Latin-1 byte; item 3 the JSON escape of a lone surrogate, which is ASCII in the file
+    path.write_bytes(b'[\n {"a": "x"},\n {"a": "caf\xe9"}, {"a": "\\udce9"},\n {"a": "z"}\n]\n')
+    with pytest.raises(RowError) as info:
+        list(read_rows(path))
+    assert str(info.value) == f"{path}, row 2: not UTF-8 text: byte 0xe9 at byte offset 11 of line 3"
+    rejected = []
+    rows = list(read_rows(path, on_bad_row=rejected.append))
+    assert rows == [(1, {"a": "x"}), (3, {"a": "\udce9"}), (4, {"a": "z"})]
+    assert [(e.row, e.reason) for e in rejected] == [(2, "not_utf8")]
+
+
+def test_json_byte_that_is_not_utf8_outside_a_string_names_the_file_and_the_line(tmp_path):
+    path = tmp_path / "latin1.json"
+    path.write_bytes(b'[\n {"a": 1},\n {"a": 2\xe9}\n]\n')
+    with pytest.raises(DataError) as info:
+        list(read_rows(path, on_bad_row=lambda err: None))
+    assert str(info.value) == f"{path}: not UTF-8 text outside a string: byte 0xe9 at byte offset 8 of line 3"
+
+
 def test_json_file_must_hold_a_list(tmp_path):
     path = tmp_path / "one.json"
     path.write_text('{"prompt": "x"}')

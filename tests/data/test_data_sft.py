@@ -219,6 +219,35 @@ def test_skip_bad_rows_skips_a_csv_row_with_too_many_cells(tmp_path, tokenizer):
     assert data.stats.skipped == {"bad_csv_row": 1}
 
 
+def test_a_line_that_is_not_utf8_stops_the_run_naming_file_line_and_byte(tmp_path, tokenizer):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "hi", "completion": "there"}\n{"prompt": "caf\xe9", "completion": "x"}\n')
+    with pytest.raises(RowError) as info:
+        build_sft_datasets(_config(path), tokenizer)
+    assert str(info.value) == f"{path}, row 2: not UTF-8 text: byte 0xe9 at byte offset 15 of line 2"
+
+
+def test_skip_bad_rows_skips_and_counts_lines_that_are_not_utf8(tmp_path, tokenizer):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b"".join([
+        b'{"prompt": "hi", "completion": "there"}\n',
+        b'{"prompt": "caf\xe9", "completion": "x"}\n',  # Latin-1
+        b'{"prompt": "bye", "completion": "now"}\n',
+        b'{"prompt": "\xff\xfe", "completion": "x"}\n',
+        b'{"prompt": "missing completion"}\n',
+        b'{"prompt": "caf\xc3\xa9", "completion": "ok"}\n',  # UTF-8
+    ]))
+    data = build_sft_datasets(_config(path, skip_bad_rows=True), tokenizer)
+    assert [s.row for s in data.train] == [1, 3, 6]
+    assert data.stats.skipped == {"not_utf8": 2, "missing_key": 1}
+    assert (data.stats.rows_read, data.stats.rows_kept) == (6, 3)
+    assert data.stats.as_dict()["skipped/not_utf8"] == 2
+    assert data.stats.skip_examples[:2] == [
+        f"{path}, row 2: not UTF-8 text: byte 0xe9 at byte offset 15 of line 2",
+        f"{path}, row 4: not UTF-8 text: byte 0xff at byte offset 12 of line 4",
+    ]
+
+
 def test_a_dataset_without_any_usable_row_is_an_error(write_dataset, tokenizer):
     path = write_dataset([{"prompt": "only"}])
     with pytest.raises(DataError, match=r"data\.jsonl: no usable rows \(1 read; skipped: \{'missing_key': 1\}\)"):

@@ -333,14 +333,11 @@ def test_fuzzed_jsonl_file_stops_at_or_skips_exactly_its_bad_lines(lines, skip_b
     good_lines = [n for n, kind in enumerate(kinds, start=1) if kind == "good"]
     problem = first_problem_line(kinds)
     stats = DataStats()
-    not_utf8 = [n for n, kind in enumerate(kinds, start=1) if kind == "not_utf8"]
-    if not_utf8 or (problem is not None and not skip_bad_rows) or not good_lines:
+    if (problem is not None and not skip_bad_rows) or not good_lines:
         with pytest.raises(DataError) as caught:
             load_sft_samples(cfg.train[0], cfg, tokenizer, stats)
         message = str(caught.value)
-        if not_utf8 and (skip_bad_rows or problem[1] == "not_utf8"):
-            assert message.startswith(f"{data_file}, line {not_utf8[0]}: not UTF-8 text"), message
-        elif problem is not None and not skip_bad_rows:
+        if problem is not None and not skip_bad_rows:
             assert isinstance(caught.value, RowError) and caught.value.row == problem[0], message
             assert message.startswith(f"{data_file}, row {problem[0]}"), message
         else:
@@ -421,9 +418,10 @@ def test_jsonl_byte_that_is_not_utf8_is_reported_on_its_own_line_after_the_rows_
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"a": 1}\n{"a": 2}\n{"a": 3}\n{"a": "caf\xe9"}\n')
     rows_read = []
-    with pytest.raises(DataError) as caught:
+    with pytest.raises(RowError) as caught:
         rows_read.extend(read_rows(path))
-    assert str(caught.value) == f"{path}, line 4: not UTF-8 text (byte 0xe9 at column 11)"
+    assert str(caught.value) == f"{path}, row 4: not UTF-8 text: byte 0xe9 at byte offset 10 of line 4"
+    assert caught.value.reason == "not_utf8"
     assert rows_read == [(1, {"a": 1}), (2, {"a": 2}), (3, {"a": 3})]
 
 
