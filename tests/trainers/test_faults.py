@@ -1,11 +1,14 @@
 """Faults during an offline run: an output folder that cannot be written, a kill between two files
-of a checkpoint, a disk that fills up during a save. Each run either stops at once with an error
-that names the folder, or resumes to the weights of a run that was never interrupted."""
+of a checkpoint, a disk that fills up during a save, a DPO driver killed with SIGKILL between two
+checkpoints. Each run either stops at once with an error that names the folder, or resumes to the
+weights of a run that was never interrupted."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -19,8 +22,11 @@ from safetensors.torch import load_file
 
 from raylign.engine.checkpoint import CheckpointError
 from raylign.tasks.strings import make_string_rows
+from raylign.trainers.dpo import DPOTrainer
+from raylign.trainers.metrics import read_metrics
 from raylign.trainers.sft import SFTTrainer
 
+from .test_dpo import all_a_pairs, dpo_config
 from .test_sft import sft_config, write_jsonl
 
 
@@ -130,3 +136,50 @@ def test_a_disk_that_fills_during_a_save_stops_the_run_and_loses_nothing(tmp_pat
         subprocess.run(["umount", "--lazy", str(disk)], capture_output=True, timeout=30)
     SFTTrainer(sft_config(tiny_model_dir, train_file, moved, max_steps=6, save_every=3, keep_last=1)).run()
     _assert_same_final_weights(straight, moved)
+
+
+SIGKILL_AFTER_LOGGING = textwrap.dedent("""
+    import os, signal, sys, yaml
+    from raylign.config.base import parse_config
+    from raylign.config.dpo import DPOConfig
+    from raylign.trainers.dpo import DPOTrainer
+
+    class KilledAfterLogging(DPOTrainer):
+        # logs step N, then the driver gets SIGKILL: no cleanup, no checkpoint of step N, no export
+
+        def setup(self):
+            super().setup()
+            log = self.metrics.log
+
+            def log_then_die(metrics, step):
+                log(metrics, step)
+                if step == int(sys.argv[2]):
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            self.metrics.log = log_then_die
+
+    KilledAfterLogging(parse_config(DPOConfig, yaml.safe_load(open(sys.argv[1])))).run()
+""")
+
+
+def test_a_dpo_driver_killed_after_a_checkpoint_resumes_to_identical_weights(tmp_path, tiny_model_dir):
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", all_a_pairs(32, seed=0))
+    straight = tmp_path / "straight"
+    DPOTrainer(dpo_config(tiny_model_dir, pairs, straight, max_steps=4, save_every=2)).run()
+
+    cfg = dpo_config(tiny_model_dir, pairs, tmp_path / "killed", max_steps=4, save_every=2)
+    (tmp_path / "killed.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    (tmp_path / "dies.py").write_text(SIGKILL_AFTER_LOGGING)
+    proc = subprocess.run([sys.executable, str(tmp_path / "dies.py"), str(tmp_path / "killed.yaml"), "3"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    killed = tmp_path / "killed"
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step_2"]
+    assert not (killed / "final").exists()
+    assert [r["step"] for r in read_metrics(killed) if "train/loss" in r] == [1, 2, 3]
+
+    DPOTrainer(cfg).run()  # resumes from step 2; the step 3 logged before the kill is superseded
+    assert [r["step"] for r in read_metrics(killed)] == [0, 1, 2, 3, 4]  # the data record, then each step once
+    superseded = (killed / "metrics.superseded.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in superseded] == [3]
+    _assert_same_final_weights(straight, killed)
