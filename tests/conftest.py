@@ -28,3 +28,13 @@ def ray_session():
     start_ray(num_cpus=8)  # logical slots: actors here are mostly idle waiting on each other
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Soak runs are opt-in: they run only when ``-m`` names them."""
+    if "soak" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="opt-in soak run: python -m pytest -m soak")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)
