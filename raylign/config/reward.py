@@ -154,6 +154,11 @@ class RewardConfig(Section):
     sources: list[RewardSourceConfig] = Field(
         ..., min_length=1, description="The reward sources; each one's reward is also logged under its name."
     )
+    non_finite: Literal["error", "drop"] = Field(
+        "error", description="A reward that is NaN or infinite, from any source: the run stops with an error naming "
+        "the sample (error), or the sample's prompt group is dropped, counted in reward/non_finite_groups, and "
+        "another prompt's group takes its place (drop). Never trained on."
+    )
 
     @model_validator(mode="after")
     def _names_unique(self) -> "RewardConfig":

@@ -9,7 +9,8 @@ engine had received). A group enters the step that updates policy version ``v`` 
     v - min(token versions of the group) <= max_staleness
 
 checked here, where groups enter a step, not by the length of a queue. A group that is too
-old is dropped (and counted) or generated again, as configured.
+old is dropped (and counted) or generated again, as configured. A group with a reward that is
+NaN or infinite (``reward.non_finite: drop``) is dropped and counted, and another takes its place.
 
 How many groups may be started: the ``q``-th group to be trained on (0-based) goes into step
 ``q // prompts_per_step``, so once ``t`` groups have been trained on (``t / prompts_per_step``
@@ -40,6 +41,10 @@ from raylign.rl.prompts import Prompt
 from raylign.rollout.pool import FinishedGroup, GroupStream
 
 
+# With reward.non_finite: drop, more than this many steps' worth of groups dropped while gathering one step stop the run.
+MAX_NON_FINITE_PER_STEP = 4
+
+
 @dataclass
 class Group:
     """The samples of one prompt, as they came back from an engine."""
@@ -63,6 +68,7 @@ class StepGroups:
     groups: list[Group]
     dropped_stale: int = 0
     regenerated_stale: int = 0
+    dropped_non_finite: int = 0  # groups with a NaN or infinite reward (reward.non_finite: drop)
     dropped_uniform: int = 0  # groups whose rewards were all equal (dynamic sampling)
     padded_uniform: int = 0  # uniform groups taken anyway, after the refill budget ran out
     in_flight: int = 0  # groups still generating when the step's batch was complete
@@ -153,6 +159,15 @@ class RolloutFeed:
                 step.regenerated_stale += 1
             else:
                 step.dropped_stale += 1
+            return
+        if not all(math.isfinite(s.reward) for s in group.samples):
+            self.discarded += 1
+            step.dropped_non_finite += 1
+            if step.dropped_non_finite > MAX_NON_FINITE_PER_STEP * self.per_step:
+                text = self.prompts[group.prompt_position].text
+                raise RuntimeError(f"reward: {step.dropped_non_finite} prompt groups in a row had a NaN or infinite "
+                                   f"reward while gathering one step (the last for training prompt "
+                                   f"{group.prompt_position}, {text[:80]!r}); the reward source looks broken")
             return
         if self.uniform is not None and self.uniform(group.samples):
             self.discarded += 1

@@ -287,6 +287,7 @@ class RLTrainer:
                    "staleness/token_lag_min": float(lags.min()), "staleness/token_lag_mean": float(lags.mean()),
                    "staleness/token_lag_max": float(lags.max()),
                    "staleness/dropped_groups": float(step.dropped_stale),
+                   "reward/non_finite_groups": float(step.dropped_non_finite),
                    "staleness/regenerated_groups": float(step.regenerated_stale),
                    "rollout/groups_in_flight": float(step.in_flight)}
         if self.cfg.algorithm.dynamic_sampling:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import itertools
+import math
 import sys
 
 import pytest
@@ -265,3 +266,39 @@ def test_dynamic_sampling_drops_uniform_groups_as_they_arrive(hf_engines, weight
     assert dropped + sum(step.dropped_stale for _, step in taken) == feed.discarded
     assert dropped >= 4 * PER_STEP - 3  # the last few even groups may still be in flight
     assert all(step.padded_uniform == 0 for _, step in taken)
+
+
+def test_groups_with_non_finite_rewards_are_dropped_and_replaced(hf_engines, weights):
+    """``reward.non_finite: drop``: a group holding a NaN or infinite reward never enters a step;
+    it is counted and another group takes its place. Prompts p1 and p3 score NaN and inf here."""
+    def score(samples):
+        for i, s in enumerate(samples):
+            s.reward = {"p1": math.nan, "p3": math.inf}.get(s.prompt_text, float(i % 2))
+
+    start = ray.get(hf_engines[0].weight_version_now.remote())
+    feed = RolloutFeed(GroupStream(RolloutPool(hf_engines), timeout_s=120), _prompts(), itertools.cycle(range(8)),
+                       SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3), PER_STEP, 0, "drop",
+                       RLTrainer._group_samples, score)
+    taken = _run_steps(feed, hf_engines, 4, weights, start_version=start)
+    admitted = [g.prompt_position for _, step in taken for g in step.groups]
+    # Positions cycle 0..7; 1 and 3 are dropped, so the 12 admitted are the others in order.
+    assert admitted == [0, 2, 4, 5, 6, 7, 0, 2, 4, 5, 6, 7]
+    # Synchronous: a step starts 3 groups and one more for each dropped; steps 1 and 3 meet 1 and 3.
+    assert [step.dropped_non_finite for _, step in taken] == [2, 0, 2, 0]
+    assert feed.discarded == 4
+
+
+def test_a_reward_that_is_never_finite_stops_the_run_naming_a_prompt(hf_engines, weights):
+    def score(samples):
+        for s in samples:
+            s.reward = math.nan
+
+    feed = RolloutFeed(GroupStream(RolloutPool(hf_engines), timeout_s=120), _prompts(), itertools.cycle(range(8)),
+                       SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3), PER_STEP, 0, "drop",
+                       RLTrainer._group_samples, score)
+    feed.top_up(0)
+    # The limit: 4 steps' worth (12 groups) dropped while gathering one step; the 13th stops the run.
+    with pytest.raises(RuntimeError, match=r"13 prompt groups in a row had a NaN or infinite reward .* training "
+                                           r"prompt (\d), 'p\1'"):
+        feed.take_step(0)
+    feed.drain(0)

@@ -97,8 +97,10 @@ def _as_number(value: Any) -> float | None:
         return math.inf
 
 
-def to_float_list(values: Any, expected_len: int, what: str, prompts: Sequence[str], offset: int = 0) -> list[float]:
+def to_float_list(values: Any, expected_len: int, what: str, prompts: Sequence[str], offset: int = 0,
+                  finite: bool = True) -> list[float]:
     """``values`` as a list of finite floats of length ``expected_len``; else RewardError saying ``what`` was wrong.
+    ``finite=False`` lets NaN and infinities through (``reward.non_finite: drop``).
 
     Accepts a list or tuple of numbers, or a 1-d numpy array or tensor (bools count as 0/1). Sets,
     mappings, text, 0-d or 2-d arrays, and elements that are text or nested sequences are refused.
@@ -117,7 +119,7 @@ def to_float_list(values: Any, expected_len: int, what: str, prompts: Sequence[s
             raise RewardError(
                 f"{what}: value for {describe_sample(prompts, i, offset)} is not a number: {short_repr(value)}"
             )
-        if not math.isfinite(number):
+        if finite and not math.isfinite(number):
             raise RewardError(
                 f"{what}: value for {describe_sample(prompts, i, offset)} is not a finite number: {short_repr(value)}"
             )
@@ -144,6 +146,8 @@ class RewardSource(ABC):
     description: str = "reward source"
     #: Worker processes or actors restarted after they died mid-batch (the batch was scored again).
     restarts: int = 0
+    #: NaN and infinite values are returned as they are, not an error (``reward.non_finite: drop``).
+    keep_non_finite: bool = False
 
     def score(
         self,
@@ -159,9 +163,10 @@ class RewardSource(ABC):
         if not prompts:
             return RewardResult(rewards=[], metrics={})
         result = self._score(list(prompts), list(responses), labels, metadata)
-        rewards = to_float_list(result.rewards, len(prompts), f"{self.description}: rewards", prompts)
+        finite = not self.keep_non_finite
+        rewards = to_float_list(result.rewards, len(prompts), f"{self.description}: rewards", prompts, finite=finite)
         metrics = {
-            name: to_float_list(values, len(prompts), f"{self.description}: metric '{name}'", prompts)
+            name: to_float_list(values, len(prompts), f"{self.description}: metric '{name}'", prompts, finite=finite)
             for name, values in result.metrics.items()
         }
         return RewardResult(rewards=rewards, metrics=metrics)

@@ -87,7 +87,8 @@ def build_source(cfg: RewardSourceConfig, startup_timeout_s: float = 600.0) -> R
 
 
 def build_reward(cfg: RewardConfig, startup_timeout_s: float = 600.0) -> CombinedReward:
-    """All sources of ``cfg`` combined by their weights; on failure the ones already started are closed."""
+    """All sources of ``cfg`` combined by their weights; on failure the ones already started are closed.
+    With ``reward.non_finite: drop`` every source returns NaN and infinities as they are."""
     built: list[WeightedSource] = []
     try:
         for name, source_cfg in zip(cfg.source_names(), cfg.sources):
@@ -96,4 +97,7 @@ def build_reward(cfg: RewardConfig, startup_timeout_s: float = 600.0) -> Combine
         for item in built:
             item.source.close()
         raise
-    return CombinedReward(built)
+    combined = CombinedReward(built)
+    for source in [combined] + [item.source for item in built]:
+        source.keep_non_finite = cfg.non_finite == "drop"
+    return combined

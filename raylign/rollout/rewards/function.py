@@ -203,14 +203,16 @@ class PythonFileReward(RewardSource):
 
     def _chunk_result(self, payload: Any, prompts: list[str], offset: int, where: str) -> RewardResult:
         what = f"{self.description} returned a bad value for {where}"
+        finite = not self.keep_non_finite
         if isinstance(payload, dict):
             if "rewards" not in payload:
                 keys = ", ".join(sorted(map(repr, payload))) or "none"  # repr: keys of any type sort as text
                 raise RewardError(f"{what}: a dict result needs a 'rewards' key (got keys {keys})")
             metrics = {
-                str(name): to_float_list(values, len(prompts), f"{what} (metric '{name}')", prompts, offset)
+                str(name): to_float_list(values, len(prompts), f"{what} (metric '{name}')", prompts, offset, finite)
                 for name, values in payload.items() if name != "rewards"
             }
-            return RewardResult(to_float_list(payload["rewards"], len(prompts), what, prompts, offset), metrics)
-        return RewardResult(to_float_list(payload, len(prompts), what, prompts, offset))
+            return RewardResult(to_float_list(payload["rewards"], len(prompts), what, prompts, offset, finite),
+                                metrics)
+        return RewardResult(to_float_list(payload, len(prompts), what, prompts, offset, finite))
 

@@ -63,33 +63,45 @@ def _classify_status(response: Any) -> None:
     raise _Permanent(f"the server answered {status}: {detail}")
 
 
-def parse_answer(response: Any, expected: int) -> RewardResult:
-    """Rewards (and metrics) from a 2xx answer; _Retryable if it is not the promised JSON."""
+def parse_answer(response: Any, expected: int, finite: bool = True) -> RewardResult:
+    """Rewards (and metrics) from a 2xx answer; _Retryable if it is not the promised JSON (with
+    ``finite``, numbers that are NaN or infinite are not)."""
     try:
         body = response.json()
     except (ValueError, RecursionError):  # ValueError covers JSON and Unicode decoding errors
         raise _Retryable(f"the answer is not valid JSON: {_answer_text(response)!r}") from None
     if not isinstance(body, dict) or "rewards" not in body:
         raise _Retryable(f"the answer has no 'rewards' field: {_answer_text(response)!r}")
-    rewards = _numbers(body["rewards"], expected, "rewards")
+    rewards = _numbers(body["rewards"], expected, "rewards", finite)
     metrics = body.get("metrics")
     if metrics is None:
         metrics = {}
     if not isinstance(metrics, dict):
         raise _Retryable(f"'metrics' in the answer is a {type(metrics).__name__}, not an object")
-    return RewardResult(rewards, {str(k): _numbers(v, expected, f"metric '{k}'") for k, v in metrics.items()})
+    return RewardResult(rewards, {str(k): _numbers(v, expected, f"metric '{k}'", finite) for k, v in metrics.items()})
 
 
-def _numbers(values: Any, expected: int, what: str) -> list[float]:
+def _numbers(values: Any, expected: int, what: str, finite: bool = True) -> list[float]:
     if not isinstance(values, list):
         raise _Retryable(f"'{what}' in the answer is a {type(values).__name__}, not a list")
     if len(values) != expected:
         raise _Retryable(f"the answer has {len(values)} {what} for {expected} samples")
-    bad = [i for i, v in enumerate(values) if not _is_finite_number(v)]
+    bad = [i for i, v in enumerate(values) if not (_is_finite_number(v) if finite else _is_number(v))]
     if bad:
         raise _Retryable(f"{what} value {short_repr(values[bad[0]])} (position {bad[0]}) in the answer is not a "
-                         "finite number")
-    return [float(v) for v in values]
+                         + ("finite number" if finite else "number"))
+    return [_as_float(v) for v in values]
+
+
+def _as_float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond the float range
+        return math.inf if value > 0 else -math.inf
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_finite_number(value: Any) -> bool:
@@ -156,7 +168,7 @@ class HttpRewardSource(RewardSource):
         except httpx.TransportError as err:
             raise _Retryable(f"connection failed: {type(err).__name__}: {err}") from None
         _classify_status(response)
-        return parse_answer(response, expected)
+        return parse_answer(response, expected, not self.keep_non_finite)
 
     def _post_with_retries(self, body: bytes, prompts: list[str], offset: int) -> RewardResult:
         attempts = self.max_retries + 1

@@ -122,3 +122,34 @@ def test_every_reward_and_serve_rm_field_is_described():
 
     undocumented = [row[0] for cls in (RewardConfig, ServeRMConfig) for row in describe_fields(cls) if not row[3]]
     assert undocumented == []
+
+
+def _nan_file(tmp_path):
+    path = tmp_path / "sometimes_nan.py"
+    path.write_text(textwrap.dedent("""
+        import math
+
+        def reward_func(prompts, responses, labels, **metadata):
+            return [math.nan if r.endswith("6") else 1.0 for r in responses]
+    """))
+    return path
+
+
+def test_a_nan_reward_is_an_error_naming_the_sample_by_default(tmp_path):
+    cfg = parse_config(RewardConfig, {"sources": [{"kind": "function", "path": str(_nan_file(tmp_path))}]})
+    assert cfg.non_finite == "error"
+    with build_reward(cfg) as reward, pytest.raises(RewardError, match=r"sample 2 .*'10 - 4\?'.* not a finite number"):
+        reward.score(PROMPTS, RESPONSES, LABELS)
+
+
+def test_with_non_finite_drop_every_source_passes_nan_through(tmp_path):
+    import math
+
+    cfg = parse_config(RewardConfig, {"non_finite": "drop", "sources": [
+        {"kind": "function", "path": str(_nan_file(tmp_path))}, {"kind": "math", "weight": 2.0}]})
+    with build_reward(cfg) as reward:
+        assert reward.keep_non_finite and all(item.source.keep_non_finite for item in reward.sources)
+        result = reward.score(PROMPTS, RESPONSES, LABELS)
+    # function: [1, 1, nan] (only the third response ends in "6"); math: [1, 0, 1]
+    assert result.rewards[:2] == [3.0, 1.0] and math.isnan(result.rewards[2])
+    assert math.isnan(result.metrics["function"][2]) and result.metrics["math"] == [1.0, 0.0, 1.0]

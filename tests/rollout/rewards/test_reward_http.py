@@ -154,3 +154,22 @@ def test_unreachable_server_is_retried_then_reported(unused_loopback_url):
 def test_labels_that_are_not_json_name_the_batch():
     with pytest.raises(RewardError, match=r"cannot be sent as JSON"):
         client("http://127.0.0.1:9/score").score(PROMPTS, RESPONSES, [object(), None])
+
+
+def test_a_server_answering_nan_is_an_error_unless_non_finite_rewards_are_kept(loopback_server):
+    import math
+
+    app = FastAPI()
+
+    @app.post("/score")
+    async def score(request: Request) -> Any:
+        n = len((await request.json())["prompts"])
+        return Response('{"rewards": [NaN' + ", 1.0" * (n - 1) + "]}", media_type="application/json")
+
+    with loopback_server(app) as server:
+        with pytest.raises(RewardError, match=r"rewards value nan \(position 0\) in the answer is not a finite number"):
+            client(server.url, max_retries=0).score(PROMPTS, RESPONSES, LABELS)
+        keeping = client(server.url, max_retries=0)
+        keeping.keep_non_finite = True
+        result = keeping.score(PROMPTS, RESPONSES, LABELS)
+    assert math.isnan(result.rewards[0]) and result.rewards[1] == 1.0
