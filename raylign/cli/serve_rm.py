@@ -5,7 +5,8 @@ one reward per sample; see :mod:`raylign.rollout.rewards.server` for the protoco
 
 SIGTERM or Ctrl+C stops the server gracefully: it stops accepting connections, finishes the
 requests in flight for up to ``shutdown_grace_s`` seconds, cuts the rest (logged), closes the
-scorer and exits with code 0. A second Ctrl+C cuts the requests at once.
+scorer and exits with code 0. A second Ctrl+C cuts the requests at once. SIGTERM while the
+scorer is still loading stops what was started and exits with code 143.
 """
 
 from __future__ import annotations
@@ -128,6 +129,25 @@ def stop_signals_end_serving(server: "uvicorn.Server") -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def sigterm_ends_start_up() -> Iterator[None]:
+    """SIGTERM while the scorer loads ends serve-rm at once, but through Python's exit (status
+    143), so that what was started is stopped (a reward file's worker processes); by default
+    SIGTERM would kill the process and leave them running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def serve_until_stopped(app: "FastAPI", cfg: ServeRMConfig) -> None:
     """Serve ``app`` until SIGTERM or Ctrl+C, then finish the requests in flight within the grace period."""
     server = uvicorn_server(app, cfg.host, cfg.port, cfg.shutdown_grace_s)
@@ -149,12 +169,13 @@ def run_serve_rm(cfg: ServeRMConfig) -> None:
     if not _is_loopback(cfg.host):
         log.warning("serving on %s: reachable from the network%s", cfg.host,
                     "" if api_key else " and without an API key (set api_key or api_key_env)")
-    scorer = build_scorer(cfg)
-    try:
-        app = create_app(scorer, api_key=api_key, max_request_bytes=cfg.max_request_bytes)
-    except BaseException:
-        scorer.close()
-        raise
+    with sigterm_ends_start_up():
+        scorer = build_scorer(cfg)
+        try:
+            app = create_app(scorer, api_key=api_key, max_request_bytes=cfg.max_request_bytes)
+        except BaseException:
+            scorer.close()
+            raise
     try:
         log.info("serving %s on http://%s:%d/score", scorer.description, cfg.host, cfg.port)
         serve_until_stopped(app, cfg)

@@ -93,7 +93,7 @@ def build_reward(cfg: RewardConfig, startup_timeout_s: float = 600.0) -> Combine
     try:
         for name, source_cfg in zip(cfg.source_names(), cfg.sources):
             built.append(WeightedSource(name, source_cfg.weight, build_source(source_cfg, startup_timeout_s)))
-    except Exception:
+    except BaseException:  # including SystemExit from a SIGTERM during start-up
         for item in built:
             item.source.close()
         raise

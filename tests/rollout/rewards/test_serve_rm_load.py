@@ -348,3 +348,41 @@ def test_requests_past_the_shutdown_grace_are_cut_logged_and_not_scored(tmp_path
     assert exit_code == 0, log
     assert stop_s < 12  # the grace, then the call in progress ends before the scorer closes
     assert len((tmp_path / "calls.txt").read_text().splitlines()) == 1  # the cut request waiting was not scored
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_while_the_scorer_loads_stops_its_workers_and_exits_143(tmp_path):
+    """A reward file that takes a minute to import: SIGTERM during that start-up ends serve-rm at
+    once, with its worker processes."""
+    reward_file = tmp_path / "slow_import.py"
+    reward_file.write_text(textwrap.dedent(f"""
+        import os, time
+
+        with open({str(tmp_path / "importing.txt")!r}, "a") as f:
+            f.write(f"{{os.getpid()}}\\n")
+        time.sleep(60)
+
+        def reward_func(prompts, responses, labels, **metadata):
+            return [0.0] * len(responses)
+    """))
+    log = open(tmp_path / "serve_rm.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "raylign.cli.main", "serve-rm", "--reward_file", str(reward_file),
+         "--port", str(free_port()), "--num_workers", "2"],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    try:
+        worker_pids = [int(line) for line in wait_for_calls(tmp_path / "importing.txt", 2, timeout_s=60)]
+        stopped_at = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        exit_code = process.wait(timeout=30)
+        stop_s = time.monotonic() - stopped_at
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    assert exit_code == 143, (tmp_path / "serve_rm.log").read_text()
+    assert stop_s < 10
+    for pid in worker_pids:
+        assert pid_gone(pid, timeout_s=5), "a reward worker process outlived the server"
