@@ -1,7 +1,7 @@
 """Faults during an offline run: an output folder that cannot be written, a kill between two files
 of a checkpoint, a disk that fills up during a save, a DPO driver killed with SIGKILL between two
-checkpoints. Each run either stops at once with an error that names the folder, or resumes to the
-weights of a run that was never interrupted."""
+checkpoints, one rank of a two-rank run killed. Each run either stops at once with an error that
+names the folder or the rank, or resumes to the weights of a run that was never interrupted."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import re
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -183,3 +185,50 @@ def test_a_dpo_driver_killed_after_a_checkpoint_resumes_to_identical_weights(tmp
     superseded = (killed / "metrics.superseded.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in superseded] == [3]
     _assert_same_final_weights(straight, killed)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_one_rank_of_two_killed_ends_the_run_at_once_naming_it(tmp_path, tiny_model_dir, train_file):
+    """``raylign sft`` with two ranks (torchrun): rank 1 killed with SIGKILL once step 1 is logged
+    ends the whole command within seconds, non-zero, with the rank and the signal named."""
+    import psutil
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "raylign.cli.main", "sft", "--model.path", str(tiny_model_dir),
+           "--model.dtype", "float32", "--data.train", str(train_file), "--data.format", "chat",
+           "--data.max_length", "64", "--data.min_response_tokens", "8", "--train.output_dir", str(out),
+           "--train.max_steps", "1000", "--train.global_batch_size", "8", "--train.micro_batch_size", "4",
+           "--train.logging.progress_bar", "false", "--engine.backend", "fsdp2", "--engine.num_processes", "2"]
+    process = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(r.get("step", 0) >= 1 for r in _records(out / "metrics.jsonl")):
+            assert process.poll() is None, process.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "step 1 was not logged within 240 s"
+            time.sleep(0.1)
+        rank_1 = [p for p in psutil.Process(process.pid).children(recursive=True)
+                  if p.environ().get("RANK") == "1" and "raylign.cli.main" in " ".join(p.cmdline())]
+        assert len(rank_1) == 1, rank_1
+        killed_at = time.monotonic()
+        rank_1[0].send_signal(signal.SIGKILL)
+        code = process.wait(timeout=120)
+        stopped_s = time.monotonic() - killed_at
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+    output = process.stdout.read().decode()
+    assert code != 0
+    assert stopped_s < 60, f"the run took {stopped_s:.0f} s to end after the kill"
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", output) and "SIGKILL" in output, output[-3000:]
+    print(f"one rank of two killed: the command ended {stopped_s:.1f} s later with exit code {code}")
+
+
+def _records(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    except FileNotFoundError:
+        return []
