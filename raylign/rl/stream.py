@@ -36,8 +36,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from raylign.rl.experience import Sample
+from raylign.data import ResumableSampler
+from raylign.rl.experience import Sample, split_by_reward_variance
 from raylign.rl.prompts import Prompt
+from raylign.rollout.base import Completion
 from raylign.rollout.pool import FinishedGroup, GroupStream
 
 
@@ -190,6 +192,48 @@ class RolloutFeed:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ready, self.requeued = list(state["ready"]), list(state["requeued"])
         self.started, self.discarded, self.trained = state["started"], state["discarded"], state["trained"]
+
+
+class PromptPositions:
+    """Training-prompt positions without end, batch after batch of the resumable sampler; the
+    rest of the batch last drawn is :meth:`buffered` (a checkpoint keeps it)."""
+
+    def __init__(self, sampler: ResumableSampler):
+        self.sampler = sampler
+        self._batches = iter(())
+        self._rest: list[int] = []
+
+    def __iter__(self) -> "PromptPositions":
+        return self
+
+    def __next__(self) -> int:
+        if not self._rest:
+            batch = next(self._batches, None)
+            if batch is None:
+                self._batches = iter(self.sampler)
+                batch = next(self._batches)
+            self._rest = list(batch)
+        return self._rest.pop(0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rest": list(self._rest)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """After the sampler's own state is restored: the rest of the batch drawn before the checkpoint."""
+        self._rest = list(state["rest"])
+
+
+def sample_from(c: Completion, prompt: Prompt, group: int) -> Sample:
+    """The sample an engine's completion ``c`` of ``prompt`` makes (tagged with ``group``)."""
+    return Sample(c.prompt_token_ids, c.response_token_ids, c.response_logprobs, group, prompt.text, c.text,
+                  prompt.label, prompt.source, c.finish_reason, weight_version=c.weight_version,
+                  token_versions=list(c.token_versions))
+
+
+def uniform_rewards(samples: list[Sample]) -> bool:
+    """Whether a group's rewards are all equal (its group advantages would all be 0)."""
+    kept, _ = split_by_reward_variance(samples, len(samples))
+    return not kept
 
 
 def _seq(group: Group) -> int:

@@ -41,13 +41,12 @@ from raylign.rl.experience import (
     response_mask,
     response_tensor,
     reward_metrics,
-    split_by_reward_variance,
     token_versions,
 )
 from raylign.rl.metric import Metric, average_updates, combine
 from raylign.rl.placement import check_gpu_count, placement_groups
 from raylign.rl.prompts import Prompt, load_prompts
-from raylign.rl.stream import RolloutFeed
+from raylign.rl.stream import PromptPositions, RolloutFeed, sample_from, uniform_rewards
 from raylign.rollout.pool import GroupStream, stop_engines
 from raylign.trainers.guard import SkippedSteps
 from raylign.trainers.metrics import MetricsLogger, format_metrics
@@ -136,7 +135,7 @@ class RLTrainer:
         self.feed = RolloutFeed(
             stream, self.train_prompts, self.positions, cfg.sampling,
             cfg.train.prompts_per_step, r.max_staleness, r.stale_samples, self._group_samples, self._score_timed,
-            uniform=_uniform_rewards if a.dynamic_sampling else None,
+            uniform=uniform_rewards if a.dynamic_sampling else None,
             max_uniform_per_step=a.max_refill_rounds * cfg.train.prompts_per_step, ordered=r.reproducible)
         self.metrics = MetricsLogger(self.out, cfg.train.logging, dump)
         self.skipped = SkippedSteps(cfg.train.max_skipped_steps)
@@ -248,11 +247,11 @@ class RLTrainer:
 
     @staticmethod
     def _samples(completions: list, prompts: list[Prompt]) -> list[Sample]:
-        return [_sample(c, prompts[c.prompt_index], c.prompt_index) for c in completions]
+        return [sample_from(c, prompts[c.prompt_index], c.prompt_index) for c in completions]
 
     @staticmethod
     def _group_samples(completions: list, prompt: Prompt, position: int) -> list[Sample]:
-        return [_sample(c, prompt, 0) for c in completions]
+        return [sample_from(c, prompt, 0) for c in completions]
 
     def score(self, samples: list[Sample]) -> None:
         result = self.reward.score([s.prompt_text for s in samples], [s.response_text for s in samples],
@@ -523,47 +522,6 @@ class RLTrainer:
             ray.util.remove_placement_group(group)
         if getattr(self, "_started_ray", False):
             ray.shutdown()
-
-
-class PromptPositions:
-    """Training-prompt positions without end, batch after batch of the resumable sampler; the
-    rest of the batch last drawn is :meth:`buffered` (a checkpoint keeps it)."""
-
-    def __init__(self, sampler: ResumableSampler):
-        self.sampler = sampler
-        self._batches = iter(())
-        self._rest: list[int] = []
-
-    def __iter__(self) -> "PromptPositions":
-        return self
-
-    def __next__(self) -> int:
-        if not self._rest:
-            batch = next(self._batches, None)
-            if batch is None:
-                self._batches = iter(self.sampler)
-                batch = next(self._batches)
-            self._rest = list(batch)
-        return self._rest.pop(0)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"rest": list(self._rest)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """After the sampler's own state is restored: the rest of the batch drawn before the checkpoint."""
-        self._rest = list(state["rest"])
-
-
-def _sample(c, prompt: Prompt, group: int) -> Sample:
-    return Sample(c.prompt_token_ids, c.response_token_ids, c.response_logprobs, group, prompt.text, c.text,
-                  prompt.label, prompt.source, c.finish_reason, weight_version=c.weight_version,
-                  token_versions=list(c.token_versions))
-
-
-def _uniform_rewards(samples: list[Sample]) -> bool:
-    """Whether a group's rewards are all equal (its group advantages would all be 0)."""
-    kept, _ = split_by_reward_variance(samples, len(samples))
-    return not kept
 
 
 def _seed(seed: int) -> None:

@@ -209,14 +209,14 @@ class BatchSyncTrainer(RLTrainer):
 
     def rollout(self):
         from raylign.rl.experience import reward_metrics
-        from raylign.rl.trainer import _sample
+        from raylign.rl.stream import sample_from
 
         per_step = self.cfg.train.prompts_per_step
         positions = [next(self.positions) for _ in range(per_step)]
         seqs = list(range(self.step * per_step, (self.step + 1) * per_step))
         completions = self.pool.generate_blocking([self.train_prompts[p].token_ids for p in positions],
                                                   self.cfg.sampling, prompt_indices=seqs)
-        samples = [_sample(c, self.train_prompts[positions[c.prompt_index - seqs[0]]], c.prompt_index - seqs[0])
+        samples = [sample_from(c, self.train_prompts[positions[c.prompt_index - seqs[0]]], c.prompt_index - seqs[0])
                    for c in completions]
         self.score(samples)
         return samples, reward_metrics(samples)
@@ -247,7 +247,7 @@ def test_dynamic_sampling_drops_uniform_groups_as_they_arrive(hf_engines, weight
     """Groups whose rewards are all equal carry no group advantage: they are dropped as they come
     back and more are generated until the step has its quota. Here the even prompt positions are
     uniform by construction (every sample scores 1), the odd ones are not."""
-    from raylign.rl.trainer import _uniform_rewards
+    from raylign.rl.stream import uniform_rewards
 
     def score(samples):
         for i, s in enumerate(samples):
@@ -256,7 +256,7 @@ def test_dynamic_sampling_drops_uniform_groups_as_they_arrive(hf_engines, weight
     start = ray.get(hf_engines[0].weight_version_now.remote())
     feed = RolloutFeed(GroupStream(RolloutPool(hf_engines), timeout_s=120), _prompts(), itertools.cycle(range(8)),
                        SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3), PER_STEP, 1, "drop",
-                       RLTrainer._group_samples, score, uniform=_uniform_rewards, max_uniform_per_step=30)
+                       RLTrainer._group_samples, score, uniform=uniform_rewards, max_uniform_per_step=30)
     taken = _run_steps(feed, hf_engines, 4, weights, start_version=start)
     admitted = [g for _, step in taken for g in step.groups]
     assert len(admitted) == 4 * PER_STEP
