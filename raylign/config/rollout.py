@@ -115,7 +115,8 @@ class RolloutConfig(Section):
         3, ge=0, le=1000, description="An engine actor whose process dies is replaced by a new one with the current "
         "weights and its prompt groups are generated again (counted in rollout/engine_restarts), at most this many "
         "times in a run; then the run stops naming the engine. Engines in the policy workers (placement.colocate) "
-        "are not restarted.")
+        "are not restarted. Groups lost while the policy trains (max_staleness >= 1) are generated again by the newer "
+        "weights: within the staleness bound, but a seeded run does not then repeat exactly.")
     num_cpus_per_engine: float = Field(
         1.0, ge=0.0, le=1024.0, description="Ray CPU slots reserved per engine actor (0-1024)."
     )
