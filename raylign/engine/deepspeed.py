@@ -113,6 +113,10 @@ class DeepSpeedZeroEngine(TrainEngine):
     ) -> None:
         deepspeed = _import_deepspeed()
         self.rank, self.world_size, self.device = ensure_process_group(engine_cfg.dist_timeout_s)
+        if self.device.type == "cpu":
+            # DeepSpeed would compile its shared-memory all-reduce (about 40 s on a fresh machine) to
+            # replace collectives that gloo already does; the reductions here are gloo's.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         # Reuses the process group created above (gloo on CPU, nccl on GPU).
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
                                    timeout=datetime.timedelta(seconds=engine_cfg.dist_timeout_s))
