@@ -37,7 +37,6 @@ from raylign.algorithms.policy_loss import (
     compute_entropy_bonus,
     compute_gspo_policy_loss,
     compute_ppo_policy_loss,
-    entropy_from_logits,
 )
 from raylign.algorithms.preference import (
     conservative_dpo_loss,
@@ -131,7 +130,6 @@ __all__ = [
     "discounted_returns",
     "dpo_loss",
     "dpo_nll_loss",
-    "entropy_from_logits",
     "filter_zero_variance_groups",
     "forward_kl_loss",
     "generalized_jsd_loss",

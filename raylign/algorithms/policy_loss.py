@@ -152,12 +152,6 @@ def compute_gspo_policy_loss(
     return loss, metrics
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Token entropy ``H = logsumexp(z) - sum_v softmax(z)_v z_v`` over the last dimension."""
-    log_probs = torch.log_softmax(logits, dim=-1)
-    return -(log_probs.exp() * log_probs).sum(dim=-1)
-
-
 def compute_entropy_bonus(
     entropy: torch.Tensor,
     mask: torch.Tensor,

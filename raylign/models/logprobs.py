@@ -33,12 +33,13 @@ def _as_batch_seq(x: torch.Tensor, trailing: int) -> torch.Tensor:
 
 
 def _scaled_chunks(logits: torch.Tensor, temperature: float, chunk_rows: int):
-    """Yield ``(window, chunk)``: float32 ``[N, s, V]`` slices along the sequence, divided by ``temperature``."""
+    """Yield ``(window, chunk)``: ``[N, s, V]`` slices along the sequence in float32 (float64 stays float64),
+    divided by ``temperature``."""
     seq = _as_batch_seq(logits, trailing=1)
     step = max(1, chunk_rows // max(1, seq.shape[0]))
     for start in range(0, seq.shape[1], step):
         window = slice(start, start + step)
-        chunk = seq[:, window].float()
+        chunk = seq[:, window].to(torch.promote_types(seq.dtype, torch.float32))
         yield window, (chunk / temperature if temperature != 1.0 else chunk)
 
 
@@ -48,7 +49,8 @@ def logprobs_from_logits(
     temperature: float = 1.0,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
 ) -> torch.Tensor:
-    """log p(label) under softmax(logits / temperature), in float32, shape ``labels.shape``.
+    """log p(label) under softmax(logits / temperature), in float32 (float64 for float64 logits), shape
+    ``labels.shape``.
 
     log softmax(z)_y = z_y - logsumexp(z), evaluated in chunks along the sequence so that no
     full log-softmax tensor (and no full float32 copy of bf16 logits) is materialised.
@@ -70,18 +72,25 @@ def logprobs_from_logits(
 def entropy_from_logits(
     logits: torch.Tensor, temperature: float = 1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS
 ) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) over the last dim, in float32, shape ``logits.shape[:-1]``.
+    """Token entropy of softmax(logits / temperature) over the last dim, in float32 (float64 for float64
+    logits), shape ``logits.shape[:-1]``.
 
-    H = -sum_i p_i log p_i = logsumexp(z) - sum_i p_i z_i, computed in chunks along the sequence.
+    H = -sum_i p_i log p_i = logsumexp(z) - sum_i p_i z_i, computed in chunks along the sequence, with z
+    shifted by its (detached) maximum: H does not change, and both terms stay small, so large logits do
+    not cancel to float32 rounding error.
     """
     _check_temperature(temperature)
     pieces = [
-        torch.logsumexp(chunk, dim=-1) - (torch.softmax(chunk, dim=-1) * chunk).sum(-1)
+        _entropy(chunk - chunk.amax(dim=-1, keepdim=True).detach())
         for _, chunk in _scaled_chunks(logits, temperature, chunk_rows)
     ]
     if not pieces:
         return torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
     return torch.cat(pieces, dim=1).reshape(logits.shape[:-1])
+
+
+def _entropy(shifted: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(shifted, dim=-1) - (torch.softmax(shifted, dim=-1) * shifted).sum(-1)
 
 
 def _align_to_inputs(next_token_values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,8 @@ def test_logprobs_from_logits_matches_log_softmax_gather(temperature, chunk_rows
     labels = torch.randint(0, 50, (2, 7), generator=gen)
     expected = torch.log_softmax(logits / temperature, dim=-1).gather(-1, labels[..., None]).squeeze(-1)
     got = logprobs_from_logits(logits, labels, temperature=temperature, chunk_rows=chunk_rows)
-    assert got.dtype == torch.float32 and got.shape == (2, 7)
-    torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=0)
+    assert got.dtype == torch.float64 and got.shape == (2, 7)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
 
 
 def test_logprobs_from_logits_accepts_bf16_and_flat_shapes():
@@ -60,7 +60,27 @@ def test_entropy_from_logits_matches_minus_sum_p_log_p(temperature):
     probs = torch.softmax(logits / temperature, dim=-1)
     expected = -(probs * torch.log(probs)).sum(-1)
     got = entropy_from_logits(logits, temperature=temperature, chunk_rows=2)
-    torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+
+
+def test_entropy_matches_a_python_sum_and_of_three_equal_logits_is_log_3():
+    logits = torch.tensor([[[0.0, 1.0, 2.0], [5.0, 5.0, 5.0]]], dtype=torch.float64)
+    expected = []
+    for row in logits[0].tolist():
+        z = sum(math.exp(x) for x in row)
+        expected.append(-sum(math.exp(x) / z * math.log(math.exp(x) / z) for x in row))
+    assert entropy_from_logits(logits)[0].tolist() == pytest.approx(expected, abs=1e-12)
+    assert expected[1] == pytest.approx(math.log(3))
+
+
+def test_entropy_of_large_equal_logits_is_log_vocab_to_float32_precision():
+    # Unshifted, logsumexp(z) - sum p z cancels 512.69 - 512 in float32 to an error of about 1e-4.
+    got = entropy_from_logits(torch.full((1, 1, 2), 512.0))
+    assert abs(got.item() - math.log(2)) < 1e-6
+
+
+def test_entropy_keeps_float32_for_half_precision_logits():
+    assert entropy_from_logits(torch.zeros(1, 2, 4, dtype=torch.bfloat16)).dtype == torch.float32
 
 
 def test_entropy_of_uniform_is_log_vocab_and_of_one_hot_is_zero():
