@@ -7,6 +7,7 @@ from raylign.models.logprobs import (
     logits_only_at,
     logprobs_from_logits,
     selected_token_logprobs,
+    sequence_logprobs,
     token_logprobs,
 )
 from raylign.models.packing import attention_kwargs, has_packed_samples, positions_from_attention_mask
@@ -30,6 +31,7 @@ __all__ = [
     "resolve_model_path",
     "sequence_scores",
     "selected_token_logprobs",
+    "sequence_logprobs",
     "token_logprobs",
     "token_scores",
     "torch_dtype",

@@ -129,6 +129,28 @@ def token_logprobs(
     return logprobs, entropy
 
 
+def sequence_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Summed log-probabilities of the tokens ``loss_mask`` marks, one per sample, float32 ``[num samples]``.
+
+    A padded batch holds one sample per row (pass ``attention_mask``); a packed batch is one row of
+    ``seq_lens`` samples (pass ``position_ids`` and ``seq_lens``). Used by the DPO family and KTO.
+    """
+    logprobs = token_logprobs(model, input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    scored = logprobs * loss_mask.to(logprobs.dtype)
+    if seq_lens is None:
+        return scored.sum(-1)
+    lengths = seq_lens.to(scored.device)
+    owner = torch.repeat_interleave(torch.arange(lengths.numel(), device=scored.device), lengths)
+    return torch.zeros(lengths.numel(), dtype=scored.dtype, device=scored.device).index_add(0, owner, scored[0])
+
+
 @contextmanager
 def logits_only_at(model: nn.Module, flat_positions: torch.Tensor):
     """Within the block the model's output layer sees only the hidden states at ``flat_positions``

@@ -28,7 +28,7 @@ from raylign.config.dpo import DPOConfig
 from raylign.config.model import ModelConfig
 from raylign.data.preference import PairSample, build_pair_datasets, collate_pairs, num_pairs
 from raylign.engine.distributed import all_reduce_scalars
-from raylign.models import load_causal_lm, load_tokenizer, token_logprobs
+from raylign.models import load_causal_lm, load_tokenizer, sequence_logprobs
 from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
 
 log = logging.getLogger("raylign")
@@ -54,14 +54,8 @@ class ReferencedPair:
 
 def sequence_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Summed log-probs of the scored tokens of every sequence of a :func:`collate_pairs` batch, float32 ``[2B]``."""
-    token_lp = token_logprobs(model, batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                              position_ids=batch.get("position_ids"))
-    scored = token_lp * batch["loss_mask"].to(token_lp.dtype)
-    if "seq_lens" not in batch:
-        return scored.sum(-1)
-    lengths = batch["seq_lens"]
-    owner = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-    return torch.zeros(lengths.numel(), dtype=scored.dtype, device=scored.device).index_add(0, owner, scored[0])
+    return sequence_logprobs(model, batch["input_ids"], batch["loss_mask"], attention_mask=batch.get("attention_mask"),
+                             position_ids=batch.get("position_ids"), seq_lens=batch.get("seq_lens"))
 
 
 def loss_kwargs(cfg: DPOConfig) -> dict[str, float]:

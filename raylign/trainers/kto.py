@@ -29,33 +29,20 @@ from raylign.algorithms import kto_loss
 from raylign.config.kto import KTOConfig
 from raylign.config.model import LoraConfig
 from raylign.data.kto import build_kto_datasets, collate_kto
-from raylign.models import load_causal_lm, load_tokenizer, token_logprobs
+from raylign.models import load_causal_lm, load_tokenizer, sequence_logprobs
 from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
-
-
-def sequence_logprob_sums(
-    logprobs: torch.Tensor, loss_mask: torch.Tensor, seq_lens: torch.Tensor | None
-) -> torch.Tensor:
-    """Sum of the masked token log-probs of each sample, ``[num samples]``.
-
-    Padded batches hold one sample per row; a packed batch is one row of ``seq_lens`` samples.
-    """
-    masked = logprobs * loss_mask.to(logprobs.dtype)
-    if seq_lens is None:
-        return masked.sum(-1)
-    owner = torch.repeat_interleave(torch.arange(len(seq_lens), device=masked.device), seq_lens.to(masked.device))
-    return torch.zeros(len(seq_lens), dtype=masked.dtype, device=masked.device).index_add(0, owner, masked[0])
 
 
 def completion_logps(model: nn.Module, batch: Batch, prefix: str = "") -> torch.Tensor:
     """Summed completion log-probs of the batch's samples (keys ``prefix + input_ids`` etc.)."""
-    logprobs = token_logprobs(
+    return sequence_logprobs(
         model,
         batch[prefix + "input_ids"],
+        batch[prefix + "loss_mask"],
         attention_mask=batch.get(prefix + "attention_mask"),
         position_ids=batch.get(prefix + "position_ids"),
+        seq_lens=batch.get(prefix + "seq_lens"),
     )
-    return sequence_logprob_sums(logprobs, batch[prefix + "loss_mask"], batch.get(prefix + "seq_lens"))
 
 
 class KTOTrainer(OfflineTrainer):

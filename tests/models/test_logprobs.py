@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from raylign.models import entropy_from_logits, logprobs_from_logits, token_logprobs
+from raylign.models import entropy_from_logits, logprobs_from_logits, sequence_logprobs, token_logprobs
 
 LENGTHS = [5, 9, 3]
 PAD_ID = 3  # any id works: padded positions are masked
@@ -227,3 +227,18 @@ def test_temperature_divides_the_logits(model, samples):
     expected = torch.log_softmax(logits[:-1] / 0.5, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
     torch.testing.assert_close(got[1:], expected, atol=1e-5, rtol=0)
     assert got[0].item() == 0.0
+
+
+def test_sequence_logprobs_sum_the_marked_tokens_of_each_sample_packed_or_padded(model, samples):
+    # The completion of each sample: every token from position 2 on.
+    expected = torch.stack([reference_logprobs_and_entropy(model, s)[0][2:].sum() for s in samples])
+    packed_ids, positions = pack(samples)
+    packed_mask = torch.cat([(torch.arange(len(s)) >= 2).long() for s in samples])[None]
+    padded_ids, attention = pad(samples, "right")
+    padded_mask = attention * (torch.arange(padded_ids.shape[1]) >= 2).long()
+    with torch.no_grad():
+        packed = sequence_logprobs(model, packed_ids, packed_mask, position_ids=positions,
+                                   seq_lens=torch.tensor(LENGTHS))
+        padded = sequence_logprobs(model, padded_ids, padded_mask, attention_mask=attention)
+    torch.testing.assert_close(packed, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(padded, expected, atol=1e-4, rtol=0)
