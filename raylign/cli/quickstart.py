@@ -115,7 +115,6 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, dict[str, float]]:
         model = out / "sft" / "final"
     log.info("GRPO: %d steps of %d prompts x %d samples", cfg.rl_steps, cfg.prompts_per_step, cfg.samples_per_prompt)
     rl = parse_config(RLConfig, {
-        **RLConfig.preset_defaults({"preset": "grpo"}),
         "preset": "grpo",
         # float32 on every CPU: a model this small gains nothing from bf16 and learns less exactly in it.
         "model": {"path": str(model), "dtype": "float32"},

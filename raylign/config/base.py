@@ -146,27 +146,26 @@ def resolve_config(
     overrides: dict[str, Any] | None = None,
     base: dict[str, Any] | None = None,
 ) -> T:
-    """Precedence, lowest first: schema defaults < ``base`` (a preset) < YAML file < overrides."""
+    """Precedence, lowest first: schema defaults < ``base`` < YAML file < overrides (a schema may add
+    its own layer above its defaults in a ``mode="before"`` validator, as RL presets do)."""
     data: dict[str, Any] = copy.deepcopy(base or {})  # overrides below must not write into the caller's preset
     source = "defaults"
     if yaml_path is not None:
-        data = _deep_merge(data, load_yaml(yaml_path))
+        data = deep_merge(data, load_yaml(yaml_path))
         source = str(yaml_path)
     for dotted, value in (overrides or {}).items():
         set_dotted(data, dotted, value)
     if overrides:
         source += " + command-line overrides"
-    preset_defaults = getattr(cls, "preset_defaults", None)
-    if preset_defaults is not None:  # e.g. an RL preset: lowest precedence after the schema defaults
-        data = _deep_merge(preset_defaults(data), data)
     return parse_config(cls, data, source)
 
 
-def _deep_merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """``into`` updated by ``other``, nested sections merged key by key (neither argument is changed)."""
     out = dict(into)
     for key, value in other.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from raylign.config.base import Section
+from raylign.config.base import Section, deep_merge
 from raylign.config.data import DatasetSpec
 from raylign.config.engine import EngineConfig
 from raylign.config.model import ModelConfig
@@ -155,6 +155,15 @@ class RLConfig(Section):
         if not isinstance(name, str):  # not a preset name: the field's own validation reports it
             return {}
         return copy.deepcopy(PRESETS.get(name, {}))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        """The preset's settings under what was given, however the config is built (file, command line,
+        ``RLConfig.model_validate``): each field given wins over the preset, the preset over the schema."""
+        if not isinstance(data, dict):
+            return data
+        return deep_merge(cls.preset_defaults(data), data)
 
     @property
     def uses_critic(self) -> bool:

@@ -3,11 +3,14 @@ at parse time (before any Ray worker starts) with a message that names the field
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import yaml
 
 from raylign.cli.main import main
 from raylign.config.base import ConfigError
+from raylign.config.rl import RLConfig
 
 from .rl_helpers import resolve, rl_config_data, write_yaml
 
@@ -280,9 +283,24 @@ def test_cli_prints_the_resolved_preset(base, tmp_path, capsys):
 
 
 
-def test_editing_preset_defaults_leaves_the_presets_as_they_are():
-    from raylign.config.rl import RLConfig
+@pytest.mark.parametrize("preset", sorted(EXPECTED_PRESETS))
+def test_model_validate_applies_the_preset_as_the_command_line_does(preset, base, tmp_path):
+    base["preset"] = preset
+    base["sampling"].pop("max_new_tokens")
+    base.pop("algorithm", None)
+    validated = RLConfig.model_validate(copy.deepcopy(base))
+    assert validated == resolve(tmp_path, base)
+    assert validated.algorithm.advantage == EXPECTED_PRESETS[preset]["advantage"]
+    assert validated.sampling.n == EXPECTED_PRESETS[preset]["n"]
 
+
+def test_a_field_given_beside_the_preset_wins_over_it(base):
+    base.update(preset="ppo", algorithm={"kl_coef": 0.5})
+    cfg = RLConfig.model_validate(base)
+    assert (cfg.algorithm.advantage, cfg.algorithm.kl_mode, cfg.algorithm.kl_coef) == ("gae", "reward", 0.5)
+
+
+def test_editing_preset_defaults_leaves_the_presets_as_they_are():
     defaults = RLConfig.preset_defaults({"preset": "grpo"})
     defaults["algorithm"]["off_policy"] = "truncated_is"
     defaults["algorithm"] = {}
