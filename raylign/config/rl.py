@@ -57,6 +57,16 @@ class AlgorithmConfig(Section):
     max_refill_rounds: int = Field(3, ge=0, description="Dynamic sampling: extra generation rounds per step.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (tokens); 0 disables.")
     overlong_penalty: float = Field(1.0, ge=0, description="DAPO soft overlong penalty at max length.")
+    normalize_rewards: bool = Field(False, description="Subtract the running mean of every reward seen so far and "
+                                    "divide by its running std (Ziegler et al. 2019), before the penalties below; for "
+                                    "reward models whose scale means nothing. Checkpointed with the run.")
+    length_penalty: Literal["none", "linear", "kimi"] = Field(
+        "none", description="Added to the reward: linear: -coef x (tokens beyond length_penalty_free_tokens); kimi: "
+        "Kimi k1.5's group-relative length reward, coef x (0.5 - (len - shortest) / (longest - shortest)) for a "
+        "correct answer, only its negative part for a wrong one.")
+    length_penalty_coef: float = Field(0.001, gt=0, description="Weight of length_penalty (linear: per token).")
+    length_penalty_free_tokens: int = Field(0, ge=0, description="linear length penalty: tokens that cost nothing.")
+    correct_reward: float = Field(1.0, description="kimi length penalty: a reward at or above this is a correct answer.")
     reward_clip: float | None = Field(None, gt=0, description="Clip rewards to [-c, c]; None disables.")
 
 

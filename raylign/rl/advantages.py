@@ -4,28 +4,59 @@ from __future__ import annotations
 
 import torch
 
+from typing import Any
+
 from raylign.algorithms import (
     ADVANTAGE_ESTIMATORS,
+    RunningRewardNormalizer,
     clip_rewards,
     compute_token_kl,
     dapo_overlong_penalty,
+    kimi_length_penalty,
     kl_reward_penalty,
+    linear_length_penalty,
 )
 from raylign.config.rl import RLConfig
 
 
-def shaped_rewards(rewards: torch.Tensor, lengths: torch.Tensor, cfg: RLConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """Outcome rewards after DAPO's overlong penalty and clipping."""
-    a = cfg.algorithm
-    metrics: dict[str, float] = {}
-    if a.overlong_buffer > 0:
-        penalty = dapo_overlong_penalty(lengths, max_length=cfg.sampling.max_new_tokens,
-                                        cache_length=a.overlong_buffer, penalty_factor=a.overlong_penalty)
-        rewards = rewards + penalty
-        metrics["reward/overlong_penalty"] = float(penalty.mean())
-    if a.reward_clip is not None:
-        rewards = clip_rewards(rewards, low=-a.reward_clip, high=a.reward_clip)
-    return rewards, metrics
+class RewardShaping:
+    """The outcome rewards a step trains on, from the reward sources' scores, in this order: running
+    normalisation (its statistics span the whole run and are checkpointed), a length penalty, DAPO's
+    overlong penalty, clipping. A group's samples are consecutive (``cfg.sampling.n`` each)."""
+
+    def __init__(self, cfg: RLConfig) -> None:
+        self.cfg = cfg
+        self.normalizer = RunningRewardNormalizer() if cfg.algorithm.normalize_rewards else None
+
+    def __call__(self, rewards: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        a = self.cfg.algorithm
+        metrics: dict[str, float] = {}
+        correct = rewards >= a.correct_reward
+        if self.normalizer is not None:
+            rewards = self.normalizer(rewards.double()).to(rewards.dtype)
+            metrics.update({"reward/running_mean": self.normalizer.mean, "reward/running_std": self.normalizer.std})
+        if a.length_penalty == "linear":
+            penalty = linear_length_penalty(lengths, coef=a.length_penalty_coef, free_length=a.length_penalty_free_tokens)
+        elif a.length_penalty == "kimi":
+            penalty = kimi_length_penalty(lengths, correct, group_size=self.cfg.sampling.n, coef=a.length_penalty_coef)
+        if a.length_penalty != "none":
+            rewards = rewards + penalty.to(rewards.dtype)
+            metrics["reward/length_penalty"] = float(penalty.mean())
+        if a.overlong_buffer > 0:
+            penalty = dapo_overlong_penalty(lengths, max_length=self.cfg.sampling.max_new_tokens,
+                                            cache_length=a.overlong_buffer, penalty_factor=a.overlong_penalty)
+            rewards = rewards + penalty.to(rewards.dtype)
+            metrics["reward/overlong_penalty"] = float(penalty.mean())
+        if a.reward_clip is not None:
+            rewards = clip_rewards(rewards, low=-a.reward_clip, high=a.reward_clip)
+        return rewards, metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"normalizer": self.normalizer.state_dict() if self.normalizer is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.normalizer is not None and state.get("normalizer") is not None:
+            self.normalizer.load_state_dict(state["normalizer"])
 
 
 def compute_advantages(

@@ -28,7 +28,7 @@ from raylign.config.rl import RLConfig
 from raylign.data import ResumableSampler
 from raylign.engine.checkpoint import (check_writable, latest_checkpoint, prune_checkpoints, step_directory,
                                       write_atomically)
-from raylign.rl.advantages import compute_advantages, shaped_rewards
+from raylign.rl.advantages import RewardShaping, compute_advantages
 from raylign.rl.evaluation import pass_at_k_metrics
 from raylign.rl.experience import (
     Experience,
@@ -139,6 +139,7 @@ class RLTrainer:
             max_uniform_per_step=a.max_refill_rounds * cfg.train.prompts_per_step, ordered=r.reproducible)
         self.metrics = MetricsLogger(self.out, cfg.train.logging, dump)
         self.skipped = SkippedSteps(cfg.train.max_skipped_steps)
+        self.shaping = RewardShaping(cfg)
         self._maybe_resume()
 
     def _maybe_resume(self) -> None:
@@ -161,6 +162,7 @@ class RLTrainer:
         _set_rng(state["rng"])
         if "skipped" in state:
             self.skipped.load_state_dict(state["skipped"])
+        self.shaping.load_state_dict(state.get("reward_shaping", {}))
         self.metrics.resume_from(self.step)
         self.sync_weights()
         log.info("resumed from %s at step %d", ckpt, self.step)
@@ -326,7 +328,7 @@ class RLTrainer:
         values = self._forward_all("critic", "compute_values", samples) if cfg.uses_critic else None
         rollout_lp = response_tensor([s.rollout_logprobs for s in samples], width)
         lengths = mask.sum(dim=-1)
-        rewards, shaping = shaped_rewards(torch.tensor([s.reward for s in samples]), lengths, cfg)
+        rewards, shaping = self.shaping(torch.tensor([s.reward for s in samples]), lengths)
         advantages, returns, adv_metrics = compute_advantages(cfg, rewards, mask, cfg.sampling.n,
                                                               old if old is not None else rollout_lp, ref, values)
         metrics = {**shaping, **adv_metrics}
@@ -484,7 +486,7 @@ class RLTrainer:
         self.feed.drain(self.syncs)  # the groups in flight come back first, so that nothing is lost
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": _get_rng(), "syncs": self.syncs,
                  "feed": self.feed.state_dict(), "positions": self.positions.state_dict(),
-                 "skipped": self.skipped.state_dict()}
+                 "skipped": self.skipped.state_dict(), "reward_shaping": self.shaping.state_dict()}
 
         def write(tmp: Path) -> None:
             for role in ("policy", "critic"):

@@ -131,10 +131,14 @@ def _step_records(out: Path, step: int) -> tuple[list[dict], dict]:
 
 @pytest.mark.slow
 def test_resumed_run_repeats_the_step_an_uninterrupted_run_takes(ray_session, rl_model_dir, prompt_file, tmp_path):
-    """Weights, optimizer, prompt order and RNG all come back: step 3 after a resume from step 2 is the
-    step 3 of a run that never stopped (same prompts, completions, rewards and update)."""
+    """Weights, optimizer, prompt order, RNG and the running reward statistics all come back: step 3
+    after a resume from step 2 is the step 3 of a run that never stopped (same prompts, completions,
+    rewards and update)."""
     data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "resumed", "grpo")
     data["train"].update(save_every=1, log_samples=16)
+    # Normalised rewards plus a length penalty: the penalty's weight against the reward depends on
+    # the statistics of steps 1 and 2, so a resume that lost them would train step 3 differently.
+    data.setdefault("algorithm", {}).update(normalize_rewards=True, length_penalty="linear", length_penalty_coef=0.05)
     data["optim"]["scheduler"] = "constant"  # max_steps sets a decaying schedule's horizon: 2 and 3 would differ
     RLTrainer(resolve(tmp_path, data)).run()
     RLTrainer(resolve(tmp_path, set_dotted(data, "train.max_steps", 3))).run()
@@ -146,5 +150,7 @@ def test_resumed_run_repeats_the_step_an_uninterrupted_run_takes(ray_session, rl
     assert len(resumed_samples) == 16
     assert [(s["prompt"], s["response"], s["reward"]) for s in resumed_samples] == \
         [(s["prompt"], s["response"], s["reward"]) for s in straight_samples]
-    for key in ("reward/mean", "policy/policy_loss", "policy/grad_norm", "kl/reference", "policy/lr"):
+    assert resumed["reward/running_mean"] != 0.0 and resumed["reward/length_penalty"] < 0.0
+    for key in ("reward/mean", "reward/running_mean", "reward/running_std", "policy/policy_loss",
+                "policy/grad_norm", "kl/reference", "policy/lr"):
         assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-5, abs=1e-7), key
