@@ -142,14 +142,3 @@ def all_reduce_scalars(values: Sequence[float], op: ReduceOp = "mean") -> list[f
         tensor /= dist.get_world_size()
     return tensor.tolist()
 
-
-def all_reduce_dict(values: dict[str, float], op: ReduceOp = "mean") -> dict[str, float]:
-    """:func:`all_reduce_scalars` for a metrics dict; every rank must pass the same keys."""
-    keys = sorted(values)
-    reduced = all_reduce_scalars([values[k] for k in keys], op)
-    return dict(zip(keys, reduced, strict=True))
-
-
-def destroy_distributed() -> None:
-    if is_distributed():
-        dist.destroy_process_group()
