@@ -36,7 +36,6 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     rollout_logprobs: list[float]
-    group: int  # index of the prompt within the step; samples of a group are consecutive
     prompt_text: str
     response_text: str
     label: Any

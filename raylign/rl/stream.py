@@ -223,9 +223,9 @@ class PromptPositions:
         self._rest = list(state["rest"])
 
 
-def sample_from(c: Completion, prompt: Prompt, group: int) -> Sample:
-    """The sample an engine's completion ``c`` of ``prompt`` makes (tagged with ``group``)."""
-    return Sample(c.prompt_token_ids, c.response_token_ids, c.response_logprobs, group, prompt.text, c.text,
+def sample_from(c: Completion, prompt: Prompt) -> Sample:
+    """The sample an engine's completion ``c`` of ``prompt`` makes."""
+    return Sample(c.prompt_token_ids, c.response_token_ids, c.response_logprobs, prompt.text, c.text,
                   prompt.label, prompt.source, c.finish_reason, weight_version=c.weight_version,
                   token_versions=list(c.token_versions))
 

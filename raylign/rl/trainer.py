@@ -67,6 +67,7 @@ class RLTrainer:
         self._pending_evals: list[tuple[int, int, Any]] = []  # (step, weight version, request) started, not logged
         self.engine_restarts = 0  # engine actors replaced after their process died
         self._policy_ahead = False  # the policy has been updated since the engines' last weight sync
+        self.shaping = RewardShaping(cfg)  # running reward statistics, checkpointed
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -139,7 +140,6 @@ class RLTrainer:
             max_uniform_per_step=a.max_refill_rounds * cfg.train.prompts_per_step, ordered=r.reproducible)
         self.metrics = MetricsLogger(self.out, cfg.train.logging, dump)
         self.skipped = SkippedSteps(cfg.train.max_skipped_steps)
-        self.shaping = RewardShaping(cfg)
         self._maybe_resume()
 
     def _maybe_resume(self) -> None:
@@ -249,11 +249,11 @@ class RLTrainer:
 
     @staticmethod
     def _samples(completions: list, prompts: list[Prompt]) -> list[Sample]:
-        return [sample_from(c, prompts[c.prompt_index], c.prompt_index) for c in completions]
+        return [sample_from(c, prompts[c.prompt_index]) for c in completions]
 
     @staticmethod
     def _group_samples(completions: list, prompt: Prompt, position: int) -> list[Sample]:
-        return [sample_from(c, prompt, 0) for c in completions]
+        return [sample_from(c, prompt) for c in completions]
 
     def score(self, samples: list[Sample]) -> None:
         result = self.reward.score([s.prompt_text for s in samples], [s.response_text for s in samples],
@@ -269,17 +269,15 @@ class RLTrainer:
             self._timings["time/reward_s"] += time.perf_counter() - t
 
     def rollout(self) -> tuple[list[Sample], dict[str, float]]:
-        """The step's samples from the feed (group g's samples consecutive, ``Sample.group == g``) and
+        """The step's samples from the feed (the ``sampling.n`` samples of each prompt consecutive) and
         the rollout metrics: rewards, lengths, how old the samples are, what was dropped."""
         self._make_room_for("generation")
         version = self.syncs
         step = self.feed.take_step(version)
         samples = []
-        for g, group in enumerate(step.groups):
+        for group in step.groups:
             self.group_log.append((self.step + 1, group.seq, group.finished_at))
-            for s in group.samples:
-                s.group = g
-                samples.append(s)
+            samples.extend(group.samples)
         lags = torch.tensor([float(version - v) for s in samples for v in (s.token_versions or [s.weight_version])])
         if lags.numel() == 0:
             lags = torch.zeros(1)

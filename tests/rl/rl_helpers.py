@@ -53,8 +53,8 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     return data
 
 
-def make_sample(prompt_ids: list[int], response_ids: list[int], group: int = 0) -> Sample:
-    return Sample(prompt_ids, response_ids, [0.0] * len(response_ids), group, "", "", None, "test", "length")
+def make_sample(prompt_ids: list[int], response_ids: list[int]) -> Sample:
+    return Sample(prompt_ids, response_ids, [0.0] * len(response_ids), "", "", None, "test", "length")
 
 
 def fp32_model(model_dir: Path):

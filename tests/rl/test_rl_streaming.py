@@ -216,7 +216,7 @@ class BatchSyncTrainer(RLTrainer):
         seqs = list(range(self.step * per_step, (self.step + 1) * per_step))
         completions = self.pool.generate_blocking([self.train_prompts[p].token_ids for p in positions],
                                                   self.cfg.sampling, prompt_indices=seqs)
-        samples = [sample_from(c, self.train_prompts[positions[c.prompt_index - seqs[0]]], c.prompt_index - seqs[0])
+        samples = [sample_from(c, self.train_prompts[positions[c.prompt_index - seqs[0]]])
                    for c in completions]
         self.score(samples)
         return samples, reward_metrics(samples)
