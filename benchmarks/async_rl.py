@@ -39,8 +39,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SETTINGS = [("sync", 0, False), ("k=1", 1, False), ("k=1+partial", 1, True), ("k=2", 2, False),
-            ("k=2+partial", 2, True), ("k=4", 4, False), ("k=4+partial", 4, True)]
+SETTINGS = [
+    ("sync", 0, False),
+    ("k=1", 1, False),
+    ("k=1+partial", 1, True),
+    ("k=2", 2, False),
+    ("k=2+partial", 2, True),
+    ("k=4", 4, False),
+    ("k=4+partial", 4, True),
+]
 PHASES = ("generate", "reward", "experience", "train", "sync")
 
 
@@ -55,15 +62,26 @@ def warm_tiny_model(workdir: Path, prompts: Path) -> Path:
     cfg = QuickstartConfig(output_dir=str(workdir))
     sft_file, train, _ = _data(cfg, workdir)
     prompts.write_text(train.read_text())
-    model = build_tiny_model(workdir / "base", hidden_size=128, num_heads=4, num_kv_heads=2,
-                             tie_word_embeddings=False)
-    SFTTrainer(parse_config(SFTConfig, {
-        "model": {"path": str(model), "dtype": "float32"},
-        "data": {"train": [str(sft_file)], "max_length": 64, "min_response_tokens": 8},
-        "optim": {"lr": 3e-3, "warmup_steps": 5},
-        "train": {"output_dir": str(workdir / "sft"), "max_steps": 25, "global_batch_size": 32,
-                  "micro_batch_size": 32, "resume": False, "logging": {"progress_bar": False}},
-    }, source="benchmark")).run()
+    model = build_tiny_model(workdir / "base", hidden_size=128, num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
+    SFTTrainer(
+        parse_config(
+            SFTConfig,
+            {
+                "model": {"path": str(model), "dtype": "float32"},
+                "data": {"train": [str(sft_file)], "max_length": 64, "min_response_tokens": 8},
+                "optim": {"lr": 3e-3, "warmup_steps": 5},
+                "train": {
+                    "output_dir": str(workdir / "sft"),
+                    "max_steps": 25,
+                    "global_batch_size": 32,
+                    "micro_batch_size": 32,
+                    "resume": False,
+                    "logging": {"progress_bar": False},
+                },
+            },
+            source="benchmark",
+        )
+    ).run()
     return workdir / "sft" / "final"
 
 
@@ -74,24 +92,50 @@ def run_setting(model: str, prompts: Path, out: Path, max_staleness: int, partia
     from raylign.rl.trainer import RLTrainer
     from raylign.trainers.metrics import read_metrics
 
-    cfg = parse_config(RLConfig, {
-        **RLConfig.preset_defaults({"preset": "grpo"}),
-        "preset": "grpo",
-        "model": {"path": model, "dtype": "float32"},
-        "algorithm": {"off_policy": "truncated_is" if max_staleness > 1 else "none", "kl_mode": "none",
-                      "kl_coef": 0.0},
-        "reward": {"sources": [{"kind": "function", "function_name": "letter_match_reward",
-                                "path": str(Path(tasks.__file__).parent / "strings.py")}]},
-        "rollout": {"engine": args.engine, "dtype": "float32", "max_staleness": max_staleness,
-                    "partial_rollouts": partial},
-        "sampling": {"n": args.group_size, "max_new_tokens": args.max_new_tokens, "temperature": 1.0},
-        "data": {"train": [str(prompts)], "format": args.format},
-        "optim": {"lr": args.lr, "scheduler": "constant"},
-        "placement": {"cpus_per_worker": 1},
-        "train": {"output_dir": str(out), "max_steps": args.steps, "prompts_per_step": args.prompts_per_step,
-                  "micro_batch_tokens": 8192, "export": False, "resume": False, "log_samples": 0, "save_every": 0,
-                  "logging": {"progress_bar": False, "tensorboard": False}},
-    }, source="benchmark")
+    cfg = parse_config(
+        RLConfig,
+        {
+            **RLConfig.preset_defaults({"preset": "grpo"}),
+            "preset": "grpo",
+            "model": {"path": model, "dtype": "float32"},
+            "algorithm": {
+                "off_policy": "truncated_is" if max_staleness > 1 else "none",
+                "kl_mode": "none",
+                "kl_coef": 0.0,
+            },
+            "reward": {
+                "sources": [
+                    {
+                        "kind": "function",
+                        "function_name": "letter_match_reward",
+                        "path": str(Path(tasks.__file__).parent / "strings.py"),
+                    }
+                ]
+            },
+            "rollout": {
+                "engine": args.engine,
+                "dtype": "float32",
+                "max_staleness": max_staleness,
+                "partial_rollouts": partial,
+            },
+            "sampling": {"n": args.group_size, "max_new_tokens": args.max_new_tokens, "temperature": 1.0},
+            "data": {"train": [str(prompts)], "format": args.format},
+            "optim": {"lr": args.lr, "scheduler": "constant"},
+            "placement": {"cpus_per_worker": 1},
+            "train": {
+                "output_dir": str(out),
+                "max_steps": args.steps,
+                "prompts_per_step": args.prompts_per_step,
+                "micro_batch_tokens": 8192,
+                "export": False,
+                "resume": False,
+                "log_samples": 0,
+                "save_every": 0,
+                "logging": {"progress_bar": False, "tensorboard": False},
+            },
+        },
+        source="benchmark",
+    )
     RLTrainer(cfg).run()
     return [r for r in read_metrics(out) if "reward/mean" in r]
 
@@ -102,7 +146,8 @@ def summarize(name: str, rows: list[dict], wall_s: float) -> dict:
     for phase in PHASES:
         out[phase] = statistics.median(r.get(f"time/{phase}_s", 0.0) for r in timed)
     out["tokens_per_s"] = sum(r["throughput/generated_tokens_per_s"] * r["time/generate_s"] for r in timed) / max(
-        sum(r["time/step_s"] for r in timed), 1e-9)
+        sum(r["time/step_s"] for r in timed), 1e-9
+    )
     out["len_mean"] = statistics.mean(r["response_length/mean"] for r in rows)
     out["len_max"] = max(r["response_length/max"] for r in rows)
     out["reward_last2"] = statistics.mean(r["reward/mean"] for r in rows[-2:])
@@ -113,22 +158,33 @@ def summarize(name: str, rows: list[dict], wall_s: float) -> dict:
 
 
 def print_table(model: str, results: list[dict]) -> None:
-    head = (f"{'setting':<13} {'s/step':>7} {'gen':>6} {'reward':>6} {'exp':>6} {'train':>6} {'sync':>6} "
-            f"{'tok/s':>7} {'len':>6} {'max':>5} {'reward@end':>10} {'dropped':>7} {'lag':>4} {'wall s':>7}")
+    head = (
+        f"{'setting':<13} {'s/step':>7} {'gen':>6} {'reward':>6} {'exp':>6} {'train':>6} {'sync':>6} "
+        f"{'tok/s':>7} {'len':>6} {'max':>5} {'reward@end':>10} {'dropped':>7} {'lag':>4} {'wall s':>7}"
+    )
     print(f"\n{model}\n{head}")
     for r in results:
-        print(f"{r['setting']:<13} {r['step_s']:7.2f} {r['generate']:6.2f} {r['reward']:6.2f} {r['experience']:6.2f} "
-              f"{r['train']:6.2f} {r['sync']:6.2f} {r['tokens_per_s']:7.1f} {r['len_mean']:6.1f} {r['len_max']:5.0f} "
-              f"{r['reward_last2']:10.3f} {r['dropped']:7.0f} {r['lag_max']:4.0f} {r['wall_s']:7.0f}")
+        print(
+            f"{r['setting']:<13} {r['step_s']:7.2f} {r['generate']:6.2f} {r['reward']:6.2f} {r['experience']:6.2f} "
+            f"{r['train']:6.2f} {r['sync']:6.2f} {r['tokens_per_s']:7.1f} {r['len_mean']:6.1f} {r['len_max']:5.0f} "
+            f"{r['reward_last2']:10.3f} {r['dropped']:7.0f} {r['lag_max']:4.0f} {r['wall_s']:7.0f}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny", help="comma-separated: tiny, smollm2")
-    parser.add_argument("--settings", default=",".join(name for name, _, _ in SETTINGS),
-                        help="comma-separated subset of: " + ", ".join(name for name, _, _ in SETTINGS))
-    parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="rollout engine (partial "
-                        "rollouts pause sequences mid-flight only with vllm)")
+    parser.add_argument(
+        "--settings",
+        default=",".join(name for name, _, _ in SETTINGS),
+        help="comma-separated subset of: " + ", ".join(name for name, _, _ in SETTINGS),
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["vllm", "hf"],
+        default="vllm",
+        help="rollout engine (partial rollouts pause sequences mid-flight only with vllm)",
+    )
     parser.add_argument("--steps", type=int, default=8, help="RL steps per setting")
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=4)
@@ -138,13 +194,16 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from raylign.hardware import cpu_flags, cpu_model, matmul_gflops
     import torch
+
+    from raylign.hardware import cpu_flags, cpu_model, matmul_gflops
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="raylign-async-bench-"))
     isa = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in cpu_flags()]
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, {isa}; fp32 matmul on one thread "
-          f"{matmul_gflops(torch.float32):.0f} GFLOP/s")
+    print(
+        f"machine: {cpu_model()}, {os.cpu_count()} cores, {isa}; fp32 matmul on one thread "
+        f"{matmul_gflops(torch.float32):.0f} GFLOP/s"
+    )
     wanted = [s for s in SETTINGS if s[0] in args.settings.split(",")]
     report = {}
     for name in args.models.split(","):

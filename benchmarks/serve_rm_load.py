@@ -40,10 +40,10 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-REWARD_FILE = '''
+REWARD_FILE = """
 def reward_func(prompts, responses, labels, **metadata):
     return [1.0 if " ".join(r.split()) == " ".join(str(l).split()) else 0.0 for r, l in zip(responses, labels)]
-'''
+"""
 
 
 def make_request(index: int, samples: int) -> tuple[dict, list[float]]:
@@ -87,8 +87,16 @@ def start_server(scorer: str, reward_file: Path, port: int) -> subprocess.Popen:
     if scorer == "exact":
         command = [sys.executable, __file__, "--serve-exact-match", str(port)]
     else:
-        command = [sys.executable, "-m", "raylign.cli.main", "serve-rm", "--reward_file", str(reward_file),
-                   "--port", str(port)]
+        command = [
+            sys.executable,
+            "-m",
+            "raylign.cli.main",
+            "serve-rm",
+            "--reward_file",
+            str(reward_file),
+            "--port",
+            str(port),
+        ]
     process = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
@@ -139,8 +147,13 @@ async def http_level(url: str, clients: int, requests: list[tuple[dict, list[flo
     finally:
         await asyncio.gather(*(http.aclose() for http in https))
     p50, p99 = percentiles_ms(latencies)
-    return {"clients": clients, "requests_per_s": len(requests) / wall_s, "p50_ms": p50, "p99_ms": p99,
-            "errors": errors}
+    return {
+        "clients": clients,
+        "requests_per_s": len(requests) / wall_s,
+        "p50_ms": p50,
+        "p99_ms": p99,
+        "errors": errors,
+    }
 
 
 def in_process_floor(scorer, requests: list[tuple[dict, list[float]]]) -> dict:
@@ -154,8 +167,14 @@ def in_process_floor(scorer, requests: list[tuple[dict, list[float]]]) -> dict:
         latencies.append(time.perf_counter() - call_started)
     wall_s = time.perf_counter() - started
     p50, p99 = percentiles_ms(latencies)
-    return {"clients": "-", "requests_per_s": len(requests) / wall_s, "p50_ms": p50, "p99_ms": p99,
-            "errors": errors, "server_cpu_ms": None}
+    return {
+        "clients": "-",
+        "requests_per_s": len(requests) / wall_s,
+        "p50_ms": p50,
+        "p99_ms": p99,
+        "errors": errors,
+        "server_cpu_ms": None,
+    }
 
 
 def make_scorer(name: str, reward_file: Path):
@@ -179,8 +198,9 @@ def main() -> None:
     from raylign.hardware import cpu_flags, cpu_model
 
     isa = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in cpu_flags()]
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, {isa}; load average before the run "
-          f"{os.getloadavg()[0]:.2f}")
+    print(
+        f"machine: {cpu_model()}, {os.cpu_count()} cores, {isa}; load average before the run {os.getloadavg()[0]:.2f}"
+    )
     requests = [make_request(i, args.samples) for i in range(1, args.requests + 1)]
     reward_file = Path(tempfile.mkdtemp(prefix="raylign-serve-rm-bench-")) / "exact_match.py"
     reward_file.write_text(REWARD_FILE)
@@ -203,14 +223,20 @@ def main() -> None:
                 print(f"  done: {name} HTTP, {clients} clients, {result['requests_per_s']:.0f} requests/s", flush=True)
         finally:
             stop_server(process)
-    print(f"\nserve-rm load: {args.requests} requests of {args.samples} samples per row, load average after "
-          f"{os.getloadavg()[0]:.2f}")
-    print(f"{'scorer':7s} {'path':11s} {'clients':>7s} {'requests/s':>10s} {'p50 ms':>8s} {'p99 ms':>8s} "
-          f"{'errors':>6s} {'server CPU ms/request':>21s}")
+    print(
+        f"\nserve-rm load: {args.requests} requests of {args.samples} samples per row, load average after "
+        f"{os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"{'scorer':7s} {'path':11s} {'clients':>7s} {'requests/s':>10s} {'p50 ms':>8s} {'p99 ms':>8s} "
+        f"{'errors':>6s} {'server CPU ms/request':>21s}"
+    )
     for name, path, r in rows:
         cpu = "-" if r["server_cpu_ms"] is None else f"{r['server_cpu_ms']:.2f}"
-        print(f"{name:7s} {path:11s} {r['clients']!s:>7s} {r['requests_per_s']:10.0f} {r['p50_ms']:8.3f} "
-              f"{r['p99_ms']:8.3f} {r['errors']:6d} {cpu:>21s}")
+        print(
+            f"{name:7s} {path:11s} {r['clients']!s:>7s} {r['requests_per_s']:10.0f} {r['p50_ms']:8.3f} "
+            f"{r['p99_ms']:8.3f} {r['errors']:6d} {cpu:>21s}"
+        )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,32 @@ from pathlib import Path
 from raylign.models.tiny import build_tiny_model
 from raylign.trainers.metrics import read_metrics
 
-WORDS = "the a of to and in is it that for on with as was by this are or from at answer step number total".split()
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "to",
+    "and",
+    "in",
+    "is",
+    "it",
+    "that",
+    "for",
+    "on",
+    "with",
+    "as",
+    "was",
+    "by",
+    "this",
+    "are",
+    "or",
+    "from",
+    "at",
+    "answer",
+    "step",
+    "number",
+    "total",
+]
 
 
 def write_data(path: Path, rows: int, seed: int = 0) -> Path:
@@ -39,14 +64,44 @@ def write_data(path: Path, rows: int, seed: int = 0) -> Path:
 def run(model: Path, data: Path, out: Path, backend: str, packing: bool, steps: int, batch: int, dtype: str) -> dict:
     procs = 1 if backend == "local" else 2
     cmd = [
-        sys.executable, "-m", "raylign.cli.main", "sft",
-        "--model.path", str(model), "--model.dtype", dtype,
-        "--data.train", str(data), "--data.max_length", "512", "--data.packing", str(packing).lower(),
-        "--engine.backend", backend, "--engine.num_processes", str(procs), "--engine.zero_stage", "2",
-        "--train.output_dir", str(out), "--train.max_steps", str(steps), "--train.global_batch_size", str(batch),
-        "--train.micro_batch_size", str(batch // procs), "--train.export", "false", "--train.resume", "false",
-        "--train.logging.progress_bar", "false", "--train.logging.tensorboard", "false",
-        "--optim.lr", "1e-4",
+        sys.executable,
+        "-m",
+        "raylign.cli.main",
+        "sft",
+        "--model.path",
+        str(model),
+        "--model.dtype",
+        dtype,
+        "--data.train",
+        str(data),
+        "--data.max_length",
+        "512",
+        "--data.packing",
+        str(packing).lower(),
+        "--engine.backend",
+        backend,
+        "--engine.num_processes",
+        str(procs),
+        "--engine.zero_stage",
+        "2",
+        "--train.output_dir",
+        str(out),
+        "--train.max_steps",
+        str(steps),
+        "--train.global_batch_size",
+        str(batch),
+        "--train.micro_batch_size",
+        str(batch // procs),
+        "--train.export",
+        "false",
+        "--train.resume",
+        "false",
+        "--train.logging.progress_bar",
+        "false",
+        "--train.logging.tensorboard",
+        "false",
+        "--optim.lr",
+        "1e-4",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
@@ -69,18 +124,29 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model = build_tiny_model(tmp / "model", hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
-                                 num_kv_heads=4, max_position_embeddings=1024)
+        model = build_tiny_model(
+            tmp / "model",
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=8,
+            num_kv_heads=4,
+            max_position_embeddings=1024,
+        )
         data = write_data(tmp / "train.jsonl", rows=args.batch * (args.steps + 1))
         rows = []
         for backend in args.backends.split(","):
             for packing in (True, False):
-                result = run(model, data, tmp / f"{backend}-{packing}", backend, packing, args.steps, args.batch,
-                             args.dtype)
+                result = run(
+                    model, data, tmp / f"{backend}-{packing}", backend, packing, args.steps, args.batch, args.dtype
+                )
                 rows.append((backend, "on" if packing else "off", result))
-                print(f"  done: {backend:9s} packing {rows[-1][1]:3s} {result['tokens_per_s']:9.0f} tokens/s", flush=True)
-    print(f"\nSFT throughput, model {args.hidden}x{args.layers} ({args.dtype}), global batch {args.batch}, "
-          f"{args.steps} steps, 2 ranks for sharded backends")
+                print(
+                    f"  done: {backend:9s} packing {rows[-1][1]:3s} {result['tokens_per_s']:9.0f} tokens/s", flush=True
+                )
+    print(
+        f"\nSFT throughput, model {args.hidden}x{args.layers} ({args.dtype}), global batch {args.batch}, "
+        f"{args.steps} steps, 2 ranks for sharded backends"
+    )
     print(f"{'backend':10s} {'packing':8s} {'tokens/s':>10s} {'s/step':>8s}")
     for backend, packing, r in rows:
         print(f"{backend:10s} {packing:8s} {r['tokens_per_s']:10.0f} {r['step_time_s']:8.2f}")

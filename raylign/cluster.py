@@ -74,8 +74,9 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, num_gpus:
         return False
     runtime_env = {"env_vars": actor_env()}
     if address is None:
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                 runtime_env=runtime_env)
+        ray.init(
+            address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, runtime_env=runtime_env
+        )
         return True
     try:
         ray.init(address=address, include_dashboard=False, runtime_env=runtime_env)
@@ -86,13 +87,15 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, num_gpus:
 
 def _join_failure_message(address: str, err: Exception) -> str:
     text = str(err)
-    hint = ("check that the cluster is running (`ray status` on its head node) and that this machine can "
-            "reach it")
+    hint = "check that the cluster is running (`ray status` on its head node) and that this machine can reach it"
     if any(word in text for word in ("Unauthenticated", "InvalidAuthToken", "auth")):
-        hint = ("the cluster uses token authentication: set RAY_AUTH_MODE=token and the cluster's token in "
-                "RAY_AUTH_TOKEN (or a file named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token); "
-                "`ray get-auth-token` on the head node prints it")
-    return f"could not join the Ray cluster at placement.ray_address={address!r}: {text.splitlines()[0] if text else err!r}. Fix: {hint}"
+        hint = (
+            "the cluster uses token authentication: set RAY_AUTH_MODE=token and the cluster's token in "
+            "RAY_AUTH_TOKEN (or a file named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token); "
+            "`ray get-auth-token` on the head node prints it"
+        )
+    first_line = text.splitlines()[0] if text else repr(err)
+    return f"could not join the Ray cluster at placement.ray_address={address!r}: {first_line}. Fix: {hint}"
 
 
 @contextlib.contextmanager
@@ -108,8 +111,12 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
             ray.shutdown()
 
 
-def wait_until_ready(actors: Mapping[str, Any], timeout_s: float, setting: str = "placement.startup_timeout_s",
-                     ready: Mapping[str, Any] | None = None) -> list[Any]:
+def wait_until_ready(
+    actors: Mapping[str, Any],
+    timeout_s: float,
+    setting: str = "placement.startup_timeout_s",
+    ready: Mapping[str, Any] | None = None,
+) -> list[Any]:
     """Wait until every actor in ``actors`` (name -> handle) has started, for at most ``timeout_s``.
 
     ``ready`` optionally maps a name to the object ref to wait for instead of the actor's
@@ -142,9 +149,13 @@ def wait_until_ready(actors: Mapping[str, Any], timeout_s: float, setting: str =
         raise StartupError(
             f"{len(pending)} of {len(actors)} actors did not start within {timeout_s:g} s ({setting}):\n  "
             + "\n  ".join(lines)
-            + (f"\nlast errors in Ray's logs on this machine:\n  " + "\n  ".join(excerpt) if excerpt else
-               "\nRay logged no errors on this machine; a busy or too small cluster can leave actors waiting "
-               "for resources (`ray status` shows them)"))
+            + (
+                "\nlast errors in Ray's logs on this machine:\n  " + "\n  ".join(excerpt)
+                if excerpt
+                else "\nRay logged no errors on this machine; a busy or too small cluster can leave actors waiting "
+                "for resources (`ray status` shows them)"
+            )
+        )
     return [results[name] for name in actors]
 
 
@@ -168,14 +179,17 @@ def get_within(refs: Any, timeout_s: float, what: str, setting: str, names: Sequ
         done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not done:
             busy = [name for ref, name in zip(refs, names) if ref not in results]
-            raise TimeoutError(f"{what}: no answer within {timeout_s:g} s from {', '.join(busy)}; raise {setting} "
-                               "if it needs longer, or check their logs")
+            raise TimeoutError(
+                f"{what}: no answer within {timeout_s:g} s from {', '.join(busy)}; raise {setting} "
+                "if it needs longer, or check their logs"
+            )
         try:
             results[done[0]] = ray.get(done[0], timeout=max(0.0, deadline - time.monotonic()))  # raises its error
         except ray.exceptions.RayActorError as err:
             index = refs.index(done[0])
-            raise ActorDied(f"{what}: {names[index]} died while computing it ({death_cause(err)})",
-                            names[index], index) from err
+            raise ActorDied(
+                f"{what}: {names[index]} died while computing it ({death_cause(err)})", names[index], index
+            ) from err
     values = [results[ref] for ref in refs]
     return values[0] if single else values
 
@@ -225,7 +239,8 @@ def ray_error_log_excerpt(since: float = 0.0, limit: int = 8) -> list[str]:
     import ray
 
     try:
-        logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+        node = ray._private.worker._global_node  # Ray has no public API for its session folder
+        logs = os.path.join(node.get_session_dir_path(), "logs")  # type: ignore[attr-defined]
     except Exception:
         return []
     words = ("Error", "error:", "Failed", "failed", "Unauthenticated", "Traceback", "Exception")

@@ -60,9 +60,9 @@ def cpu_bf16_support() -> CpuBf16:
     """Whether this CPU has native bf16 matmuls, and the evidence in one line."""
     capability = torch.backends.cpu.get_cpu_capability()
     found = [flag for flag in NATIVE_BF16_FLAGS if flag in cpu_flags()]
-    if not cpu_flags():  # no /proc/cpuinfo: ask torch's own detection
-        if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
-            found = ["torch reports AMX or AVX512-BF16"]
+    no_cpuinfo = not cpu_flags()  # then ask torch's own detection
+    if no_cpuinfo and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+        found = ["torch reports AMX or AVX512-BF16"]
     if found:
         return CpuBf16(True, f"native bf16 ({', '.join(found)}; torch CPU capability {capability})")
     return CpuBf16(False, f"no native bf16 (torch CPU capability {capability}; no AMX or AVX512-BF16)")
@@ -104,8 +104,13 @@ def resolve_and_log(name: str, what: str, device: torch.device | str | None = No
         log.info("%s dtype: auto -> %s (%s)", what, dtype, reason)
     elif dtype == "bfloat16" and device.type == "cpu" and not cpu_bf16_support().native:
         factor = measure_bf16_slowdown()
-        log.warning("%s dtype: bfloat16 on a CPU without native bf16 (%s): a bf16 matmul runs %.0fx slower "
-                    "than fp32 here; dtype 'auto' (or float32) avoids that", what, cpu_bf16_support().reason, factor)
+        log.warning(
+            "%s dtype: bfloat16 on a CPU without native bf16 (%s): a bf16 matmul runs %.0fx slower "
+            "than fp32 here; dtype 'auto' (or float32) avoids that",
+            what,
+            cpu_bf16_support().reason,
+            factor,
+        )
     return dtype
 
 

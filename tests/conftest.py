@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/raylign/torch_extensions"))
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 torch.set_flush_denormal(True)

@@ -40,8 +40,11 @@ WAITING_FUNCTIONS: dict[str, int | None] = {
     "asyncio.wait_for": 1,
     "concurrent.futures.wait": 1,
     "concurrent.futures.as_completed": 1,
-    **{f"{module}.{verb}": None for module in ("requests", "httpx")
-       for verb in ("get", "post", "put", "patch", "delete", "head", "options", "request")},
+    **{
+        f"{module}.{verb}": None
+        for module in ("requests", "httpx")
+        for verb in ("get", "post", "put", "patch", "delete", "head", "options", "request")
+    },
     "httpx.Client": None,
     "httpx.AsyncClient": None,
 }
@@ -55,17 +58,25 @@ NEEDS_WAIT_FOR = {"asyncio.gather"}
 
 # (path under raylign/, enclosing function, the call as written) -> why it is bounded anyway.
 ALLOWED: dict[tuple[str, str, str], str] = {
-    ("cli/main.py", "_launch_ranks", "subprocess.call(cmd, env=env)"):
-        "the command's own run under torchrun, as long as training takes; its ranks' collectives are "
-        "bounded by engine.dist_timeout_s, and torchrun ends when they do",
-    ("rollout/weight_sync.py", "_wait_all", "work.wait()"):
-        "gloo broadcasts, which fail by themselves after their group's timeout (rollout.sync_timeout_s, given "
-        "to make_gloo_group and to the colocated policy ranks' dist.new_group)",
-    ("rollout/base.py", "generate", "asyncio.gather(*(self._group(list(ids), sampling, index) "
-                                    "for index, ids in zip(indices, prompt_token_ids)))"):
-        "the engine's own prompt groups, computed where the engine runs; the callers that wait on an engine "
-        "from another process or thread bound the whole request by rollout.generate_timeout_s "
-        "(RolloutPool.generate and collect, ModelWorker._on_engine_loop)",
+    (
+        "cli/main.py",
+        "_launch_ranks",
+        "subprocess.call(cmd, env=env)",
+    ): "the command's own run under torchrun, as long as training takes; its ranks' collectives are "
+    "bounded by engine.dist_timeout_s, and torchrun ends when they do",
+    (
+        "rollout/weight_sync.py",
+        "_wait_all",
+        "work.wait()",
+    ): "gloo broadcasts, which fail by themselves after their group's timeout (rollout.sync_timeout_s, given "
+    "to make_gloo_group and to the colocated policy ranks' dist.new_group)",
+    (
+        "rollout/base.py",
+        "generate",
+        "asyncio.gather(*(self._group(list(ids), sampling, index) for index, ids in zip(indices, prompt_token_ids)))",
+    ): "the engine's own prompt groups, computed where the engine runs; the callers that wait on an engine "
+    "from another process or thread bound the whole request by rollout.generate_timeout_s "
+    "(RolloutPool.generate and collect, ModelWorker._on_engine_loop)",
 }
 
 
@@ -118,8 +129,9 @@ def _is_unbounded_wait(call: ast.Call, imported: dict[str, str]) -> bool:
         method = call.func.attr
         if method in ("get", "join") and call.args:  # dict.get(key), str.join(parts), ...
             return False
-        if method == "get" and any(k.arg == "block" and isinstance(k.value, ast.Constant) and k.value.value is False
-                                   for k in call.keywords):  # queue.get(block=False) does not wait
+        if method == "get" and any(
+            k.arg == "block" and isinstance(k.value, ast.Constant) and k.value.value is False for k in call.keywords
+        ):  # queue.get(block=False) does not wait
             return False
         return not _has_timeout(call, WAITING_METHODS[method])
     return False
@@ -127,9 +139,14 @@ def _is_unbounded_wait(call: ast.Call, imported: dict[str, str]) -> bool:
 
 def _bounded_by_wait_for(tree: ast.AST, imported: dict[str, str]) -> set[int]:
     """The awaitables handed to an ``asyncio.wait_for`` with a timeout (ids of their nodes)."""
-    return {id(node.args[0]) for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and node.args and _dotted(node.func, imported) == "asyncio.wait_for"
-            and _has_timeout(node, WAITING_FUNCTIONS["asyncio.wait_for"])}
+    return {
+        id(node.args[0])
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and node.args
+        and _dotted(node.func, imported) == "asyncio.wait_for"
+        and _has_timeout(node, WAITING_FUNCTIONS["asyncio.wait_for"])
+    }
 
 
 def unbounded_waits(source: str, path: str = "<source>") -> list[tuple[str, int, str, str]]:
@@ -143,7 +160,7 @@ def unbounded_waits(source: str, path: str = "<source>") -> list[tuple[str, int,
         for child in ast.iter_child_nodes(node):
             inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
             if isinstance(child, ast.Call) and id(child) not in bounded and _is_unbounded_wait(child, imported):
-                text = " ".join((ast.get_source_segment(source, child) or "").split())
+                text = ast.unparse(child)  # the same text however the call is laid out
                 found.append((path, child.lineno, function, text))
             visit(child, inner)
 
@@ -160,10 +177,15 @@ def package_waits() -> list[tuple[str, int, str, str]]:
 
 
 def test_every_wait_in_the_package_has_a_timeout():
-    unbounded = [f"raylign/{path}:{line}: {call}" for path, line, function, call in package_waits()
-                 if (path, function, call) not in ALLOWED]
-    assert not unbounded, ("waits without a timeout (pass one, configurable where a user may need longer; or "
-                           "add the call to ALLOWED with the reason it is bounded anyway):\n" + "\n".join(unbounded))
+    unbounded = [
+        f"raylign/{path}:{line}: {call}"
+        for path, line, function, call in package_waits()
+        if (path, function, call) not in ALLOWED
+    ]
+    assert not unbounded, (
+        "waits without a timeout (pass one, configurable where a user may need longer; or "
+        "add the call to ALLOWED with the reason it is bounded anyway):\n" + "\n".join(unbounded)
+    )
 
 
 def test_every_allowed_wait_still_exists():
@@ -176,33 +198,38 @@ def test_the_check_flags_a_ray_get_without_timeout_and_only_that():
     assert unbounded_waits(source) == [("<source>", 4, "f", "ray.get(x)")]
 
 
-@pytest.mark.parametrize("call, unbounded", [
-    ("dist.new_group(backend='gloo')", True),
-    ("dist.new_group(backend='gloo', timeout=t)", False),
-    ("ray.wait(refs, timeout=None)", True),
-    ("proc.wait()", True),
-    ("proc.wait(5)", False),
-    ("thread.join()", True),
-    ("thread.join(5)", False),
-    ("', '.join(parts)", False),
-    ("queue.get()", True),
-    ("queue.get(timeout=1)", False),
-    ("queue.get(block=True)", True),
-    ("queue.get(block=False)", False),
-    ("row.get('key')", False),
-    ("future.result()", True),
-    ("proc.communicate(data)", True),
-    ("proc.communicate(data, 5)", False),
-    ("subprocess.run(['ls'])", True),
-    ("asyncio.gather(*tasks)", True),
-    ("asyncio.wait_for(asyncio.gather(*tasks), timeout=5)", False),
-    ("asyncio.wait_for(event.wait(), 5)", False),
-    ("urlopen(url)", True),
-    ("urlopen(url, None, 5)", False),
-])
+@pytest.mark.parametrize(
+    "call, unbounded",
+    [
+        ("dist.new_group(backend='gloo')", True),
+        ("dist.new_group(backend='gloo', timeout=t)", False),
+        ("ray.wait(refs, timeout=None)", True),
+        ("proc.wait()", True),
+        ("proc.wait(5)", False),
+        ("thread.join()", True),
+        ("thread.join(5)", False),
+        ("', '.join(parts)", False),
+        ("queue.get()", True),
+        ("queue.get(timeout=1)", False),
+        ("queue.get(block=True)", True),
+        ("queue.get(block=False)", False),
+        ("row.get('key')", False),
+        ("future.result()", True),
+        ("proc.communicate(data)", True),
+        ("proc.communicate(data, 5)", False),
+        ("subprocess.run(['ls'])", True),
+        ("asyncio.gather(*tasks)", True),
+        ("asyncio.wait_for(asyncio.gather(*tasks), timeout=5)", False),
+        ("asyncio.wait_for(event.wait(), 5)", False),
+        ("urlopen(url)", True),
+        ("urlopen(url, None, 5)", False),
+    ],
+)
 def test_the_check_knows_each_kind_of_wait(call, unbounded):
-    source = ("import asyncio, subprocess, ray\nimport torch.distributed as dist\n"
-              f"from urllib.request import urlopen\n{call}\n")
+    source = (
+        "import asyncio, subprocess, ray\nimport torch.distributed as dist\n"
+        f"from urllib.request import urlopen\n{call}\n"
+    )
     assert bool(unbounded_waits(source)) is unbounded
 
 

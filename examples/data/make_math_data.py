@@ -21,15 +21,24 @@ import reasoning_gym
 
 HERE = Path(__file__).parent
 INSTRUCTION = "Put the final answer in \\boxed{}."
-ARITHMETIC = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
-                  allow_parentheses=False, allow_negation=False)
+ARITHMETIC = dict(
+    min_terms=2,
+    max_terms=2,
+    min_digits=1,
+    max_digits=2,
+    operators=("+", "-"),
+    allow_parentheses=False,
+    allow_negation=False,
+)
 
 
 def rows(generator: str, source: str, size: int, seed: int, **settings) -> list[dict]:
     """``size`` prompt rows of a reasoning-gym generator, each with its answer as the label."""
     data = reasoning_gym.create_dataset(generator, size=size, seed=seed, **settings)
-    return [{"prompt": f"{item['question']} {INSTRUCTION}", "label": str(item["answer"]), "data_source": source}
-            for item in data]
+    return [
+        {"prompt": f"{item['question']} {INSTRUCTION}", "label": str(item["answer"]), "data_source": source}
+        for item in data
+    ]
 
 
 def without(items: list[dict], seen: list[dict]) -> list[dict]:

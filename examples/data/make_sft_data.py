@@ -1,6 +1,6 @@
 """Write the letter-reversal data of the SFT and RL examples (run from the repository root).
 
-    python examples/data/make_sft_data.py
+python examples/data/make_sft_data.py
 """
 
 import json

@@ -163,8 +163,9 @@ def compute_reinforce_plus_plus_advantages(
     return advantages, returns
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", needs_groups=True, options=("gamma",),
-                               takes_token_kl=True)
+@ADVANTAGE_ESTIMATORS.register(
+    "reinforce_plus_plus_baseline", needs_groups=True, options=("gamma",), takes_token_kl=True
+)
 def compute_reinforce_plus_plus_baseline_advantages(
     rewards: torch.Tensor,
     mask: torch.Tensor,

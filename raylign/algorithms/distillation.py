@@ -109,8 +109,6 @@ def generalized_jsd_loss(
     elif beta == 1.0:
         per_token = _kl(student, teacher)
     else:
-        mixture = torch.logsumexp(
-            torch.stack([student + math.log(1 - beta), teacher + math.log(beta)]), dim=0
-        )
+        mixture = torch.logsumexp(torch.stack([student + math.log(1 - beta), teacher + math.log(beta)]), dim=0)
         per_token = beta * _kl(teacher, mixture) + (1 - beta) * _kl(student, mixture)
     return _finish(per_token, mask, scale)

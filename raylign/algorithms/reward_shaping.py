@@ -141,8 +141,15 @@ class RunningRewardNormalizer:
         return self.normalize(rewards)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "mean": self.mean, "m2": self.m2, "lowest": self.lowest, "highest": self.highest,
-                "eps": self.eps, "shift_mean": self.shift_mean}
+        return {
+            "count": self.count,
+            "mean": self.mean,
+            "m2": self.m2,
+            "lowest": self.lowest,
+            "highest": self.highest,
+            "eps": self.eps,
+            "shift_mean": self.shift_mean,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"count", "mean", "m2"} - set(state)

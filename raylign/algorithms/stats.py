@@ -167,8 +167,5 @@ def masked_whiten(
     has_spread = highest > lowest
     # 1 where there is nothing to divide by keeps values and gradients finite
     scale = torch.where(has_spread & (std + eps > 0), std + eps, 1)
-    if shift_mean:
-        whitened = torch.where(has_spread, (values - mean) / scale, 0)
-    else:
-        whitened = values / scale
+    whitened = torch.where(has_spread, (values - mean) / scale, 0) if shift_mean else values / scale
     return zero_masked(whitened, mask)

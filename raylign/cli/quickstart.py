@@ -29,8 +29,10 @@ class QuickstartConfig(Section):
     """raylign quickstart: SFT warm-up then GRPO of a tiny model on a letter task, on the CPU (a few minutes)."""
 
     output_dir: str = Field("outputs/quickstart", description="Where data, models, logs and plots go.")
-    task: Literal["copy", "reverse"] = Field("copy", description="The synthetic task: repeat or reverse "
-                                             "3-4 letters (reverse takes a few times more RL steps).")
+    task: Literal["copy", "reverse"] = Field(
+        "copy",
+        description="The synthetic task: repeat or reverse 3-4 letters (reverse takes a few times more RL steps).",
+    )
     sft_steps: int = Field(25, ge=0, description="SFT warm-up steps (stopped early: teaches the answer format).")
     rl_steps: int = Field(80, ge=1, description="GRPO steps.")
     ppo_epochs: int = Field(2, ge=1, description="Passes over each step's samples (the second one clipped).")
@@ -99,38 +101,72 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, dict[str, float]]:
     max_new_tokens = 10
     # Head size >= 32, as vLLM on CPU needs. Untied embeddings: with tied ones, the RL gradient that
     # lowers a letter's output logit also blurs that letter in the prompt, and a run can lose a letter.
-    model = build_tiny_model(out / "base_model", hidden_size=cfg.hidden_size, num_heads=4, num_kv_heads=2,
-                             tie_word_embeddings=False, seed=cfg.seed)
+    model = build_tiny_model(
+        out / "base_model",
+        hidden_size=cfg.hidden_size,
+        num_heads=4,
+        num_kv_heads=2,
+        tie_word_embeddings=False,
+        seed=cfg.seed,
+    )
     summary: dict[str, dict[str, float]] = {"base_model": greedy_eval(model, held_out, max_new_tokens)}
     if cfg.sft_steps:
         log.info("SFT warm-up: %d steps", cfg.sft_steps)
-        sft = parse_config(SFTConfig, {
-            "model": {"path": str(model), "dtype": "float32"},
-            "data": {"train": [str(sft_file)], "max_length": 64, "min_response_tokens": 8, "seed": cfg.seed},
-            "optim": {"lr": 3e-3, "warmup_steps": 5},
-            "train": {"output_dir": str(out / "sft"), "max_steps": cfg.sft_steps, "global_batch_size": 32,
-                      "micro_batch_size": 32, "seed": cfg.seed, "resume": False},
-        }, source="quickstart")
+        sft = parse_config(
+            SFTConfig,
+            {
+                "model": {"path": str(model), "dtype": "float32"},
+                "data": {"train": [str(sft_file)], "max_length": 64, "min_response_tokens": 8, "seed": cfg.seed},
+                "optim": {"lr": 3e-3, "warmup_steps": 5},
+                "train": {
+                    "output_dir": str(out / "sft"),
+                    "max_steps": cfg.sft_steps,
+                    "global_batch_size": 32,
+                    "micro_batch_size": 32,
+                    "seed": cfg.seed,
+                    "resume": False,
+                },
+            },
+            source="quickstart",
+        )
         SFTTrainer(sft).run()
         model = out / "sft" / "final"
     log.info("GRPO: %d steps of %d prompts x %d samples", cfg.rl_steps, cfg.prompts_per_step, cfg.samples_per_prompt)
-    rl = parse_config(RLConfig, {
-        "preset": "grpo",
-        # float32 on every CPU: a model this small gains nothing from bf16 and learns less exactly in it.
-        "model": {"path": str(model), "dtype": "float32"},
-        "reward": {"sources": [{"kind": "function", "name": "letters", "function_name": "letter_match_reward",
-                                "path": str(Path(tasks.__file__).parent / "strings.py")}]},
-        "rollout": {"engine": cfg.engine, "dtype": "float32"},
-        "sampling": {"n": cfg.samples_per_prompt, "max_new_tokens": max_new_tokens, "temperature": 1.0},
-        "data": {"train": [str(prompts)], "eval": [str(held_out)], "seed": cfg.seed},
-        # A short warm-up of the learning rate: Adam's first steps move every weight by about lr at once.
-        "optim": {"lr": cfg.rl_lr, "scheduler": "constant", "warmup_steps": 10},
-        # The phases take turns, so each worker may compute on every core (up to 4: the model is tiny).
-        "placement": {"cpus_per_worker": min(4, os.cpu_count() or 1)},
-        "train": {"output_dir": str(out / "rl"), "max_steps": cfg.rl_steps, "prompts_per_step": cfg.prompts_per_step,
-                  "ppo_epochs": cfg.ppo_epochs, "seed": cfg.seed, "resume": False,
-                  "eval_every": max(1, cfg.rl_steps // 4)},
-    }, source="quickstart")
+    rl = parse_config(
+        RLConfig,
+        {
+            "preset": "grpo",
+            # float32 on every CPU: a model this small gains nothing from bf16 and learns less exactly in it.
+            "model": {"path": str(model), "dtype": "float32"},
+            "reward": {
+                "sources": [
+                    {
+                        "kind": "function",
+                        "name": "letters",
+                        "function_name": "letter_match_reward",
+                        "path": str(Path(tasks.__file__).parent / "strings.py"),
+                    }
+                ]
+            },
+            "rollout": {"engine": cfg.engine, "dtype": "float32"},
+            "sampling": {"n": cfg.samples_per_prompt, "max_new_tokens": max_new_tokens, "temperature": 1.0},
+            "data": {"train": [str(prompts)], "eval": [str(held_out)], "seed": cfg.seed},
+            # A short warm-up of the learning rate: Adam's first steps move every weight by about lr at once.
+            "optim": {"lr": cfg.rl_lr, "scheduler": "constant", "warmup_steps": 10},
+            # The phases take turns, so each worker may compute on every core (up to 4: the model is tiny).
+            "placement": {"cpus_per_worker": min(4, os.cpu_count() or 1)},
+            "train": {
+                "output_dir": str(out / "rl"),
+                "max_steps": cfg.rl_steps,
+                "prompts_per_step": cfg.prompts_per_step,
+                "ppo_epochs": cfg.ppo_epochs,
+                "seed": cfg.seed,
+                "resume": False,
+                "eval_every": max(1, cfg.rl_steps // 4),
+            },
+        },
+        source="quickstart",
+    )
     RLTrainer(rl).run()
 
     evals = [r for r in read_metrics(out / "rl") if "eval/all/reward_mean" in r]
@@ -147,9 +183,21 @@ def _report(summary: dict[str, dict[str, float]], held_out: Path, out: Path) -> 
     log.info("held-out prompts (%s, greedy answers): mean reward / exact answers", held_out)
     for label, row in (("random model", base), ("after the SFT warm-up", warm), ("after GRPO", final)):
         log.info("  %-22s %.3f / %5.1f%%", label, row["reward"], 100 * row["exact_match"])
-    log.info("RL raised the held-out mean reward from %.2f to %.2f and exact answers from %.0f%% to %.0f%%; "
-             "the warm-up alone had brought the reward from %.2f to %.2f.", warm["reward"], final["reward"],
-             100 * warm["exact_match"], 100 * final["exact_match"], base["reward"], warm["reward"])
-    log.info("results: policy %s | reward curve %s | metrics %s | TensorBoard %s | summary %s",
-             out / "rl" / "final", out / "rl" / "reward_curve.png", out / "rl" / "metrics.jsonl",
-             out / "rl" / "tensorboard", out / "summary.json")
+    log.info(
+        "RL raised the held-out mean reward from %.2f to %.2f and exact answers from %.0f%% to %.0f%%; "
+        "the warm-up alone had brought the reward from %.2f to %.2f.",
+        warm["reward"],
+        final["reward"],
+        100 * warm["exact_match"],
+        100 * final["exact_match"],
+        base["reward"],
+        warm["reward"],
+    )
+    log.info(
+        "results: policy %s | reward curve %s | metrics %s | TensorBoard %s | summary %s",
+        out / "rl" / "final",
+        out / "rl" / "reward_curve.png",
+        out / "rl" / "metrics.jsonl",
+        out / "rl" / "tensorboard",
+        out / "summary.json",
+    )

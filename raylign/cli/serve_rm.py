@@ -17,7 +17,8 @@ import logging
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Iterator, Literal
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
@@ -48,8 +49,11 @@ class ServeRMConfig(Section):
     )
     max_length: int | None = Field(None, ge=8, description="Keep at most this many tokens (the end); None keeps all.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Model parameter dtype.")
-    host: str = Field("127.0.0.1", min_length=1,
-                      description="Address to listen on; anything but loopback exposes the server to the network.")
+    host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address to listen on; anything but loopback exposes the server to the network.",
+    )
     port: int = Field(8000, ge=1, le=65535, description="TCP port.")
     api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' on /score.")
     api_key_env: str | None = Field(
@@ -58,11 +62,14 @@ class ServeRMConfig(Section):
     max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Larger request bodies are refused with 413.")
     # 20 s: inside the 30 s that Kubernetes waits after SIGTERM before it kills a pod.
     shutdown_grace_s: float = Field(
-        20.0, gt=0, description="On SIGTERM or Ctrl+C, seconds to finish the requests in flight (no new connections "
-                                "are accepted); the requests still unanswered then are cut (their clients get a 500).")
+        20.0,
+        gt=0,
+        description="On SIGTERM or Ctrl+C, seconds to finish the requests in flight (no new connections "
+        "are accepted); the requests still unanswered then are cut (their clients get a 500).",
+    )
 
     @model_validator(mode="after")
-    def _one_scorer(self) -> "ServeRMConfig":
+    def _one_scorer(self) -> ServeRMConfig:
         if (self.model_path is None) == (self.reward_file is None):
             raise ValueError("set exactly one of model_path and reward_file")
         return self
@@ -91,23 +98,30 @@ def build_scorer(cfg: ServeRMConfig):
     if cfg.model_path is not None:
         from raylign.rollout.rewards.reward_model import LocalRewardModel
 
-        return LocalRewardModel(cfg.model_path, batch_size=cfg.batch_size, normalize=cfg.normalize,
-                                max_length=cfg.max_length, dtype=cfg.dtype)
+        return LocalRewardModel(
+            cfg.model_path,
+            batch_size=cfg.batch_size,
+            normalize=cfg.normalize,
+            max_length=cfg.max_length,
+            dtype=cfg.dtype,
+        )
     from raylign.rollout.rewards.function import PythonFileReward
 
+    assert cfg.reward_file is not None  # the config holds a reward model or a reward file
     return PythonFileReward(cfg.reward_file, cfg.function_name, num_workers=cfg.num_workers, timeout_s=cfg.timeout_s)
 
 
-def uvicorn_server(app: "FastAPI", host: str, port: int, shutdown_grace_s: float) -> "uvicorn.Server":
+def uvicorn_server(app: FastAPI, host: str, port: int, shutdown_grace_s: float) -> uvicorn.Server:
     """The uvicorn server that serve-rm runs ``app`` with (port 0: a free port, read from ``server.servers``)."""
     import uvicorn
 
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                         timeout_graceful_shutdown=shutdown_grace_s))
+    return uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace_s)  # type: ignore[arg-type]
+    )
 
 
 @contextlib.contextmanager
-def stop_signals_end_serving(server: "uvicorn.Server") -> Iterator[None]:
+def stop_signals_end_serving(server: uvicorn.Server) -> Iterator[None]:
     """SIGINT and SIGTERM stop ``server`` and are then done with, so that serve-rm returns normally.
 
     uvicorn handles both while it serves (a graceful shutdown), then raises the signal again for
@@ -148,16 +162,19 @@ def sigterm_ends_start_up() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def serve_until_stopped(app: "FastAPI", cfg: ServeRMConfig) -> None:
+def serve_until_stopped(app: FastAPI, cfg: ServeRMConfig) -> None:
     """Serve ``app`` until SIGTERM or Ctrl+C, then finish the requests in flight within the grace period."""
     server = uvicorn_server(app, cfg.host, cfg.port, cfg.shutdown_grace_s)
     with stop_signals_end_serving(server):
         server.run()
     cut = app.state.scoring.requests_cut
     if cut:
-        log.warning("shutdown: %d request(s) still in flight after shutdown_grace_s=%g s were cut (their clients "
-                    "got a 500); a scoring call in progress is let finish before the scorer closes", cut,
-                    cfg.shutdown_grace_s)
+        log.warning(
+            "shutdown: %d request(s) still in flight after shutdown_grace_s=%g s were cut (their clients "
+            "got a 500); a scoring call in progress is let finish before the scorer closes",
+            cut,
+            cfg.shutdown_grace_s,
+        )
     log.info("serve-rm stopped")
 
 
@@ -167,8 +184,11 @@ def run_serve_rm(cfg: ServeRMConfig) -> None:
 
     api_key = _api_key(cfg)
     if not _is_loopback(cfg.host):
-        log.warning("serving on %s: reachable from the network%s", cfg.host,
-                    "" if api_key else " and without an API key (set api_key or api_key_env)")
+        log.warning(
+            "serving on %s: reachable from the network%s",
+            cfg.host,
+            "" if api_key else " and without an API key (set api_key or api_key_env)",
+        )
     with sigterm_ends_start_up():
         scorer = build_scorer(cfg)
         try:

@@ -27,7 +27,14 @@ class TinyModelConfig(Section):
 def run_tiny_model(cfg: TinyModelConfig) -> str:
     from raylign.models.tiny import build_tiny_model
 
-    path = build_tiny_model(cfg.output_dir, arch=cfg.arch, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-                            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, seed=cfg.seed)
+    path = build_tiny_model(
+        cfg.output_dir,
+        arch=cfg.arch,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        seed=cfg.seed,
+    )
     log.info("tiny %s model and tokenizer written to %s", cfg.arch, path)
     return str(path)

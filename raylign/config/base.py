@@ -219,7 +219,7 @@ def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, s
         if field.is_required():
             default = "(required)"
         elif field.default_factory is not None:
-            default = repr(field.default_factory())
+            default = repr(field.get_default(call_default_factory=True))
         else:
             default = repr(field.default)
         rows.append((dotted, type_text, default, field.description or ""))

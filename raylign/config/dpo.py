@@ -51,9 +51,7 @@ class PreferenceLossConfig(Section):
         description="Assumed probability that a label is flipped (dpo: default 0; cdpo: default 0.1; simpo: "
         "default 0).",
     )
-    simpo_gamma: float | None = Field(
-        None, description="simpo: target reward margin gamma (default 0.5)."
-    )
+    simpo_gamma: float | None = Field(None, description="simpo: target reward margin gamma (default 0.5).")
     nll_coef: float | None = Field(
         None, ge=0, description="dpo_nll: weight of the chosen response's per-token NLL (default 1.0)."
     )
@@ -62,8 +60,7 @@ class PreferenceLossConfig(Section):
     )
     reference_path: str | None = Field(
         None,
-        description="Frozen reference model folder for losses that use one; None: the starting model "
-        "(model.path).",
+        description="Frozen reference model folder for losses that use one; None: the starting model (model.path).",
     )
     precompute_reference: bool = Field(
         False,

@@ -22,7 +22,8 @@ class TeacherConfig(Section):
         None, description="Teacher tokenizer folder, compared with the student's; defaults to the teacher path."
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Teacher parameter dtype; auto as for model.dtype.")
+        "auto", description="Teacher parameter dtype; auto as for model.dtype."
+    )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Teacher attention kernel.")
     trust_remote_code: bool = Field(False, description="Allow model code from the teacher folder.")
 

@@ -16,9 +16,7 @@ class KTOSection(Section):
     """The KTO objective (Ethayarajh et al. 2024) and its reference model."""
 
     beta: float = Field(0.1, gt=0, description="Scale of the implied reward beta * log(pi / pi_ref).")
-    desirable_weight: float = Field(
-        1.0, gt=0, description="lambda_D, weight of the loss on desirable examples."
-    )
+    desirable_weight: float = Field(1.0, gt=0, description="lambda_D, weight of the loss on desirable examples.")
     undesirable_weight: float = Field(
         1.0,
         gt=0,

@@ -27,9 +27,10 @@ class ModelConfig(Section):
     )
     tokenizer_path: str | None = Field(None, description="Tokenizer folder; defaults to the model path.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Parameter dtype for training and inference. auto: bfloat16 on CUDA devices that "
+        "auto",
+        description="Parameter dtype for training and inference. auto: bfloat16 on CUDA devices that "
         "support it and on CPUs with native bf16 (AMX, AVX512-BF16), float32 otherwise (emulated bf16 is tens of "
-        "times slower); the choice and its reason are logged at start."
+        "times slower); the choice and its reason are logged at start.",
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")

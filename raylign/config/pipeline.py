@@ -90,8 +90,11 @@ class RayRuntimeConfig(Section):
         None, ge=1, description="Logical CPUs of a local Ray; None: enough for the engines plus a few spare."
     )
     startup_timeout_s: float = Field(
-        600.0, ge=1.0, le=86_400.0, description="Longest wait (1 s - 1 day) for the engines or reward actors to "
-        "start; past it the command stops naming what did not start."
+        600.0,
+        ge=1.0,
+        le=86_400.0,
+        description="Longest wait (1 s - 1 day) for the engines or reward actors to "
+        "start; past it the command stops naming what did not start.",
     )
 
 

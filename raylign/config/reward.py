@@ -19,8 +19,16 @@ RewardKind = Literal["function", "reward_model", "http", "math", "exact_match", 
 # Fields that only some kinds read; setting one for another kind is a mistake worth reporting.
 KIND_FIELDS: dict[str, tuple[str, ...]] = {
     "function": ("path", "function_name", "num_workers", "timeout_s"),
-    "reward_model": ("model_path", "batch_size", "normalize", "max_length", "dtype", "num_cpus", "num_gpus",
-                     "timeout_s"),
+    "reward_model": (
+        "model_path",
+        "batch_size",
+        "normalize",
+        "max_length",
+        "dtype",
+        "num_cpus",
+        "num_gpus",
+        "timeout_s",
+    ),
     "http": ("url", "api_key", "api_key_env", "timeout_s", "max_retries", "backoff_s", "batch_size"),
     "math": (),
     "exact_match": ("case_sensitive",),
@@ -53,7 +61,9 @@ class RewardSourceConfig(Section):
         1, ge=1, le=256, description="[function] Worker processes; the batch is split into this many chunks."
     )
     timeout_s: float = Field(
-        60.0, gt=0, le=86400,
+        60.0,
+        gt=0,
+        le=86400,
         description="[function] Seconds one call on a chunk may take. [http] Seconds one request may take. "
         "[reward_model] Seconds the model may take to score one batch handed to the source.",
     )
@@ -83,7 +93,8 @@ class RewardSourceConfig(Section):
     )
     api_key: str | None = Field(None, description="[http] Sent as 'Authorization: Bearer <key>'.")
     api_key_env: str | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="[http] Environment variable holding the API key (keeps it out of config files); "
         "used when api_key is not set.",
     )
@@ -121,14 +132,15 @@ class RewardSourceConfig(Section):
         return value
 
     @model_validator(mode="after")
-    def _fields_match_kind(self) -> "RewardSourceConfig":
+    def _fields_match_kind(self) -> RewardSourceConfig:
         missing = [f for f in REQUIRED_FIELDS.get(self.kind, ()) if getattr(self, f) is None]
         if missing:
             raise ValueError(f"kind '{self.kind}' needs {', '.join(missing)}")
         allowed = set(COMMON_FIELDS) | set(KIND_FIELDS[self.kind])
         # A dumped config lists every field, so only values other than the default count as set.
         foreign = sorted(
-            f for f in set(self.model_fields_set) - allowed
+            f
+            for f in set(self.model_fields_set) - allowed
             if getattr(self, f) != type(self).model_fields[f].get_default(call_default_factory=True)
         )
         if foreign:
@@ -155,13 +167,14 @@ class RewardConfig(Section):
         ..., min_length=1, description="The reward sources; each one's reward is also logged under its name."
     )
     non_finite: Literal["error", "drop"] = Field(
-        "error", description="A reward that is NaN or infinite, from any source: the run stops with an error naming "
+        "error",
+        description="A reward that is NaN or infinite, from any source: the run stops with an error naming "
         "the sample (error), or the sample's prompt group is dropped, counted in reward/non_finite_groups, and "
-        "another prompt's group takes its place (drop). Never trained on."
+        "another prompt's group takes its place (drop). Never trained on.",
     )
 
     @model_validator(mode="after")
-    def _names_unique(self) -> "RewardConfig":
+    def _names_unique(self) -> RewardConfig:
         names = [s.name for s in self.sources if s.name is not None]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
@@ -176,7 +189,8 @@ class RewardConfig(Section):
             if source.name is not None:
                 names.append(source.name)
                 continue
-            candidate, k = source.kind, 1
+            candidate: str = source.kind
+            k = 1
             while candidate in taken:
                 k += 1
                 candidate = f"{source.kind}_{k}"

@@ -25,31 +25,40 @@ PresetName = Literal["ppo", "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_bas
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["gae", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "grpo",
-                       "dr_grpo"] = Field("grpo", description="Advantage estimator (gae needs a critic).")
+    advantage: Literal[
+        "gae", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "grpo", "dr_grpo"
+    ] = Field("grpo", description="Advantage estimator (gae needs a critic).")
     normalize_std: bool = Field(True, description="grpo: divide by the group's reward std (false: Dr.GRPO-style).")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
-    policy_loss: Literal["ppo", "gspo"] = Field("ppo", description="ppo: token-level clipped surrogate; gspo: "
-                                                "sequence-level ratio (geometric mean over tokens).")
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        "ppo",
+        description="ppo: token-level clipped surrogate; gspo: sequence-level ratio (geometric mean over tokens).",
+    )
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="Lower clip: ratio >= 1 - clip_eps_low.")
     clip_eps_high: float | None = Field(None, gt=0, description="Upper clip (clip-higher); None = clip_eps_low.")
     dual_clip_c: float | None = Field(None, gt=1, description="Dual-clip bound for negative advantages; None off.")
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant_normalizer"] = Field(
-        "token_mean", description="How token losses become the batch loss.")
+        "token_mean", description="How token losses become the batch loss."
+    )
     constant_normalizer: float | None = Field(
-        None, gt=0, description="constant_normalizer aggregation: divide token sums by this (default max_new_tokens).")
+        None, gt=0, description="constant_normalizer aggregation: divide token sums by this (default max_new_tokens)."
+    )
     kl_mode: Literal["none", "reward", "loss"] = Field(
-        "loss", description="KL to the reference policy: none, a per-token reward penalty, or a loss term.")
+        "loss", description="KL to the reference policy: none, a per-token reward penalty, or a loss term."
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="KL estimator (Schulman's k1/k2/k3); k3 is clamped at 10 per token (it grows as "
-        "exp(-log_ratio)), k1 and k2 are not clamped.")
+        "k3",
+        description="KL estimator (Schulman's k1/k2/k3); k3 is clamped at 10 per token (it grows as "
+        "exp(-log_ratio)), k1 and k2 are not clamped.",
+    )
     kl_coef: float = Field(0.001, ge=0, description="KL coefficient (reward penalty or loss weight).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
     vf_coef: float = Field(0.5, gt=0, description="Value-loss weight (PPO critic).")
     value_clip: float | None = Field(0.2, gt=0, description="Value clipping range; None disables.")
     off_policy: Literal["none", "truncated_is", "ratio_mask"] = Field(
-        "none", description="Correction for rollout-engine vs trainer log-prob mismatch.")
+        "none", description="Correction for rollout-engine vs trainer log-prob mismatch."
+    )
     tis_cap: float = Field(2.0, gt=0, description="truncated_is: importance weights clamped at this C.")
     mask_low: float = Field(0.5, gt=0, description="ratio_mask: tokens whose ratio is below this are masked.")
     mask_high: float = Field(2.0, gt=0, description="ratio_mask: tokens whose ratio is above this are masked.")
@@ -57,16 +66,23 @@ class AlgorithmConfig(Section):
     max_refill_rounds: int = Field(3, ge=0, description="Dynamic sampling: extra generation rounds per step.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (tokens); 0 disables.")
     overlong_penalty: float = Field(1.0, ge=0, description="DAPO soft overlong penalty at max length.")
-    normalize_rewards: bool = Field(False, description="Subtract the running mean of every reward seen so far and "
-                                    "divide by its running std (Ziegler et al. 2019), before the penalties below; for "
-                                    "reward models whose scale means nothing. Checkpointed with the run.")
+    normalize_rewards: bool = Field(
+        False,
+        description="Subtract the running mean of every reward seen so far and "
+        "divide by its running std (Ziegler et al. 2019), before the penalties below; for "
+        "reward models whose scale means nothing. Checkpointed with the run.",
+    )
     length_penalty: Literal["none", "linear", "kimi"] = Field(
-        "none", description="Added to the reward: linear: -coef x (tokens beyond length_penalty_free_tokens); kimi: "
+        "none",
+        description="Added to the reward: linear: -coef x (tokens beyond length_penalty_free_tokens); kimi: "
         "Kimi k1.5's group-relative length reward, coef x (0.5 - (len - shortest) / (longest - shortest)) for a "
-        "correct answer, only its negative part for a wrong one.")
+        "correct answer, only its negative part for a wrong one.",
+    )
     length_penalty_coef: float = Field(0.001, gt=0, description="Weight of length_penalty (linear: per token).")
     length_penalty_free_tokens: int = Field(0, ge=0, description="linear length penalty: tokens that cost nothing.")
-    correct_reward: float = Field(1.0, description="kimi length penalty: a reward at or above this is a correct answer.")
+    correct_reward: float = Field(
+        1.0, description="kimi length penalty: a reward at or above this is a correct answer."
+    )
     reward_clip: float | None = Field(None, gt=0, description="Clip rewards to [-c, c]; None disables.")
 
 
@@ -76,8 +92,12 @@ class CriticConfig(Section):
 
 
 class RLDataConfig(Section):
-    train: list[DatasetSpec] = Field(..., min_length=1, description="Prompt datasets (input_key: prompt text or "
-                                     "messages; label_key: the reference answer given to reward functions).")
+    train: list[DatasetSpec] = Field(
+        ...,
+        min_length=1,
+        description="Prompt datasets (input_key: prompt text or "
+        "messages; label_key: the reference answer given to reward functions).",
+    )
     eval: list[DatasetSpec] = Field(default_factory=list, description="Evaluation prompt datasets.")
     format: Literal["chat", "plain"] = Field("chat", description="chat: apply the chat template to the prompt.")
     prompt_template: str = Field("{input}", description="Plain format: how the prompt text is written.")
@@ -90,20 +110,36 @@ class PlacementConfig(Section):
     policy_workers: int = Field(1, ge=1, description="Data-parallel policy ranks (Ray actors).")
     critic_workers: int = Field(1, ge=1, description="Data-parallel critic ranks (PPO).")
     reference_workers: int = Field(1, ge=1, description="Reference-model ranks.")
-    colocate: bool = Field(False, description="Hybrid engine: each policy rank runs its rollout engine in its own "
-                           "process and device; weights are handed over in memory, trainers offload and engines "
-                           "sleep by phase. rollout.num_engines is then the number of policy workers.")
-    cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPU slots per training worker; also its torch "
-                                   "compute threads (rounded down, at least 1).")
+    colocate: bool = Field(
+        False,
+        description="Hybrid engine: each policy rank runs its rollout engine in its own "
+        "process and device; weights are handed over in memory, trainers offload and engines "
+        "sleep by phase. rollout.num_engines is then the number of policy workers.",
+    )
+    cpus_per_worker: float = Field(
+        1.0,
+        gt=0,
+        description="Ray CPU slots per training worker; also its torch compute threads (rounded down, at least 1).",
+    )
     ray_address: str | None = Field(None, description="Join this Ray cluster; None starts a local Ray.")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of a local Ray (default: enough for the run).")
-    startup_timeout_s: float = Field(600.0, ge=1.0, le=86_400.0, description="Longest wait (1 s - 1 day) for the "
-                                     "model workers, rollout engines and reward actors to start (model loaded, "
-                                     "process groups formed); past it the run stops naming what did not start.")
-    worker_call_timeout_s: float = Field(3600.0, ge=1.0, le=86_400.0, description="Longest wait (1 s - 1 day) for "
-                                         "the model workers' answers to one call: a step's forward or training "
-                                         "passes, a weight sync, a checkpoint save or export; past it the run "
-                                         "stops naming the ranks that did not answer.")
+    startup_timeout_s: float = Field(
+        600.0,
+        ge=1.0,
+        le=86_400.0,
+        description="Longest wait (1 s - 1 day) for the "
+        "model workers, rollout engines and reward actors to start (model loaded, "
+        "process groups formed); past it the run stops naming what did not start.",
+    )
+    worker_call_timeout_s: float = Field(
+        3600.0,
+        ge=1.0,
+        le=86_400.0,
+        description="Longest wait (1 s - 1 day) for "
+        "the model workers' answers to one call: a step's forward or training "
+        "passes, a weight sync, a checkpoint save or export; past it the run "
+        "stops naming the ranks that did not answer.",
+    )
 
 
 class RLTrainConfig(Section):
@@ -113,22 +149,32 @@ class RLTrainConfig(Section):
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per RL step (the rollout batch is split).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of a micro-batch (balanced packing).")
-    pack_row_tokens: int = Field(0, ge=0, description="Tokens per packed row within a micro-batch; 0: the longest "
-                                 "sample's length. Attention cost grows with the square of a row's length.")
-    async_rollout: bool | None = Field(None, description="Replaced by rollout.max_staleness (async_rollout: true "
-                                       "is rollout.max_staleness: 1).")
+    pack_row_tokens: int = Field(
+        0,
+        ge=0,
+        description="Tokens per packed row within a micro-batch; 0: the longest "
+        "sample's length. Attention cost grows with the square of a row's length.",
+    )
+    async_rollout: bool | None = Field(
+        None, description="Replaced by rollout.max_staleness (async_rollout: true is rollout.max_staleness: 1)."
+    )
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (and at start and end); 0 only start/end.")
     eval_n: int = Field(1, ge=1, description="Samples per eval prompt (pass@k for k <= eval_n).")
     eval_temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 greedy).")
-    eval_max_new_tokens: int | None = Field(None, ge=1, description="Most tokens per eval completion "
-                                            "(default: sampling.max_new_tokens).")
+    eval_max_new_tokens: int | None = Field(
+        None, ge=1, description="Most tokens per eval completion (default: sampling.max_new_tokens)."
+    )
     eval_threshold: float = Field(1.0, description="An eval sample counts as correct when its reward >= this.")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0 only at the end.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept.")
     log_samples: int = Field(4, ge=0, description="Completions per step written to <output_dir>/samples.jsonl.")
-    max_skipped_steps: int = Field(3, ge=0, description="RL steps in a row whose updates may be skipped for a "
-                                   "non-finite loss or gradient norm (counted in skipped_steps) before the run "
-                                   "stops with a diagnostic; 0 stops at the first.")
+    max_skipped_steps: int = Field(
+        3,
+        ge=0,
+        description="RL steps in a row whose updates may be skipped for a "
+        "non-finite loss or gradient norm (counted in skipped_steps) before the run "
+        "stops with a diagnostic; 0 stops at the first.",
+    )
     resume: bool = Field(True, description="Continue from the newest complete checkpoint.")
     export: bool = Field(True, description="Export the final policy to <output_dir>/final.")
     seed: int = Field(42, description="Seed of model init and sampling.")
@@ -138,11 +184,16 @@ class RLTrainConfig(Section):
 class RLConfig(Section):
     """raylign rl: online RL with rollouts from vLLM (or HF) and rewards from functions, models or servers."""
 
-    preset: PresetName = Field("grpo", description="Algorithm defaults: ppo, grpo, dr_grpo, reinforce_pp, "
-                               "reinforce_pp_baseline, rloo, gspo, dapo.")
+    preset: PresetName = Field(
+        "grpo",
+        description="Algorithm defaults: ppo, grpo, dr_grpo, reinforce_pp, reinforce_pp_baseline, rloo, gspo, dapo.",
+    )
     model: ModelConfig = Field(..., description="The policy.")
-    reference: ModelConfig | None = Field(None, description="Frozen reference model (defaults to the policy's "
-                                          "initial weights); used when the KL mode is not none.")
+    reference: ModelConfig | None = Field(
+        None,
+        description="Frozen reference model (defaults to the policy's "
+        "initial weights); used when the KL mode is not none.",
+    )
     critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO critic (only with gae).")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Estimator, losses, KL.")
     reward: RewardConfig = Field(..., description="Reward sources and their weights.")
@@ -208,73 +259,109 @@ class RLConfig(Section):
     def _possible(self) -> RLConfig:
         a, t, s, p = self.algorithm, self.train, self.sampling, self.placement
         if a.advantage in GROUP_ESTIMATORS and s.n < 2:
-            raise ValueError(f"algorithm.advantage '{a.advantage}' compares samples of a prompt: "
-                             f"sampling.n must be at least 2 (got {s.n})")
+            raise ValueError(
+                f"algorithm.advantage '{a.advantage}' compares samples of a prompt: "
+                f"sampling.n must be at least 2 (got {s.n})"
+            )
         if self.critic.path is not None and not self.uses_critic:
-            raise ValueError(f"critic.path is set but algorithm.advantage '{a.advantage}' uses no critic "
-                             "(only gae does); remove critic.path or use the ppo preset")
+            raise ValueError(
+                f"critic.path is set but algorithm.advantage '{a.advantage}' uses no critic "
+                "(only gae does); remove critic.path or use the ppo preset"
+            )
         samples = t.prompts_per_step * s.n
         if samples % t.mini_batches:
-            raise ValueError(f"train.prompts_per_step x sampling.n ({samples}) must be divisible by "
-                             f"train.mini_batches ({t.mini_batches})")
+            raise ValueError(
+                f"train.prompts_per_step x sampling.n ({samples}) must be divisible by "
+                f"train.mini_batches ({t.mini_batches})"
+            )
         if (samples // t.mini_batches) % p.policy_workers:
-            raise ValueError(f"each mini-batch ({samples // t.mini_batches} samples) must split evenly over "
-                             f"placement.policy_workers ({p.policy_workers})")
+            raise ValueError(
+                f"each mini-batch ({samples // t.mini_batches} samples) must split evenly over "
+                f"placement.policy_workers ({p.policy_workers})"
+            )
         # Every rank of a role must get the same number of samples, or a shard can be too small for the
         # number of micro-batches its peers need (see raylign.rl.experience.micro_batches_for_ranks).
         if self.uses_critic and (samples // t.mini_batches) % p.critic_workers:
-            raise ValueError(f"each mini-batch ({samples // t.mini_batches} samples) must split evenly over "
-                             f"placement.critic_workers ({p.critic_workers})")
+            raise ValueError(
+                f"each mini-batch ({samples // t.mini_batches} samples) must split evenly over "
+                f"placement.critic_workers ({p.critic_workers})"
+            )
         if self.uses_reference and samples % p.reference_workers:
-            raise ValueError(f"train.prompts_per_step x sampling.n ({samples}) must split evenly over "
-                             f"placement.reference_workers ({p.reference_workers})")
+            raise ValueError(
+                f"train.prompts_per_step x sampling.n ({samples}) must split evenly over "
+                f"placement.reference_workers ({p.reference_workers})"
+            )
         if a.overlong_buffer > s.max_new_tokens:
-            raise ValueError(f"algorithm.overlong_buffer ({a.overlong_buffer}) must not exceed "
-                             f"sampling.max_new_tokens ({s.max_new_tokens}): the penalty zone ends at the limit")
+            raise ValueError(
+                f"algorithm.overlong_buffer ({a.overlong_buffer}) must not exceed "
+                f"sampling.max_new_tokens ({s.max_new_tokens}): the penalty zone ends at the limit"
+            )
         longest = self.data.max_prompt_length + s.max_new_tokens
         if t.micro_batch_tokens < longest:
-            raise ValueError(f"train.micro_batch_tokens ({t.micro_batch_tokens}) must hold the longest sample: "
-                             f"data.max_prompt_length + sampling.max_new_tokens = {longest}")
+            raise ValueError(
+                f"train.micro_batch_tokens ({t.micro_batch_tokens}) must hold the longest sample: "
+                f"data.max_prompt_length + sampling.max_new_tokens = {longest}"
+            )
         if p.ray_address is None and p.num_cpus is not None and p.num_cpus < self.ray_cpus_needed:
-            raise ValueError(f"placement.num_cpus ({p.num_cpus}) is below the {self.ray_cpus_needed:g} CPU slots the "
-                             "run's actors reserve (training workers x placement.cpus_per_worker + rollout.num_engines "
-                             "x rollout.num_cpus_per_engine + reward-model actors); they would wait for CPUs forever")
+            raise ValueError(
+                f"placement.num_cpus ({p.num_cpus}) is below the {self.ray_cpus_needed:g} CPU slots the "
+                "run's actors reserve (training workers x placement.cpus_per_worker + rollout.num_engines "
+                "x rollout.num_cpus_per_engine + reward-model actors); they would wait for CPUs forever"
+            )
         if a.dynamic_sampling and s.n < 2:
-            raise ValueError("algorithm.dynamic_sampling drops groups whose rewards are all equal: sampling.n must "
-                             f"be at least 2 (got {s.n}), or every group is dropped")
+            raise ValueError(
+                "algorithm.dynamic_sampling drops groups whose rewards are all equal: sampling.n must "
+                f"be at least 2 (got {s.n}), or every group is dropped"
+            )
         if self.rollout.engine == "hf" and self.rollout.tensor_parallel_size != 1:
             raise ValueError("rollout.tensor_parallel_size must be 1 with the hf engine")
         if p.colocate and self.rollout.num_engines not in (1, p.policy_workers):
-            raise ValueError(f"placement.colocate runs one rollout engine in each policy worker: rollout.num_engines "
-                             f"({self.rollout.num_engines}) must be 1 or placement.policy_workers ({p.policy_workers})")
-        several = {f"placement.{role}_workers": n for role, n in self.worker_roles.items()
-                   if n > 1 and role != "reference"}  # reference replicas are independent processes
+            raise ValueError(
+                f"placement.colocate runs one rollout engine in each policy worker: rollout.num_engines "
+                f"({self.rollout.num_engines}) must be 1 or placement.policy_workers ({p.policy_workers})"
+            )
+        several = {
+            f"placement.{role}_workers": n for role, n in self.worker_roles.items() if n > 1 and role != "reference"
+        }  # reference replicas are independent processes
         if self.engine.backend == "local" and several:
             names = ", ".join(f"{k}={v}" for k, v in several.items())
-            raise ValueError(f"engine.backend 'local' trains in one process, but {names}: use engine.backend "
-                             "'fsdp2' or 'deepspeed' for data-parallel training ranks")
+            raise ValueError(
+                f"engine.backend 'local' trains in one process, but {names}: use engine.backend "
+                "'fsdp2' or 'deepspeed' for data-parallel training ranks"
+            )
         r = self.rollout
         if t.async_rollout is not None:
-            raise ValueError("train.async_rollout is replaced by rollout.max_staleness: use rollout.max_staleness: 1 "
-                             "for what async_rollout: true did (0, the default, is synchronous)")
+            raise ValueError(
+                "train.async_rollout is replaced by rollout.max_staleness: use rollout.max_staleness: 1 "
+                "for what async_rollout: true did (0, the default, is synchronous)"
+            )
         if r.max_staleness > 0 and p.colocate:
-            raise ValueError(f"rollout.max_staleness {r.max_staleness} overlaps generation with training: it needs "
-                             "engines apart from the trainers (placement.colocate: false)")
+            raise ValueError(
+                f"rollout.max_staleness {r.max_staleness} overlaps generation with training: it needs "
+                "engines apart from the trainers (placement.colocate: false)"
+            )
         if r.max_staleness > 1 and a.off_policy == "none":
-            raise ValueError(f"rollout.max_staleness {r.max_staleness}: samples up to {r.max_staleness} updates old "
-                             "make the engine's log-probs a poor stand-in for the policy of the PPO ratio; set "
-                             "algorithm.off_policy to truncated_is (decoupled PPO: the ratio against the policy "
-                             "recomputed by the trainer, the behaviour weights truncated) or ratio_mask")
+            raise ValueError(
+                f"rollout.max_staleness {r.max_staleness}: samples up to {r.max_staleness} updates old "
+                "make the engine's log-probs a poor stand-in for the policy of the PPO ratio; set "
+                "algorithm.off_policy to truncated_is (decoupled PPO: the ratio against the policy "
+                "recomputed by the trainer, the behaviour weights truncated) or ratio_mask"
+            )
         if r.partial_rollouts and r.max_staleness == 0:
-            raise ValueError("rollout.partial_rollouts continues sequences under newer weights: it needs "
-                             "rollout.max_staleness >= 1")
+            raise ValueError(
+                "rollout.partial_rollouts continues sequences under newer weights: it needs rollout.max_staleness >= 1"
+            )
         if p.colocate and max(self.worker_roles.values()) > p.policy_workers:
-            raise ValueError("placement.colocate puts rank r of every model beside policy rank r: "
-                             "placement.reference_workers and placement.critic_workers must not exceed "
-                             f"placement.policy_workers ({p.policy_workers})")
+            raise ValueError(
+                "placement.colocate puts rank r of every model beside policy rank r: "
+                "placement.reference_workers and placement.critic_workers must not exceed "
+                f"placement.policy_workers ({p.policy_workers})"
+            )
         if p.colocate and self.rollout.tensor_parallel_size != 1:
-            raise ValueError("placement.colocate hands weights to the engine in the policy worker's process: "
-                             f"rollout.tensor_parallel_size must be 1 (got {self.rollout.tensor_parallel_size})")
+            raise ValueError(
+                "placement.colocate hands weights to the engine in the policy worker's process: "
+                f"rollout.tensor_parallel_size must be 1 (got {self.rollout.tensor_parallel_size})"
+            )
         if a.mask_low >= a.mask_high:
             raise ValueError(f"algorithm.mask_low ({a.mask_low}) must be below algorithm.mask_high ({a.mask_high})")
         return self

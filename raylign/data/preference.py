@@ -100,8 +100,11 @@ def _prompt_messages(row: dict[str, Any], spec: DatasetSpec, where: RowRef) -> l
     if isinstance(value, list):
         messages = validate_messages(value, spec.input_key, where)
         if messages[-1]["role"] in REPLY_ROLES:
-            raise where.error(spec.input_key, "a prompt conversation must end before the reply (last role is "
-                              f"{messages[-1]['role']!r})", "bad_role")
+            raise where.error(
+                spec.input_key,
+                f"a prompt conversation must end before the reply (last role is {messages[-1]['role']!r})",
+                "bad_role",
+            )
         return messages
     text = check_text(value, spec.input_key, where)
     system = optional_text(row, spec.system_key, where)
@@ -125,8 +128,11 @@ def _response_messages(row: dict[str, Any], key: str, where: RowRef) -> tuple[li
     if not reply:
         raise where.error(key, "the conversation has no assistant reply at its end", "no_target")
     if reply[0]["role"] != "assistant":
-        raise where.error(key, f"the reply starts with a {reply[0]['role']!r} message; a reply starts with an "
-                          "assistant message", "bad_role")
+        raise where.error(
+            key,
+            f"the reply starts with a {reply[0]['role']!r} message; a reply starts with an assistant message",
+            "bad_role",
+        )
     return (prompt or None), reply
 
 
@@ -139,14 +145,22 @@ def _chat_pair_messages(
     if chosen_prompt is None and rejected_prompt is None:
         return _prompt_messages(row, spec, where), chosen, rejected
     if chosen_prompt is None or rejected_prompt is None:
-        whole, reply = (spec.chosen_key, spec.rejected_key) if rejected_prompt is None else (
-            spec.rejected_key, spec.chosen_key)
-        raise where.error(reply, f"'{whole}' is a whole conversation but '{reply}' is only a reply; give both as "
-                          "conversations or both as replies to the prompt", "different_prompts")
+        whole, reply = (
+            (spec.chosen_key, spec.rejected_key) if rejected_prompt is None else (spec.rejected_key, spec.chosen_key)
+        )
+        raise where.error(
+            reply,
+            f"'{whole}' is a whole conversation but '{reply}' is only a reply; give both as "
+            "conversations or both as replies to the prompt",
+            "different_prompts",
+        )
     if chosen_prompt != rejected_prompt:
-        raise where.error(spec.rejected_key, f"the '{spec.chosen_key}' and '{spec.rejected_key}' conversations have "
-                          "different prompts (everything before the final assistant reply must be equal)",
-                          "different_prompts")
+        raise where.error(
+            spec.rejected_key,
+            f"the '{spec.chosen_key}' and '{spec.rejected_key}' conversations have "
+            "different prompts (everything before the final assistant reply must be equal)",
+            "different_prompts",
+        )
     return chosen_prompt, chosen, rejected
 
 
@@ -164,8 +178,12 @@ def _render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[Message], 
 
 
 def _chat_side(
-    tokenizer: PreTrainedTokenizerBase, prompt: list[Message], prompt_ids: list[int], reply: list[Message],
-    key: str, where: RowRef,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: list[Message],
+    prompt_ids: list[int],
+    reply: list[Message],
+    key: str,
+    where: RowRef,
 ) -> Side:
     ids, mask = tokenize_conversation(tokenizer, prompt + reply, key, where)
     if ids[: len(prompt_ids)] != prompt_ids:
@@ -174,7 +192,7 @@ def _chat_side(
             "prompt differently from the start of the whole conversation, so the reply cannot be located; "
             "use data.format 'plain'"
         )
-    return Side(ids[len(prompt_ids):], mask[len(prompt_ids):])
+    return Side(ids[len(prompt_ids) :], mask[len(prompt_ids) :])
 
 
 def _chat_pair(
@@ -182,8 +200,11 @@ def _chat_pair(
 ) -> tuple[list[int], Side, Side]:
     prompt, chosen, rejected = _chat_pair_messages(row, spec, where)
     prompt_ids = _render_prompt(tokenizer, prompt, spec.input_key, where)
-    return (prompt_ids, _chat_side(tokenizer, prompt, prompt_ids, chosen, spec.chosen_key, where),
-            _chat_side(tokenizer, prompt, prompt_ids, rejected, spec.rejected_key, where))
+    return (
+        prompt_ids,
+        _chat_side(tokenizer, prompt, prompt_ids, chosen, spec.chosen_key, where),
+        _chat_side(tokenizer, prompt, prompt_ids, rejected, spec.rejected_key, where),
+    )
 
 
 def _plain_pair(
@@ -225,7 +246,7 @@ def truncate_pair(
     keep_prompt = min(len(prompt_ids), max_length - min(longest, min_response_tokens))
     room = max_length - keep_prompt
     cut = [Side(side.ids[:room], side.mask[:room]) for side in (chosen, rejected)]
-    return prompt_ids[len(prompt_ids) - keep_prompt:], cut[0], cut[1]
+    return prompt_ids[len(prompt_ids) - keep_prompt :], cut[0], cut[1]
 
 
 def _fit_length(
@@ -249,12 +270,20 @@ def _check_sides(chosen: Side, rejected: Side, spec: DatasetSpec, where: RowRef,
             raise where.error(key, "no response tokens left to score", "no_target")
     if chosen.ids == rejected.ids:
         when = " after truncation to data.max_length" if after_truncation else ""
-        raise where.error(spec.rejected_key, f"'{spec.chosen_key}' and '{spec.rejected_key}' are identical{when}; "
-                          "a preference pair needs two different responses", "identical_pair")
+        raise where.error(
+            spec.rejected_key,
+            f"'{spec.chosen_key}' and '{spec.rejected_key}' are identical{when}; "
+            "a preference pair needs two different responses",
+            "identical_pair",
+        )
 
 
 def make_pair_sample(
-    row: dict[str, Any], spec: DatasetSpec, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, where: RowRef,
+    row: dict[str, Any],
+    spec: DatasetSpec,
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    where: RowRef,
     margin_key: str | None = None,
 ) -> PairSample:
     """Validate and tokenise one pair row; raises RowError naming file, row and key for a bad one."""
@@ -267,15 +296,27 @@ def make_pair_sample(
     prompt_ids, chosen, rejected, truncated = _fit_length(prompt_ids, chosen, rejected, spec, cfg, where)
     if truncated:
         _check_sides(chosen, rejected, spec, where, after_truncation=True)
-    return PairSample(prompt_ids, chosen.ids, chosen.mask, rejected.ids, rejected.mask, where.source, where.row,
-                      margin=margin, truncated=truncated)
+    return PairSample(
+        prompt_ids,
+        chosen.ids,
+        chosen.mask,
+        rejected.ids,
+        rejected.mask,
+        where.source,
+        where.row,
+        margin=margin,
+        truncated=truncated,
+    )
 
 
 # ---- datasets --------------------------------------------------------------------------
 
 
 def load_pair_samples(
-    spec: DatasetSpec, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, stats: DataStats,
+    spec: DatasetSpec,
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    stats: DataStats,
     margin_key: str | None = None,
 ) -> list[PairSample]:
     """All valid pairs of one dataset, in file order; rows are counted in ``stats``."""
@@ -287,9 +328,7 @@ def load_pair_samples(
     return samples
 
 
-def build_pair_datasets(
-    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, margin_key: str | None = None
-) -> PairData:
+def build_pair_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, margin_key: str | None = None) -> PairData:
     """Read, validate and tokenise every pair dataset; mix the train sets by weight and set eval aside.
 
     Eval pairs come from ``cfg.eval`` or, when that is empty, from holding out
@@ -297,7 +336,8 @@ def build_pair_datasets(
     ``margin_key`` every row must hold a number under that key.
     """
     train, eval_samples, stats = build_splits(
-        cfg, lambda spec, st: load_pair_samples(spec, cfg, tokenizer, st, margin_key))
+        cfg, lambda spec, st: load_pair_samples(spec, cfg, tokenizer, st, margin_key)
+    )
     return PairData(train=train, eval=eval_samples, stats=stats)
 
 

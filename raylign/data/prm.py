@@ -149,9 +149,7 @@ def parse_step_label(value: Any, label_type: str, key: str, where: RowRef) -> fl
     label = _hard_label(value) if label_type == "hard" else _soft_label(value)
     if label is None:
         allowed = (
-            "true/false, 1/0 or '+'/'-'"
-            if label_type == "hard"
-            else "a probability in [0, 1], true/false or '+'/'-'"
+            "true/false, 1/0 or '+'/'-'" if label_type == "hard" else "a probability in [0, 1], true/false or '+'/'-'"
         )
         raise where.error(key, f"bad {label_type} step label {value!r:.40}; expected {allowed}", "bad_label")
     return label
@@ -249,7 +247,8 @@ def build_prm_datasets(
 ) -> PRMData:
     """Read and tokenise every dataset; hold out ``eval_fraction`` or read ``cfg.eval``; mix train by weight."""
     train, eval_samples, stats = build_splits(
-        cfg, lambda spec, st: load_prm_samples(spec, cfg, prm, tokenizer, separator_id, st))
+        cfg, lambda spec, st: load_prm_samples(spec, cfg, prm, tokenizer, separator_id, st)
+    )
     return PRMData(train=train, eval=eval_samples, stats=stats)
 
 

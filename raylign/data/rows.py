@@ -43,8 +43,9 @@ def check_text(value: Any, key: str, where: RowRef) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError as err:  # a lone surrogate, e.g. from a "\ud800" escape in JSON
         bad = f"U+{ord(value[err.start]):04X}"
-        raise where.error(key, f"not valid Unicode text: lone surrogate {bad} at character {err.start}",
-                          "bad_unicode") from None
+        raise where.error(
+            key, f"not valid Unicode text: lone surrogate {bad} at character {err.start}", "bad_unicode"
+        ) from None
     return value
 
 

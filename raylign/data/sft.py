@@ -117,8 +117,9 @@ def make_sft_sample(
     ids, mask, truncated = _fit_length(ids, mask, key, cfg, where)
     mask = [0] + mask[1:]  # nothing predicts the first token
     if not any(mask):
-        raise where.error(key, "no tokens to train on: the only target is the first token, which nothing "
-                          "predicts", "no_target")
+        raise where.error(
+            key, "no tokens to train on: the only target is the first token, which nothing predicts", "no_target"
+        )
     return Sample(input_ids=ids, loss_mask=mask, source=where.source, row=where.row, truncated=truncated)
 
 

@@ -80,7 +80,8 @@ class TrainEngine(ABC):
             raise FloatingPointError(
                 f"the {self.backend_name} engine applied an update with a non-finite loss or gradient norm "
                 f"({grad_norm}) and cannot skip one: the weights are no longer valid. Resume from the newest "
-                "checkpoint with a lower optim.lr, or use engine.backend: fsdp2, which skips such steps")
+                "checkpoint with a lower optim.lr, or use engine.backend: fsdp2, which skips such steps"
+            )
         if updated:
             self.scheduler.step()
         return {"grad_norm": grad_norm, "lr": lr, "skipped": float(not updated)}

@@ -55,8 +55,10 @@ def check_writable(folder: str | Path, setting: str) -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as err:
-        raise CheckpointError(f"{setting} {folder} cannot be written ({err.strerror or err}); choose another "
-                              "folder or make this one writable") from None
+        raise CheckpointError(
+            f"{setting} {folder} cannot be written ({err.strerror or err}); choose another "
+            "folder or make this one writable"
+        ) from None
 
 
 def step_directory(root: str | Path, step: int) -> Path:
@@ -180,11 +182,18 @@ def _not_written(final: Path, temp: Path, err: Exception) -> CheckpointError:
     shutil.rmtree(temp, ignore_errors=True)
     # torch.save reports a full disk as a failed write ("unexpected pos ..."), without ENOSPC.
     full = getattr(err, "errno", None) == errno.ENOSPC or (free is not None and free < 2**20)
-    where = (f"the filesystem is full ({free / 2**20:.1f} MiB free)" if full else
-             f"{free / 2**20:.0f} MiB free there" if free is not None else "free space unknown")
-    return CheckpointError(f"checkpoint {final.name} could not be written in {final.parent}: {where}; {err}. "
-                           "The checkpoints before it are whole: make room (or move the output folder) and run "
-                           "again to resume from the newest")
+    where = (
+        f"the filesystem is full ({free / 2**20:.1f} MiB free)"
+        if full
+        else f"{free / 2**20:.0f} MiB free there"
+        if free is not None
+        else "free space unknown"
+    )
+    return CheckpointError(
+        f"checkpoint {final.name} could not be written in {final.parent}: {where}; {err}. "
+        "The checkpoints before it are whole: make room (or move the output folder) and run "
+        "again to resume from the newest"
+    )
 
 
 def read_meta(directory: str | Path) -> dict[str, Any]:

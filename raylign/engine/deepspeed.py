@@ -118,8 +118,10 @@ class DeepSpeedZeroEngine(TrainEngine):
             # replace collectives that gloo already does; the reductions here are gloo's.
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         # Reuses the process group created above (gloo on CPU, nccl on GPU).
-        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
-                                   timeout=datetime.timedelta(seconds=engine_cfg.dist_timeout_s))
+        deepspeed.init_distributed(
+            dist_backend="nccl" if self.device.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=engine_cfg.dist_timeout_s),
+        )
         self.model_dtype = floating_dtype(model)
         self.max_grad_norm = optim_cfg.max_grad_norm
         self.zero_stage = engine_cfg.zero_stage

@@ -141,4 +141,3 @@ def all_reduce_scalars(values: Sequence[float], op: ReduceOp = "mean") -> list[f
     if op == "mean":
         tensor /= dist.get_world_size()
     return tensor.tolist()
-

@@ -13,7 +13,7 @@ import math
 
 import torch
 from torch import nn
-from transformers import AutoModelForSequenceClassification, PreTrainedModel
+from transformers import AutoModelForSequenceClassification
 
 from raylign.config.model import ModelConfig
 from raylign.models.loading import (
@@ -52,7 +52,7 @@ def load_score_model(
     num_labels: int = 1,
     init_from_causal_lm: bool = True,
     device: torch.device | str | None = None,
-) -> PreTrainedModel:
+) -> nn.Module:
     """Load a score model (``AutoModelForSequenceClassification``) for ``cfg``.
 
     With ``init_from_causal_lm`` the folder may hold a plain causal LM: its backbone weights are
@@ -98,7 +98,8 @@ def load_score_model(
 
 def _backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The transformer body and the score head of a score model, also inside a peft wrapper."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base = getattr(model, "get_base_model", None)  # a peft wrapper
+    base = get_base() if callable(get_base) else model
     backbone = getattr(base, getattr(base, "base_model_prefix", ""), None)
     head = getattr(base, HEAD_NAME, None)
     if backbone is None or head is None:

@@ -126,7 +126,7 @@ def apply_training_options(model: PreTrainedModel, cfg: ModelConfig, task_type: 
 
     lora = PeftLoraConfig(
         r=cfg.lora.rank,
-        lora_alpha=cfg.lora.alpha,
+        lora_alpha=cfg.lora.alpha,  # type: ignore[arg-type]  # annotated int, used as a float
         lora_dropout=cfg.lora.dropout,
         target_modules=list(cfg.lora.target_modules),
         task_type=task_type,
@@ -134,7 +134,7 @@ def apply_training_options(model: PreTrainedModel, cfg: ModelConfig, task_type: 
     return get_peft_model(model, lora)
 
 
-def load_causal_lm(cfg: ModelConfig, device: torch.device | str | None = None) -> PreTrainedModel:
+def load_causal_lm(cfg: ModelConfig, device: torch.device | str | None = None) -> torch.nn.Module:
     """Load the causal LM of ``cfg``: dtype, attention kernel, gradient checkpointing, LoRA.
 
     Returns a ``PreTrainedModel``, or a ``peft.PeftModel`` wrapping one when ``cfg.lora.rank > 0``
@@ -143,5 +143,5 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device | str | None = None) -
     folder = resolve_model_path(cfg.path)
     model = AutoModelForCausalLM.from_pretrained(folder, **from_pretrained_kwargs(cfg))
     if device is not None:
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers' decorator hides Module.to's signature
     return apply_training_options(model, cfg, task_type="CAUSAL_LM")

@@ -8,6 +8,7 @@ samples per row, ``position_ids`` restarting at 0, no ``attention_mask``); see
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Literal, overload
 
 import torch
 from torch import nn
@@ -99,6 +100,29 @@ def _align_to_inputs(next_token_values: torch.Tensor, valid: torch.Tensor) -> to
     return torch.where(valid, aligned, torch.zeros_like(aligned))
 
 
+@overload
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = ...,
+    position_ids: torch.Tensor | None = ...,
+    temperature: float = ...,
+    with_entropy: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = ...,
+    position_ids: torch.Tensor | None = ...,
+    temperature: float = ...,
+    *,
+    with_entropy: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def token_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -161,7 +185,8 @@ def logits_only_at(model: nn.Module, flat_positions: torch.Tensor):
     pre-hook on the output embeddings keeps the model's own forward (and the FSDP2 / DeepSpeed
     hooks around it) untouched.
     """
-    head = model.get_output_embeddings()
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings to select logits from")
 

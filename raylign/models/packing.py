@@ -49,9 +49,7 @@ def _is_right_padded(attention_mask: torch.Tensor) -> torch.Tensor:
     return (mask[:, 1:] <= mask[:, :-1]).all(dim=-1)
 
 
-def attention_kwargs(
-    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
-) -> dict[str, Any]:
+def attention_kwargs(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> dict[str, Any]:
     """Keyword arguments for a Hugging Face decoder forward that keep samples apart.
 
     Always includes ``use_cache=False`` (see the module docstring for why).

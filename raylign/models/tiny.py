@@ -39,11 +39,60 @@ CHAT_TEMPLATE = (
 def _corpus(num_lines: int = 2000, seed: int = 0) -> list[str]:
     """Short lines of words, letters, digits and arithmetic, enough for useful BPE merges."""
     rng = random.Random(seed)
-    words = (
-        "the a an of to and in is it that for on with as was be by this are or from at his her "
-        "user assistant system answer question reverse copy sort count add sum total number step "
-        "so then because therefore first second third final result is equals plus minus times"
-    ).split()
+    words = [
+        "the",
+        "a",
+        "an",
+        "of",
+        "to",
+        "and",
+        "in",
+        "is",
+        "it",
+        "that",
+        "for",
+        "on",
+        "with",
+        "as",
+        "was",
+        "be",
+        "by",
+        "this",
+        "are",
+        "or",
+        "from",
+        "at",
+        "his",
+        "her",
+        "user",
+        "assistant",
+        "system",
+        "answer",
+        "question",
+        "reverse",
+        "copy",
+        "sort",
+        "count",
+        "add",
+        "sum",
+        "total",
+        "number",
+        "step",
+        "so",
+        "then",
+        "because",
+        "therefore",
+        "first",
+        "second",
+        "third",
+        "final",
+        "result",
+        "is",
+        "equals",
+        "plus",
+        "minus",
+        "times",
+    ]
     lines = []
     for _ in range(num_lines):
         kind = rng.randrange(3)

@@ -64,8 +64,9 @@ def _check_responses(row: dict[str, Any], where: RowRef) -> list[str]:
     responses = require_list(row, "responses", where)
     for i, response in enumerate(responses):
         if not isinstance(response, str):
-            raise where.error(f"responses[{i}]", f"expected a string, got {type(response).__name__}: "
-                              f"{response!r:.80}", "wrong_type")
+            raise where.error(
+                f"responses[{i}]", f"expected a string, got {type(response).__name__}: {response!r:.80}", "wrong_type"
+            )
     return responses
 
 
@@ -93,8 +94,11 @@ def parse_rewards(row: GeneratedRow) -> list[float]:
     where = row.where
     rewards = require_list(row.data, "rewards", where)
     if len(rewards) != len(row.responses):
-        raise where.error("rewards", f"{len(rewards)} rewards for {len(row.responses)} responses; a scored row needs "
-                          "one reward per response", "length_mismatch")
+        raise where.error(
+            "rewards",
+            f"{len(rewards)} rewards for {len(row.responses)} responses; a scored row needs one reward per response",
+            "length_mismatch",
+        )
     for i, value in enumerate(rewards):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise where.error(f"rewards[{i}]", f"expected a finite number, got {value!r:.80}", "wrong_type")

@@ -31,8 +31,12 @@ log = logging.getLogger("raylign")
 
 def prompt_loading_config(data: PromptDataConfig) -> RLDataConfig:
     """The RL prompt section that renders prompts the way ``data`` asks."""
-    return RLDataConfig(train=data.prompts, format=data.format, prompt_template=data.prompt_template,
-                        max_prompt_length=data.max_prompt_length)
+    return RLDataConfig(
+        train=data.prompts,
+        format=data.format,
+        prompt_template=data.prompt_template,
+        max_prompt_length=data.max_prompt_length,
+    )
 
 
 def passthrough(row: dict[str, Any], spec: DatasetSpec, keys: list[str] | None) -> dict[str, Any]:
@@ -60,8 +64,12 @@ def load_dataset_prompts(
 
 def output_row(head: dict[str, Any], completions: Sequence[Completion]) -> dict[str, Any]:
     """A prompt's output row: ``head`` with its responses (in sample order) placed after the prompt."""
-    row = {"prompt": head["prompt"], "prompt_text": head["prompt_text"],
-           "responses": [c.text for c in completions], "finish_reasons": [c.finish_reason for c in completions]}
+    row = {
+        "prompt": head["prompt"],
+        "prompt_text": head["prompt_text"],
+        "responses": [c.text for c in completions],
+        "finish_reasons": [c.finish_reason for c in completions],
+    }
     row.update((k, v) for k, v in head.items() if k not in row)
     return row
 
@@ -75,22 +83,23 @@ def group_by_prompt(completions: Sequence[Completion], first_index: int, num_pro
 
 
 def _generate_all(cfg: GenerateConfig, model_path: str, items: list[tuple[Prompt, dict[str, Any]]]) -> dict[str, float]:
-    import ray
 
     from raylign.rollout.pool import RolloutPool, launch_engines, stop_engines
     from raylign.trainers.progress import Progress
 
-    engines = launch_engines(model_path, cfg.rollout, startup_timeout_s=cfg.ray.startup_timeout_s,
-                             timeout_setting="ray.startup_timeout_s")
-    counts = {"response_tokens": 0, "stopped": 0, "responses": 0}
+    engines = launch_engines(
+        model_path, cfg.rollout, startup_timeout_s=cfg.ray.startup_timeout_s, timeout_setting="ray.startup_timeout_s"
+    )
+    counts: dict[str, float] = {"response_tokens": 0, "stopped": 0, "responses": 0}
     progress = Progress(len(items), "generate", enabled=cfg.progress_bar)
     try:
         pool = RolloutPool(engines, cfg.rollout.generate_timeout_s)
         with JsonlWriter(cfg.output_path) as writer:
             for start in range(0, len(items), cfg.batch_size):
-                batch = items[start:start + cfg.batch_size]
-                completions = pool.generate_blocking([p.token_ids for p, _ in batch], cfg.sampling,
-                                                     list(range(start, start + len(batch))))
+                batch = items[start : start + cfg.batch_size]
+                completions = pool.generate_blocking(
+                    [p.token_ids for p, _ in batch], cfg.sampling, list(range(start, start + len(batch)))
+                )
                 for (_, head), group in zip(batch, group_by_prompt(completions, start, len(batch))):
                     writer.write(output_row(head, group))
                 counts["responses"] += len(completions)
@@ -110,8 +119,12 @@ def run_generate(cfg: GenerateConfig) -> dict[str, float]:
     model_path = str(resolve_model_path(cfg.model.path))
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or model_path, padding_side="left")
     items = [item for spec in cfg.data.prompts for item in load_dataset_prompts(spec, cfg.data, tokenizer)]
-    log.info("generating %d responses for each of %d prompts with the %s engine", cfg.sampling.n, len(items),
-             cfg.rollout.engine)
+    log.info(
+        "generating %d responses for each of %d prompts with the %s engine",
+        cfg.sampling.n,
+        len(items),
+        cfg.rollout.engine,
+    )
     if items:  # room for the longest prompt and its completion
         longest = max(len(p.token_ids) for p, _ in items)
         cfg = cfg.model_copy(update={"rollout": cfg.rollout.with_room_for(longest, cfg.sampling.max_new_tokens)})
@@ -128,6 +141,11 @@ def run_generate(cfg: GenerateConfig) -> dict[str, float]:
         "time/total_s": elapsed,
         "throughput/generated_tokens_per_s": counts["response_tokens"] / max(elapsed, 1e-9),
     }
-    log.info("wrote %d rows to %s (mean response length %.1f tokens, %.0f%% stopped before max_new_tokens)",
-             len(items), cfg.output_path, metrics["response_length/mean"], 100 * metrics["finish_reason/stop_fraction"])
+    log.info(
+        "wrote %d rows to %s (mean response length %.1f tokens, %.0f%% stopped before max_new_tokens)",
+        len(items),
+        cfg.output_path,
+        metrics["response_length/mean"],
+        100 * metrics["finish_reason/stop_fraction"],
+    )
     return metrics

@@ -41,8 +41,10 @@ def score_rows(reward: RewardSource, rows: list[GeneratedRow]) -> list[RewardRes
         result = reward.score(prompts, responses, labels, metadata)
     except (RewardError, ValueError) as err:
         first, last = rows[0].where, rows[-1].where
-        place = (f"{first.source}, rows {first.row}-{last.row} (samples numbered from 0 over these rows' responses, "
-                 "in order)")
+        place = (
+            f"{first.source}, rows {first.row}-{last.row} (samples numbered from 0 over these rows' responses, "
+            "in order)"
+        )
         kind = RewardError if isinstance(err, RewardError) else ValueError
         raise kind(f"{place}: {err}") from err
     return split_by_row(result, [len(row.responses) for row in rows])
@@ -53,8 +55,11 @@ def split_by_row(result: RewardResult, sizes: list[int]) -> list[RewardResult]:
     pieces, start = [], 0
     for size in sizes:
         end = start + size
-        pieces.append(RewardResult(result.rewards[start:end],
-                                   {name: values[start:end] for name, values in result.metrics.items()}))
+        pieces.append(
+            RewardResult(
+                result.rewards[start:end], {name: values[start:end] for name, values in result.metrics.items()}
+            )
+        )
         start = end
     return pieces
 
@@ -103,7 +108,7 @@ def _score_file(cfg: ScoreConfig, rows: list[GeneratedRow]) -> RewardSummary:
         progress = Progress(len(rows), "score", enabled=cfg.progress_bar)
         try:
             for start in range(0, len(rows), cfg.batch_size):
-                batch = rows[start:start + cfg.batch_size]
+                batch = rows[start : start + cfg.batch_size]
                 for row, result in zip(batch, score_rows(reward, batch)):
                     writer.write(scored_row(row, result))
                     summary.add(result)
@@ -116,8 +121,12 @@ def _score_file(cfg: ScoreConfig, rows: list[GeneratedRow]) -> RewardSummary:
 def run_score(cfg: ScoreConfig) -> dict[str, float]:
     """Score every response of ``input_path``; write the scored rows and a metrics summary; return the summary."""
     rows = list(read_generated_rows(cfg.input_path))  # every row is checked before any reward is computed
-    log.info("scoring %d responses of %d prompts with %s", sum(len(r.responses) for r in rows), len(rows),
-             ", ".join(cfg.reward.source_names()))
+    log.info(
+        "scoring %d responses of %d prompts with %s",
+        sum(len(r.responses) for r in rows),
+        len(rows),
+        ", ".join(cfg.reward.source_names()),
+    )
     if _needs_ray(cfg):
         cpus = sum(s.num_cpus for s in cfg.reward.sources if s.kind == "reward_model")
         with ray_runtime(cfg.ray, cpus):

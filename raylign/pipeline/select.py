@@ -74,8 +74,14 @@ def select_pair(row: GeneratedRow, rewards: list[float], cfg: PairsConfig) -> tu
         return None, "below_min_margin"
     if cfg.min_chosen_reward is not None and rewards[chosen] < cfg.min_chosen_reward:
         return None, "below_min_chosen_reward"
-    return {"prompt": row.prompt, "chosen": row.responses[chosen], "rejected": row.responses[rejected],
-            "chosen_reward": rewards[chosen], "rejected_reward": rewards[rejected], "margin": margin}, "kept"
+    return {
+        "prompt": row.prompt,
+        "chosen": row.responses[chosen],
+        "rejected": row.responses[rejected],
+        "chosen_reward": rewards[chosen],
+        "rejected_reward": rewards[rejected],
+        "margin": margin,
+    }, "kept"
 
 
 def _summary(name: str, counts: Counter[str], rows: int) -> dict[str, int]:
@@ -93,7 +99,7 @@ def run_select(cfg: SelectConfig) -> dict[str, int]:
         selectors.append(("best_of_n", cfg.best_of_n.output_path, lambda r, x: select_best_of_n(r, x, cfg.best_of_n)))
     if cfg.pairs.output_path is not None:
         selectors.append(("pairs", cfg.pairs.output_path, lambda r, x: select_pair(r, x, cfg.pairs)))
-    counts = {name: Counter() for name, _, _ in selectors}
+    counts: dict[str, Counter[str]] = {name: Counter() for name, _, _ in selectors}
     rows = 0
     with contextlib.ExitStack() as stack:
         writers = {name: stack.enter_context(JsonlWriter(path)) for name, path, _ in selectors}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from typing import Any
+
+import torch
 
 from raylign.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -36,15 +36,21 @@ class RewardShaping:
             rewards = self.normalizer(rewards.double()).to(rewards.dtype)
             metrics.update({"reward/running_mean": self.normalizer.mean, "reward/running_std": self.normalizer.std})
         if a.length_penalty == "linear":
-            penalty = linear_length_penalty(lengths, coef=a.length_penalty_coef, free_length=a.length_penalty_free_tokens)
+            penalty = linear_length_penalty(
+                lengths, coef=a.length_penalty_coef, free_length=a.length_penalty_free_tokens
+            )
         elif a.length_penalty == "kimi":
             penalty = kimi_length_penalty(lengths, correct, group_size=self.cfg.sampling.n, coef=a.length_penalty_coef)
         if a.length_penalty != "none":
             rewards = rewards + penalty.to(rewards.dtype)
             metrics["reward/length_penalty"] = float(penalty.mean())
         if a.overlong_buffer > 0:
-            penalty = dapo_overlong_penalty(lengths, max_length=self.cfg.sampling.max_new_tokens,
-                                            cache_length=a.overlong_buffer, penalty_factor=a.overlong_penalty)
+            penalty = dapo_overlong_penalty(
+                lengths,
+                max_length=self.cfg.sampling.max_new_tokens,
+                cache_length=a.overlong_buffer,
+                penalty_factor=a.overlong_penalty,
+            )
             rewards = rewards + penalty.to(rewards.dtype)
             metrics["reward/overlong_penalty"] = float(penalty.mean())
         if a.reward_clip is not None:

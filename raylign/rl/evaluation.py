@@ -27,7 +27,7 @@ def pass_at_k_metrics(samples: list[Any], n: int, threshold: float) -> dict[str,
     per_source: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
     non_finite: dict[str, int] = defaultdict(int)
     for g in range(len(samples) // n):
-        group = samples[g * n:(g + 1) * n]
+        group = samples[g * n : (g + 1) * n]
         if not all(isfinite(s.reward) for s in group):
             non_finite[group[0].source] += 1
             non_finite["all"] += 1

@@ -55,11 +55,13 @@ Behaviour = Literal["this_policy", "trainer_recomputed", "engine"]
 BEHAVIOURS: tuple[str, ...] = get_args(Behaviour)
 # The per-token field each behaviour needs: its behaviour log-probs, or for "this_policy" the engine's
 # log-probs that the training forward is compared with (the engine-vs-trainer mismatch).
-BEHAVIOUR_NEEDS = {"this_policy": "rollout_logprobs", "trainer_recomputed": "old_logprobs",
-                   "engine": "rollout_logprobs"}
+BEHAVIOUR_NEEDS = {
+    "this_policy": "rollout_logprobs",
+    "trainer_recomputed": "old_logprobs",
+    "engine": "rollout_logprobs",
+}
 # Response-aligned [batch, R] tensors that travel with the samples (besides ``mask``).
-PER_TOKEN_FIELDS = ("advantages", "returns", "rollout_logprobs", "old_logprobs", "ref_logprobs", "values",
-                    "versions")
+PER_TOKEN_FIELDS = ("advantages", "returns", "rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "versions")
 
 
 def _check_per_token(owner: Any) -> None:
@@ -71,8 +73,10 @@ def _check_per_token(owner: Any) -> None:
     for name in PER_TOKEN_FIELDS:
         tensor = getattr(owner, name)
         if tensor is not None and tuple(tensor.shape) != tuple(mask.shape):
-            raise ValueError(f"{kind}.{name} must be [batch, response_len] = {tuple(mask.shape)} like the mask, "
-                             f"got {tuple(tensor.shape)}")
+            raise ValueError(
+                f"{kind}.{name} must be [batch, response_len] = {tuple(mask.shape)} like the mask, "
+                f"got {tuple(tensor.shape)}"
+            )
     if owner.versions is not None and owner.versions.dtype != torch.int64:
         raise ValueError(f"{kind}.versions must be int64 weight versions, got {owner.versions.dtype}")
     if owner.behaviour is None:
@@ -80,8 +84,9 @@ def _check_per_token(owner: Any) -> None:
     if owner.behaviour not in BEHAVIOURS:
         raise ValueError(f"{kind}.behaviour must be one of {BEHAVIOURS}, got {owner.behaviour!r}")
     if getattr(owner, BEHAVIOUR_NEEDS[owner.behaviour]) is None:
-        raise ValueError(f"{kind}.behaviour {owner.behaviour!r} reads {BEHAVIOUR_NEEDS[owner.behaviour]}, "
-                         "which is not set")
+        raise ValueError(
+            f"{kind}.behaviour {owner.behaviour!r} reads {BEHAVIOUR_NEEDS[owner.behaviour]}, which is not set"
+        )
 
 
 @dataclass
@@ -133,17 +138,24 @@ class MicroBatch:
 
     def __post_init__(self) -> None:
         if self.position_ids.shape != self.input_ids.shape:
-            raise ValueError(f"MicroBatch.position_ids must be shaped like input_ids {tuple(self.input_ids.shape)}, "
-                             f"got {tuple(self.position_ids.shape)}")
+            raise ValueError(
+                f"MicroBatch.position_ids must be shaped like input_ids {tuple(self.input_ids.shape)}, "
+                f"got {tuple(self.position_ids.shape)}"
+            )
         if self.resp_index.shape != self.mask.shape:
-            raise ValueError(f"MicroBatch.resp_index must be [batch, response_len] = {tuple(self.mask.shape)} "
-                             f"like the mask, got {tuple(self.resp_index.shape)}")
+            raise ValueError(
+                f"MicroBatch.resp_index must be [batch, response_len] = {tuple(self.mask.shape)} "
+                f"like the mask, got {tuple(self.resp_index.shape)}"
+            )
         _check_per_token(self)
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """This batch with every tensor on ``device``."""
-        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
         return dataclasses.replace(self, **moved)
 
     def behaviour_logprobs(self, logprobs: torch.Tensor) -> torch.Tensor:
@@ -225,7 +237,9 @@ def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
 
 
 def pack_samples(
-    samples: list[Sample], per_token: Mapping[str, torch.Tensor] | None = None, row_tokens: int = 0,
+    samples: list[Sample],
+    per_token: Mapping[str, torch.Tensor] | None = None,
+    row_tokens: int = 0,
     behaviour: Behaviour | None = None,
 ) -> MicroBatch:
     """One packed micro-batch.
@@ -252,8 +266,8 @@ def pack_samples(
         offset = 0
         for i in row:
             s = samples[i]
-            input_ids[r, offset: offset + lengths[i]] = torch.tensor(s.prompt_ids + s.response_ids)
-            position_ids[r, offset: offset + lengths[i]] = torch.arange(lengths[i])
+            input_ids[r, offset : offset + lengths[i]] = torch.tensor(s.prompt_ids + s.response_ids)
+            position_ids[r, offset : offset + lengths[i]] = torch.arange(lengths[i])
             start = r * row_length + offset + len(s.prompt_ids)
             resp_index[i, : len(s.response_ids)] = torch.arange(start, start + len(s.response_ids))
             offset += lengths[i]
@@ -262,7 +276,9 @@ def pack_samples(
     return MicroBatch(input_ids, position_ids, resp_index, response_mask(samples, width), behaviour=behaviour, **cut)
 
 
-def gather_responses(packed: torch.Tensor, resp_index: torch.Tensor, mask: torch.Tensor, shift: int = 0) -> torch.Tensor:
+def gather_responses(
+    packed: torch.Tensor, resp_index: torch.Tensor, mask: torch.Tensor, shift: int = 0
+) -> torch.Tensor:
     """Pick response positions out of a packed ``[rows, L]`` tensor: ``[b, R]``, 0 where masked.
     ``shift=-1`` reads the position before each token (a critic's value of the state; a response
     always follows at least one prompt token of its own row)."""
@@ -270,9 +286,7 @@ def gather_responses(packed: torch.Tensor, resp_index: torch.Tensor, mask: torch
     return packed.reshape(-1)[index] * mask.to(packed.dtype)
 
 
-def micro_batches_for_ranks(
-    samples: list[Sample], world_size: int, max_tokens: int
-) -> list[list[list[int]]]:
+def micro_batches_for_ranks(samples: list[Sample], world_size: int, max_tokens: int) -> list[list[list[int]]]:
     """Split sample positions into ``world_size`` contiguous shards, then each shard into token-balanced
     micro-batches; every rank gets the same number of micro-batches (collectives need it)."""
     n = len(samples)
@@ -293,9 +307,13 @@ def reward_metrics(samples: list[Sample]) -> dict[str, float]:
     """Reward mean and std, response lengths, the truncated fraction and each reward source's mean."""
     rewards = torch.tensor([s.reward for s in samples])
     lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
-    metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(samples) > 1 else 0.0,
-               "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-               "response/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples)}
+    metrics = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if len(samples) > 1 else 0.0,
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
+    }
     for key in samples[0].reward_metrics:
         metrics[f"reward/{key}"] = sum(s.reward_metrics[key] for s in samples) / len(samples)
     return metrics
@@ -305,9 +323,11 @@ def mismatch_metrics(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: t
     """How far the engine's log-probs are from the trainer's on the same tokens."""
     diff = (rollout_lp - trainer_lp) * mask
     counted = mask.sum().clamp(min=1)
-    return {"mismatch/logprob_abs_diff": float(diff.abs().sum() / counted),
-            "mismatch/logprob_max_abs_diff": float(diff.abs().max()),
-            "mismatch/kl_k3": float(((torch.exp(-diff) - 1 + diff) * mask).sum() / counted)}
+    return {
+        "mismatch/logprob_abs_diff": float(diff.abs().sum() / counted),
+        "mismatch/logprob_max_abs_diff": float(diff.abs().max()),
+        "mismatch/kl_k3": float(((torch.exp(-diff) - 1 + diff) * mask).sum() / counted),
+    }
 
 
 def split_by_reward_variance(samples: list[Sample], n: int) -> tuple[list[Sample], list[Sample]]:
@@ -318,6 +338,6 @@ def split_by_reward_variance(samples: list[Sample], n: int) -> tuple[list[Sample
     keep = set(result.kept_groups.tolist())
     kept, dropped = [], []
     for g in range(len(samples) // n):
-        group = samples[g * n:(g + 1) * n]
+        group = samples[g * n : (g + 1) * n]
         (kept if g in keep else dropped).extend(group)
     return kept, dropped

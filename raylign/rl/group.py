@@ -20,10 +20,20 @@ def _free_port() -> int:
 
 
 class WorkerGroup:
-    def __init__(self, role: str, cfg: dict[str, Any], num_workers: int, total_steps: int,
-                 placement_group: PlacementGroup | None, bundle_offset: int = 0, num_cpus: float = 1.0,
-                 num_gpus: float = 0.0, env: dict[str, str] | None = None, startup_timeout_s: float = 600.0,
-                 call_timeout_s: float = 3600.0):
+    def __init__(
+        self,
+        role: str,
+        cfg: dict[str, Any],
+        num_workers: int,
+        total_steps: int,
+        placement_group: PlacementGroup | None,
+        bundle_offset: int = 0,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 600.0,
+        call_timeout_s: float = 3600.0,
+    ):
         """``call_timeout_s``: the longest wait for the ranks' answers to one :meth:`call`
         (``placement.worker_call_timeout_s``)."""
         self.role = role
@@ -33,13 +43,18 @@ class WorkerGroup:
         actor_cls = ray.remote(ModelWorker)
         self.workers = []
         for rank in range(num_workers):
-            options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus,
-                                       "runtime_env": {"env_vars": actor_env(env)}}
+            options: dict[str, Any] = {
+                "num_cpus": num_cpus,
+                "num_gpus": num_gpus,
+                "runtime_env": {"env_vars": actor_env(env)},
+            }
             if placement_group is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=bundle_offset + rank)
-            self.workers.append(actor_cls.options(**options).remote(
-                role, cfg, rank, num_workers, master_addr, port, total_steps))
+                    placement_group=placement_group, placement_group_bundle_index=bundle_offset + rank
+                )
+            self.workers.append(
+                actor_cls.options(**options).remote(role, cfg, rank, num_workers, master_addr, port, total_steps)
+            )
         # Fail here, naming the rank, if a worker could not start (model loaded, process group formed).
         wait_until_ready({f"{role} worker rank {rank}": w for rank, w in enumerate(self.workers)}, startup_timeout_s)
 
@@ -57,8 +72,9 @@ class WorkerGroup:
     def _results(self, method: str, refs: list[Any]) -> list[Any]:
         """The ranks' answers, waiting at most ``placement.worker_call_timeout_s``."""
         names = [f"rank {rank} of {len(refs)}" for rank in range(len(refs))]
-        return get_within(refs, self.call_timeout_s, f"{self.role} workers' {method}",
-                          "placement.worker_call_timeout_s", names)
+        return get_within(
+            refs, self.call_timeout_s, f"{self.role} workers' {method}", "placement.worker_call_timeout_s", names
+        )
 
     def kill(self) -> None:
         for worker in self.workers:

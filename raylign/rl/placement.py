@@ -28,11 +28,16 @@ def check_gpu_count(cfg: RLConfig, cluster_gpus: float) -> None:
     if needed > cluster_gpus:
         p, r = cfg.placement, cfg.rollout
         parts = ", ".join(f"placement.{role}_workers={n}" for role, n in cfg.worker_roles.items())
-        how = (f"placement.colocate: one per policy rank ({parts})" if p.colocate else
-               f"one per worker rank ({parts}) plus rollout.num_engines={r.num_engines} x "
-               f"rollout.tensor_parallel_size={r.tensor_parallel_size}")
-        raise ValueError(f"the run needs {needed} GPUs ({how}), the Ray cluster has {cluster_gpus:g}; "
-                         "lower those numbers or set placement.colocate: true")
+        how = (
+            f"placement.colocate: one per policy rank ({parts})"
+            if p.colocate
+            else f"one per worker rank ({parts}) plus rollout.num_engines={r.num_engines} x "
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size}"
+        )
+        raise ValueError(
+            f"the run needs {needed} GPUs ({how}), the Ray cluster has {cluster_gpus:g}; "
+            "lower those numbers or set placement.colocate: true"
+        )
 
 
 def placement_groups(cfg: RLConfig, has_gpus: bool) -> list[Any]:
@@ -61,5 +66,6 @@ def placement_groups(cfg: RLConfig, has_gpus: bool) -> list[Any]:
         raise StartupError(
             f"{len(pending)} of {len(groups)} placement groups (bundles {specs}) were not granted within "
             f"{p.startup_timeout_s:g} s (placement.startup_timeout_s); the cluster has "
-            f"{ray.available_resources()} free: lower placement.cpus_per_worker or the worker counts, or add nodes")
+            f"{ray.available_resources()} free: lower placement.cpus_per_worker or the worker counts, or add nodes"
+        )
     return groups

@@ -19,7 +19,9 @@ class Prompt:
     where: RowRef
 
 
-def _render(row: dict[str, Any], spec: DatasetSpec, cfg: RLDataConfig, tokenizer, where: RowRef) -> tuple[str, list[int]]:
+def _render(
+    row: dict[str, Any], spec: DatasetSpec, cfg: RLDataConfig, tokenizer, where: RowRef
+) -> tuple[str, list[int]]:
     value = require_key(row, spec.input_key, where)
     if cfg.format == "plain":
         text = cfg.prompt_template.format(input=check_text(value, spec.input_key, where))
@@ -41,8 +43,11 @@ def load_prompts(specs: list[DatasetSpec], cfg: RLDataConfig, tokenizer) -> list
             where = RowRef(spec.path, row_number)
             text, ids = _render(row, spec, cfg, tokenizer, where)
             if len(ids) > cfg.max_prompt_length:
-                raise where.error(spec.input_key, f"prompt has {len(ids)} tokens, more than data.max_prompt_length "
-                                  f"({cfg.max_prompt_length})", "too_long")
+                raise where.error(
+                    spec.input_key,
+                    f"prompt has {len(ids)} tokens, more than data.max_prompt_length ({cfg.max_prompt_length})",
+                    "too_long",
+                )
             source = row.get(cfg.source_key) or _default_source(spec.path)
             prompts.append(Prompt(text, ids, row.get(spec.label_key), str(source), where))
             count += 1

@@ -31,7 +31,6 @@ repeats exactly, resumed or not, at the cost of some overlap.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,8 +41,8 @@ from raylign.rl.prompts import Prompt
 from raylign.rollout.base import Completion
 from raylign.rollout.pool import FinishedGroup, GroupStream
 
-
-# With reward.non_finite: drop, more than this many steps' worth of groups dropped while gathering one step stop the run.
+# With reward.non_finite: drop, more than this many steps' worth of groups dropped while gathering
+# one step stop the run.
 MAX_NON_FINITE_PER_STEP = 4
 
 
@@ -59,8 +58,9 @@ class Group:
 
     @property
     def oldest_version(self) -> int:
-        return min((v for s in self.samples for v in s.token_versions or [s.weight_version]),
-                   default=self.started_version)
+        return min(
+            (v for s in self.samples for v in s.token_versions or [s.weight_version]), default=self.started_version
+        )
 
 
 @dataclass
@@ -89,11 +89,21 @@ class RolloutFeed:
     are all equal (dynamic sampling drops those; None keeps every group).
     """
 
-    def __init__(self, stream: GroupStream, prompts: list[Prompt], positions: Iterator[int], sampling: Any,
-                 per_step: int, max_staleness: int, stale: Literal["drop", "regenerate"],
-                 to_samples: Callable[[list, Prompt, int], list[Sample]], score: Callable[[list[Sample]], None],
-                 uniform: Callable[[list[Sample]], bool] | None = None, max_uniform_per_step: int = 0,
-                 ordered: bool = False):
+    def __init__(
+        self,
+        stream: GroupStream,
+        prompts: list[Prompt],
+        positions: Iterator[int],
+        sampling: Any,
+        per_step: int,
+        max_staleness: int,
+        stale: Literal["drop", "regenerate"],
+        to_samples: Callable[[list, Prompt, int], list[Sample]],
+        score: Callable[[list[Sample]], None],
+        uniform: Callable[[list[Sample]], bool] | None = None,
+        max_uniform_per_step: int = 0,
+        ordered: bool = False,
+    ):
         self.stream, self.prompts, self.positions, self.sampling = stream, prompts, positions, sampling
         self.per_step, self.k, self.stale = per_step, max_staleness, stale
         self.to_samples, self.score, self.uniform = to_samples, score, uniform
@@ -111,8 +121,9 @@ class RolloutFeed:
         """Start groups while they can still be trained on within the bound (module docstring)."""
         while self.started - self.discarded < self.trained + (self.k + 1) * self.per_step:
             position = self.requeued.pop(0) if self.requeued else next(self.positions)
-            self.stream.submit(self.prompts[position].token_ids, self.sampling, self.started,
-                               (self.started, position, version))
+            self.stream.submit(
+                self.prompts[position].token_ids, self.sampling, self.started, (self.started, position, version)
+            )
             self.started += 1
 
     # ---- taking a step ---------------------------------------------------------------------
@@ -150,8 +161,15 @@ class RolloutFeed:
             seq, position, started_version = f.tag
             samples = self.to_samples(f.completions, self.prompts[position], position)
             self.score(samples)
-            self.ready.append(Group(seq, position, samples, started_version,
-                                    max((c.finished_at for c in f.completions), default=f.finished_at)))
+            self.ready.append(
+                Group(
+                    seq,
+                    position,
+                    samples,
+                    started_version,
+                    max((c.finished_at for c in f.completions), default=f.finished_at),
+                )
+            )
 
     def _admit(self, group: Group, version: int, step: StepGroups, uniform: list[Group]) -> None:
         if version - group.oldest_version > self.k:
@@ -167,9 +185,11 @@ class RolloutFeed:
             step.dropped_non_finite += 1
             if step.dropped_non_finite > MAX_NON_FINITE_PER_STEP * self.per_step:
                 text = self.prompts[group.prompt_position].text
-                raise RuntimeError(f"reward: {step.dropped_non_finite} prompt groups in a row had a NaN or infinite "
-                                   f"reward while gathering one step (the last for training prompt "
-                                   f"{group.prompt_position}, {text[:80]!r}); the reward source looks broken")
+                raise RuntimeError(
+                    f"reward: {step.dropped_non_finite} prompt groups in a row had a NaN or infinite "
+                    f"reward while gathering one step (the last for training prompt "
+                    f"{group.prompt_position}, {text[:80]!r}); the reward source looks broken"
+                )
             return
         if self.uniform is not None and self.uniform(group.samples):
             self.discarded += 1
@@ -186,8 +206,13 @@ class RolloutFeed:
         """Everything to continue exactly, once :meth:`drain` has emptied the engines."""
         if len(self.stream):
             raise RuntimeError("RolloutFeed.state_dict() with groups in flight: drain() first")
-        return {"ready": list(self.ready), "started": self.started, "discarded": self.discarded,
-                "trained": self.trained, "requeued": list(self.requeued)}
+        return {
+            "ready": list(self.ready),
+            "started": self.started,
+            "discarded": self.discarded,
+            "trained": self.trained,
+            "requeued": list(self.requeued),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ready, self.requeued = list(state["ready"]), list(state["requeued"])
@@ -203,7 +228,7 @@ class PromptPositions:
         self._batches = iter(())
         self._rest: list[int] = []
 
-    def __iter__(self) -> "PromptPositions":
+    def __iter__(self) -> PromptPositions:
         return self
 
     def __next__(self) -> int:
@@ -225,9 +250,18 @@ class PromptPositions:
 
 def sample_from(c: Completion, prompt: Prompt) -> Sample:
     """The sample an engine's completion ``c`` of ``prompt`` makes."""
-    return Sample(c.prompt_token_ids, c.response_token_ids, c.response_logprobs, prompt.text, c.text,
-                  prompt.label, prompt.source, c.finish_reason, weight_version=c.weight_version,
-                  token_versions=list(c.token_versions))
+    return Sample(
+        c.prompt_token_ids,
+        c.response_token_ids,
+        c.response_logprobs,
+        prompt.text,
+        c.text,
+        prompt.label,
+        prompt.source,
+        c.finish_reason,
+        weight_version=c.weight_version,
+        token_versions=list(c.token_versions),
+    )
 
 
 def uniform_rewards(samples: list[Sample]) -> bool:

@@ -26,8 +26,13 @@ from raylign.cluster import start_ray
 from raylign.config.base import save_yaml
 from raylign.config.rl import RLConfig
 from raylign.data import ResumableSampler
-from raylign.engine.checkpoint import (check_writable, latest_checkpoint, prune_checkpoints, step_directory,
-                                      write_atomically)
+from raylign.engine.checkpoint import (
+    check_writable,
+    latest_checkpoint,
+    prune_checkpoints,
+    step_directory,
+    write_atomically,
+)
 from raylign.rl.advantages import RewardShaping, compute_advantages
 from raylign.rl.evaluation import pass_at_k_metrics
 from raylign.rl.experience import (
@@ -75,9 +80,9 @@ class RLTrainer:
         import ray
 
         from raylign.models import load_tokenizer, resolve_model_path
+        from raylign.rl.group import WorkerGroup
         from raylign.rollout.pool import RolloutPool, launch_engines
         from raylign.rollout.rewards import build_reward
-        from raylign.rl.group import WorkerGroup
 
         cfg = self.cfg
         check_writable(self.out, "train.output_dir")
@@ -88,20 +93,28 @@ class RLTrainer:
         self.train_prompts = load_prompts(cfg.data.train, cfg.data, self.tokenizer)
         self.eval_prompts = load_prompts(cfg.data.eval, cfg.data, self.tokenizer) if cfg.data.eval else []
         if len(self.train_prompts) < cfg.train.prompts_per_step:
-            raise ValueError(f"train.prompts_per_step ({cfg.train.prompts_per_step}) is larger than the prompt set "
-                             f"({len(self.train_prompts)} prompts)")
-        self.sampler = ResumableSampler(len(self.train_prompts), cfg.train.prompts_per_step, shuffle=True,
-                                        seed=cfg.data.seed, drop_last=True)
+            raise ValueError(
+                f"train.prompts_per_step ({cfg.train.prompts_per_step}) is larger than the prompt set "
+                f"({len(self.train_prompts)} prompts)"
+            )
+        self.sampler = ResumableSampler(
+            len(self.train_prompts), cfg.train.prompts_per_step, shuffle=True, seed=cfg.data.seed, drop_last=True
+        )
         # The engines need room for what this run generates, no more.
         longest = max(len(p.token_ids) for p in self.train_prompts + self.eval_prompts)
         new_tokens = max(cfg.sampling.max_new_tokens, cfg.train.eval_max_new_tokens or 0)
         cfg = self.cfg = cfg.model_copy(update={"rollout": cfg.rollout.with_room_for(longest, new_tokens)})
-        log.info("rollout.max_model_len: %d (longest prompt %d, %d new tokens)", cfg.rollout.max_model_len,
-                 longest, new_tokens)
+        log.info(
+            "rollout.max_model_len: %d (longest prompt %d, %d new tokens)",
+            cfg.rollout.max_model_len,
+            longest,
+            new_tokens,
+        )
         # Every actor must fit, or its start waits for a CPU slot until placement.startup_timeout_s.
         local_cpus = cfg.placement.num_cpus or max(1, math.ceil(cfg.ray_cpus_needed))
-        self._started_ray = start_ray(cfg.placement.ray_address,
-                                      num_cpus=None if cfg.placement.ray_address else local_cpus)
+        self._started_ray = start_ray(
+            cfg.placement.ray_address, num_cpus=None if cfg.placement.ray_address else local_cpus
+        )
         timeout = cfg.placement.startup_timeout_s
         self.reward = build_reward(cfg.reward, timeout)
         dump = cfg.model_dump(mode="json")
@@ -118,9 +131,17 @@ class RLTrainer:
             group = self.placement_groups[0 if p.colocate else list(roles).index(role)]
             # Colocated on GPUs: rank r of every role shares GPU r (the policy with its engine) in equal parts.
             gpus = (1.0 / len(roles) if p.colocate else 1.0) if has_gpus else 0.0
-            self.groups[role] = WorkerGroup(role, dump, workers, updates, group, num_cpus=p.cpus_per_worker,
-                                            num_gpus=gpus, startup_timeout_s=timeout,
-                                            call_timeout_s=p.worker_call_timeout_s)
+            self.groups[role] = WorkerGroup(
+                role,
+                dump,
+                workers,
+                updates,
+                group,
+                num_cpus=p.cpus_per_worker,
+                num_gpus=gpus,
+                startup_timeout_s=timeout,
+                call_timeout_s=p.worker_call_timeout_s,
+            )
         if p.colocate:
             # The hybrid engine: each policy worker generates with an engine in its own process.
             self.groups["policy"].call("start_local_engine", self.model_path)
@@ -134,10 +155,19 @@ class RLTrainer:
         r, a = cfg.rollout, cfg.algorithm
         stream = GroupStream(self.pool, r.generate_timeout_s, restart=None if p.colocate else self._restart_engines)
         self.feed = RolloutFeed(
-            stream, self.train_prompts, self.positions, cfg.sampling,
-            cfg.train.prompts_per_step, r.max_staleness, r.stale_samples, self._group_samples, self._score_timed,
+            stream,
+            self.train_prompts,
+            self.positions,
+            cfg.sampling,
+            cfg.train.prompts_per_step,
+            r.max_staleness,
+            r.stale_samples,
+            self._group_samples,
+            self._score_timed,
             uniform=uniform_rewards if a.dynamic_sampling else None,
-            max_uniform_per_step=a.max_refill_rounds * cfg.train.prompts_per_step, ordered=r.reproducible)
+            max_uniform_per_step=a.max_refill_rounds * cfg.train.prompts_per_step,
+            ordered=r.reproducible,
+        )
         self.metrics = MetricsLogger(self.out, cfg.train.logging, dump)
         self.skipped = SkippedSteps(cfg.train.max_skipped_steps)
         self._maybe_resume()
@@ -183,8 +213,9 @@ class RLTrainer:
                 metrics = self.train_step()
                 self.step += 1
                 self.metrics.log(metrics, self.step)
-                progress.advance_to(self.step, format_metrics(metrics, ["reward/mean", "response_length/mean",
-                                                                        "time/step_s"]))
+                progress.advance_to(
+                    self.step, format_metrics(metrics, ["reward/mean", "response_length/mean", "time/step_s"])
+                )
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and self.step < cfg.train.max_steps:
                     # Streaming runs whose updates let sequences finish evaluate beside training.
                     self.evaluate(wait=cfg.rollout.max_staleness == 0 or cfg.rollout.partial_rollouts)
@@ -234,12 +265,19 @@ class RLTrainer:
         self._write_samples(samples)
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         generated = sum(len(s.response_ids) for s in samples)
-        return {**gen_metrics, **exp.metrics, **train_metrics, **sync_metrics, **timings,
-                "time/step_s": elapsed, "throughput/tokens_per_s": tokens / elapsed,
-                "reward/worker_restarts": float(self.reward.restarts),
-                "rollout/engine_restarts": float(self.engine_restarts),
-                "rollout/resubmitted_groups": float(self.feed.stream.resubmitted),
-                "throughput/generated_tokens_per_s": generated / max(timings["time/generate_s"], 1e-9)}
+        return {
+            **gen_metrics,
+            **exp.metrics,
+            **train_metrics,
+            **sync_metrics,
+            **timings,
+            "time/step_s": elapsed,
+            "throughput/tokens_per_s": tokens / elapsed,
+            "reward/worker_restarts": float(self.reward.restarts),
+            "rollout/engine_restarts": float(self.engine_restarts),
+            "rollout/resubmitted_groups": float(self.feed.stream.resubmitted),
+            "throughput/generated_tokens_per_s": generated / max(timings["time/generate_s"], 1e-9),
+        }
 
     # ---- rollout and rewards ---------------------------------------------------------------
 
@@ -256,8 +294,12 @@ class RLTrainer:
         return [sample_from(c, prompt) for c in completions]
 
     def score(self, samples: list[Sample]) -> None:
-        result = self.reward.score([s.prompt_text for s in samples], [s.response_text for s in samples],
-                                   [s.label for s in samples], [{"source": s.source} for s in samples])
+        result = self.reward.score(
+            [s.prompt_text for s in samples],
+            [s.response_text for s in samples],
+            [s.label for s in samples],
+            [{"source": s.source} for s in samples],
+        )
         for i, s in enumerate(samples):
             s.reward = float(result.rewards[i])
             s.reward_metrics = {k: float(v[i]) for k, v in result.metrics.items()}
@@ -281,17 +323,24 @@ class RLTrainer:
         lags = torch.tensor([float(version - v) for s in samples for v in (s.token_versions or [s.weight_version])])
         if lags.numel() == 0:
             lags = torch.zeros(1)
-        metrics = {**reward_metrics(samples),
-                   "rollout/weight_lag": float(version - min(s.weight_version for s in samples)),
-                   "staleness/token_lag_min": float(lags.min()), "staleness/token_lag_mean": float(lags.mean()),
-                   "staleness/token_lag_max": float(lags.max()),
-                   "staleness/dropped_groups": float(step.dropped_stale),
-                   "reward/non_finite_groups": float(step.dropped_non_finite),
-                   "staleness/regenerated_groups": float(step.regenerated_stale),
-                   "rollout/groups_in_flight": float(step.in_flight)}
+        metrics = {
+            **reward_metrics(samples),
+            "rollout/weight_lag": float(version - min(s.weight_version for s in samples)),
+            "staleness/token_lag_min": float(lags.min()),
+            "staleness/token_lag_mean": float(lags.mean()),
+            "staleness/token_lag_max": float(lags.max()),
+            "staleness/dropped_groups": float(step.dropped_stale),
+            "reward/non_finite_groups": float(step.dropped_non_finite),
+            "staleness/regenerated_groups": float(step.regenerated_stale),
+            "rollout/groups_in_flight": float(step.in_flight),
+        }
         if self.cfg.algorithm.dynamic_sampling:
-            metrics.update({"dynamic_sampling/dropped_groups": float(step.dropped_uniform),
-                            "dynamic_sampling/short_groups": float(step.padded_uniform)})
+            metrics.update(
+                {
+                    "dynamic_sampling/dropped_groups": float(step.dropped_uniform),
+                    "dynamic_sampling/short_groups": float(step.padded_uniform),
+                }
+            )
         return samples, metrics
 
     # ---- experience ----------------------------------------------------------------------
@@ -301,8 +350,9 @@ class RLTrainer:
         group = self.groups[role]
         plan = micro_batches_for_ranks(samples, len(group), self.cfg.train.micro_batch_tokens)
         rows = self.cfg.train.pack_row_tokens
-        per_rank = [[pack_samples([samples[i] for i in micro], row_tokens=rows) for micro in rank_plan]
-                    for rank_plan in plan]
+        per_rank = [
+            [pack_samples([samples[i] for i in micro], row_tokens=rows) for micro in rank_plan] for rank_plan in plan
+        ]
         results = group.call_sharded(method, per_rank)
         out = torch.zeros(len(samples), max(len(s.response_ids) for s in samples))
         for rank_plan, rank_results in zip(plan, results):
@@ -327,13 +377,24 @@ class RLTrainer:
         rollout_lp = response_tensor([s.rollout_logprobs for s in samples], width)
         lengths = mask.sum(dim=-1)
         rewards, shaping = self.shaping(torch.tensor([s.reward for s in samples]), lengths)
-        advantages, returns, adv_metrics = compute_advantages(cfg, rewards, mask, cfg.sampling.n,
-                                                              old if old is not None else rollout_lp, ref, values)
+        advantages, returns, adv_metrics = compute_advantages(
+            cfg, rewards, mask, cfg.sampling.n, old if old is not None else rollout_lp, ref, values
+        )
         metrics = {**shaping, **adv_metrics}
         if old is not None:
             metrics.update(mismatch_metrics(old, rollout_lp, mask))
-        return Experience(mask, advantages, returns, rollout_lp, token_versions(samples, width), behaviour,
-                          old_logprobs=old, ref_logprobs=ref, values=values, metrics=metrics)
+        return Experience(
+            mask,
+            advantages,
+            returns,
+            rollout_lp,
+            token_versions(samples, width),
+            behaviour,
+            old_logprobs=old,
+            ref_logprobs=ref,
+            values=values,
+            metrics=metrics,
+        )
 
     # ---- updates -------------------------------------------------------------------------
 
@@ -350,8 +411,9 @@ class RLTrainer:
                 for role, method in (("policy", "train_policy"), ("critic", "train_critic")):
                     if role not in self.groups:
                         continue
-                    per_rank = self.groups[role].call_sharded(method, self._shard(samples, idx, exp,
-                                                                                   len(self.groups[role])))
+                    per_rank = self.groups[role].call_sharded(
+                        method, self._shard(samples, idx, exp, len(self.groups[role]))
+                    )
                     update.update({f"{role}/{name}": metric for name, metric in combine(per_rank).items()})
                 updates.append(update)
         metrics = average_updates(updates)
@@ -364,29 +426,55 @@ class RLTrainer:
     def _count_skipped(self, metrics: dict[str, float]) -> None:
         """A step some of whose updates were dropped for a non-finite loss or gradient norm is counted
         (``train.max_skipped_steps`` in a row stop the run)."""
-        parts = [f"{metrics[f'{role}/skipped']:.0%} of the {role} updates skipped (gradient norm "
-                 f"{metrics[f'{role}/grad_norm']})" for role in ("policy", "critic") if metrics.get(f"{role}/skipped")]
-        self.skipped.after_step(self.step + 1, bool(parts),
-                                "; ".join(parts) + " for a non-finite loss or gradient norm (the workers' log "
-                                "names the micro-batches)")
+        parts = [
+            f"{metrics[f'{role}/skipped']:.0%} of the {role} updates skipped (gradient norm "
+            f"{metrics[f'{role}/grad_norm']})"
+            for role in ("policy", "critic")
+            if metrics.get(f"{role}/skipped")
+        ]
+        self.skipped.after_step(
+            self.step + 1,
+            bool(parts),
+            "; ".join(parts) + " for a non-finite loss or gradient norm (the workers' log names the micro-batches)",
+        )
         metrics["skipped_steps"] = self.skipped.total
 
     def _shard(self, samples: list[Sample], idx: list[int], exp: Experience, world: int) -> list[list[MicroBatch]]:
         """The samples at ``idx`` as each of ``world`` ranks' micro-batches, with their rows of ``exp``."""
         chosen = [samples[i] for i in idx]
         plan = micro_batches_for_ranks(chosen, world, self.cfg.train.micro_batch_tokens)
-        return [[pack_samples([chosen[j] for j in micro], exp.rows([idx[j] for j in micro]),
-                              row_tokens=self.cfg.train.pack_row_tokens, behaviour=exp.behaviour)
-                 for micro in rank_plan] for rank_plan in plan]
+        return [
+            [
+                pack_samples(
+                    [chosen[j] for j in micro],
+                    exp.rows([idx[j] for j in micro]),
+                    row_tokens=self.cfg.train.pack_row_tokens,
+                    behaviour=exp.behaviour,
+                )
+                for micro in rank_plan
+            ]
+            for rank_plan in plan
+        ]
 
     def _write_samples(self, samples: list[Sample]) -> None:
         if not self.cfg.train.log_samples:
             return
         with open(self.out / "samples.jsonl", "a") as f:
             for s in samples[: self.cfg.train.log_samples]:
-                f.write(json.dumps({"step": self.step + 1, "prompt": s.prompt_text, "response": s.response_text,
-                                    "label": s.label, "reward": s.reward, "finish_reason": s.finish_reason},
-                                   default=str) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": self.step + 1,
+                            "prompt": s.prompt_text,
+                            "response": s.response_text,
+                            "label": s.label,
+                            "reward": s.reward,
+                            "finish_reason": s.finish_reason,
+                        },
+                        default=str,
+                    )
+                    + "\n"
+                )
 
     def sync_weights(self) -> dict[str, float]:
         """The policy's weights to every engine, labelled with the next version. An engine that died
@@ -417,9 +505,12 @@ class RLTrainer:
 
         cfg = self.cfg
         if self.engine_restarts + len(dead) > cfg.rollout.max_engine_restarts:
-            raise EngineDied(f"rollout engine(s) {dead} died, after {self.engine_restarts} restart(s) in this run "
-                             f"(rollout.max_engine_restarts={cfg.rollout.max_engine_restarts}); see the engines' "
-                             "logs for why", dead)
+            raise EngineDied(
+                f"rollout engine(s) {dead} died, after {self.engine_restarts} restart(s) in this run "
+                f"(rollout.max_engine_restarts={cfg.rollout.max_engine_restarts}); see the engines' "
+                "logs for why",
+                dead,
+            )
         log.warning("rollout engine(s) %s died; starting new ones (%d restart(s) before)", dead, self.engine_restarts)
         one = cfg.rollout.model_copy(update={"num_engines": 1})
         replaced = {}
@@ -454,9 +545,13 @@ class RLTrainer:
         step trains; they are collected before its weight sync, so they are generated by the weights
         of the step they were started at, and logged under it."""
         cfg = self.cfg
-        sampling = cfg.sampling.model_copy(update={
-            "n": cfg.train.eval_n, "temperature": cfg.train.eval_temperature,
-            "max_new_tokens": cfg.train.eval_max_new_tokens or cfg.sampling.max_new_tokens})
+        sampling = cfg.sampling.model_copy(
+            update={
+                "n": cfg.train.eval_n,
+                "temperature": cfg.train.eval_temperature,
+                "max_new_tokens": cfg.train.eval_max_new_tokens or cfg.sampling.max_new_tokens,
+            }
+        )
         pending = self.pool.submit([p.token_ids for p in self.eval_prompts], sampling)
         self._pending_evals.append((self.step, self.syncs, pending))
         return self._finish_evals(wait)
@@ -471,8 +566,10 @@ class RLTrainer:
             self.score(samples)
             metrics = pass_at_k_metrics(samples, cfg.train.eval_n, cfg.train.eval_threshold)
             if any(s.weight_version != version for s in samples):
-                raise RuntimeError(f"evaluation of step {step}: generated by weight versions "
-                                   f"{sorted({s.weight_version for s in samples})}, not {version}")
+                raise RuntimeError(
+                    f"evaluation of step {step}: generated by weight versions "
+                    f"{sorted({s.weight_version for s in samples})}, not {version}"
+                )
             self.metrics.log(metrics, step)
             log.info("step %d eval: %s", step, format_metrics(metrics))
         self._pending_evals = still
@@ -482,9 +579,16 @@ class RLTrainer:
         root = self.out / "checkpoints"
         self._finish_evals(wait=True)  # logged before the checkpoint: a resume does not evaluate again
         self.feed.drain(self.syncs)  # the groups in flight come back first, so that nothing is lost
-        state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": _get_rng(), "syncs": self.syncs,
-                 "feed": self.feed.state_dict(), "positions": self.positions.state_dict(),
-                 "skipped": self.skipped.state_dict(), "reward_shaping": self.shaping.state_dict()}
+        state = {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "rng": _get_rng(),
+            "syncs": self.syncs,
+            "feed": self.feed.state_dict(),
+            "positions": self.positions.state_dict(),
+            "skipped": self.skipped.state_dict(),
+            "reward_shaping": self.shaping.state_dict(),
+        }
 
         def write(tmp: Path) -> None:
             for role in ("policy", "critic"):

@@ -49,11 +49,27 @@ log = logging.getLogger("raylign")
 
 
 class ModelWorker:
-    def __init__(self, role: str, cfg: dict[str, Any], rank: int, world_size: int, master_addr: str,
-                 master_port: int, total_steps: int):
-        os.environ.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "RANK": str(rank),
-                           "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": "1",
-                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+    def __init__(
+        self,
+        role: str,
+        cfg: dict[str, Any],
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        total_steps: int,
+    ):
+        os.environ.update(
+            {
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                "RANK": str(rank),
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+            }
+        )
         torch.set_flush_denormal(True)
         self.cfg = RLConfig.model_validate(cfg)
         # As many compute threads as the CPU slots Ray reserved for this worker (OpenMP stays at
@@ -74,7 +90,8 @@ class ModelWorker:
         self._weights_group: Any = None
         if role == "reference":
             model_cfg = self.cfg.reference or self.cfg.model.model_copy(
-                update={"lora": self.cfg.model.lora.model_copy(update={"rank": 0})})
+                update={"lora": self.cfg.model.lora.model_copy(update={"rank": 0})}
+            )
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             self.module = load_causal_lm(model_cfg, device=self.device).eval().requires_grad_(False)
             self.engine = None
@@ -104,9 +121,14 @@ class ModelWorker:
         """Log-probs ``[b, R]`` of the response tokens (0 where masked), from logits at response positions only."""
         from raylign.models import selected_token_logprobs
 
-        out = selected_token_logprobs(self.module, batch.input_ids, batch.resp_index,
-                                      position_ids=batch.position_ids, temperature=self.temperature,
-                                      with_entropy=with_entropy)
+        out = selected_token_logprobs(
+            self.module,
+            batch.input_ids,
+            batch.resp_index,
+            position_ids=batch.position_ids,
+            temperature=self.temperature,
+            with_entropy=with_entropy,
+        )
         if with_entropy:
             return out[0] * batch.mask, out[1] * batch.mask
         return out * batch.mask
@@ -160,30 +182,47 @@ class ModelWorker:
         if bool(finite.all()):
             return True
         for j in (~finite).nonzero().flatten().tolist():
-            log.warning("%s rank %d: the loss of micro-batch %d is %s; this update is skipped", role, self.rank, j,
-                        float(losses[j]))
+            log.warning(
+                "%s rank %d: the loss of micro-batch %d is %s; this update is skipped",
+                role,
+                self.rank,
+                j,
+                float(losses[j]),
+            )
         return False
 
-    def _policy_loss(self, batch: MicroBatch, mask: torch.Tensor, token_weights: torch.Tensor | None,
-                     scale: LossScale) -> tuple[torch.Tensor, dict[str, Metric]]:
+    def _policy_loss(
+        self, batch: MicroBatch, mask: torch.Tensor, token_weights: torch.Tensor | None, scale: LossScale
+    ) -> tuple[torch.Tensor, dict[str, Metric]]:
         """One micro-batch's loss, the sum of named terms: policy gradient, KL to the reference, entropy bonus."""
         a = self.cfg.algorithm
         logprobs, entropy = self._response_logprobs(batch, with_entropy=True)
-        pg_loss, stats = self.policy_loss(logprobs, batch.behaviour_logprobs(logprobs), batch.advantages, mask,
-                                          token_weights=token_weights, scale=scale)
+        pg_loss, stats = self.policy_loss(
+            logprobs,
+            batch.behaviour_logprobs(logprobs),
+            batch.advantages,
+            mask,
+            token_weights=token_weights,
+            scale=scale,
+        )
         terms = {"policy_loss": pg_loss}
         if self.kl_loss_coef > 0:
-            kl_loss, kl_stats = compute_kl_loss(logprobs, batch.ref_logprobs, mask, estimator=a.kl_estimator,
-                                                aggregation=a.aggregation, scale=scale)
+            kl_loss, kl_stats = compute_kl_loss(
+                logprobs, batch.ref_logprobs, mask, estimator=a.kl_estimator, aggregation=a.aggregation, scale=scale
+            )
             terms["kl_loss"] = self.kl_loss_coef * kl_loss
             stats = {**stats, **kl_stats}
-        entropy_loss, entropy_stats = compute_entropy_bonus(entropy, mask, a.entropy_coef,
-                                                            aggregation=a.aggregation, scale=scale)
+        entropy_loss, entropy_stats = compute_entropy_bonus(
+            entropy, mask, a.entropy_coef, aggregation=a.aggregation, scale=scale
+        )
         if a.entropy_coef > 0:
             terms["entropy_loss"] = entropy_loss
         loss = sum(terms.values())
-        metrics = {**_token_means({**stats, **entropy_stats}, mask), "policy_loss": _loss_share(pg_loss, scale),
-                   "policy_loss_total": _loss_share(loss, scale)}
+        metrics = {
+            **_token_means({**stats, **entropy_stats}, mask),
+            "policy_loss": _loss_share(pg_loss, scale),
+            "policy_loss_total": _loss_share(loss, scale),
+        }
         if batch.behaviour == "this_policy":  # no recomputation to compare the engine with: measure it here
             metrics.update(_engine_mismatch(batch.rollout_logprobs, logprobs, mask))
         return loss, metrics
@@ -195,8 +234,15 @@ class ModelWorker:
         self.module.train()
         stats, losses = [], []
         for batch in micro_batches:
-            loss, loss_stats = compute_value_loss(self._values(batch), batch.values, batch.returns, batch.mask,
-                                                  clip_eps=a.value_clip, aggregation="token_mean", scale=scale)
+            loss, loss_stats = compute_value_loss(
+                self._values(batch),
+                batch.values,
+                batch.returns,
+                batch.mask,
+                clip_eps=a.value_clip,
+                aggregation="token_mean",
+                scale=scale,
+            )
             losses.append(loss.detach())
             self.engine.backward(a.vf_coef * loss)
             stats.append({**_token_means(loss_stats, batch.mask), "value_loss": _loss_share(loss, scale)})
@@ -228,13 +274,21 @@ class ModelWorker:
         gathered = time.perf_counter()
         if self._local_engine is not None:
             self._load_local_engine(state, version)
-            return {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start} if self.rank == 0 else {}
+            return (
+                {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start}
+                if self.rank == 0
+                else {}
+            )
         if self.rank != 0:
             return {}
-        stats = self._pool.sync_weights(state.items(), keep_running=self.cfg.rollout.partial_rollouts, version=version,
-                                        only=only)
-        return {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start,
-                **{f"sync/{k}": float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))}}
+        stats = self._pool.sync_weights(
+            state.items(), keep_running=self.cfg.rollout.partial_rollouts, version=version, only=only
+        )
+        return {
+            "sync/gather_s": gathered - start,
+            "sync/total_s": time.perf_counter() - start,
+            **{f"sync/{k}": float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))},
+        }
 
     # ---- colocated rollout engine (the hybrid engine) ------------------------------------
 
@@ -252,7 +306,8 @@ class ModelWorker:
 
             # CPU tensors travel over gloo whatever backend the training group uses.
             self._weights_group = dist.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.rollout.sync_timeout_s))
+                backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.rollout.sync_timeout_s)
+            )
 
     def _load_local_engine(self, state: dict[str, torch.Tensor], version: int | None) -> None:
         from raylign.rollout.weight_sync import load_and_drain, receive_named_tensors, send_named_tensors
@@ -275,8 +330,10 @@ class ModelWorker:
             return future.result(timeout=self.cfg.rollout.generate_timeout_s)
         except TimeoutError:
             future.cancel()
-            raise TimeoutError(f"policy rank {self.rank}: its colocated rollout engine did not answer within "
-                               f"rollout.generate_timeout_s ({self.cfg.rollout.generate_timeout_s:.0f} s)") from None
+            raise TimeoutError(
+                f"policy rank {self.rank}: its colocated rollout engine did not answer within "
+                f"rollout.generate_timeout_s ({self.cfg.rollout.generate_timeout_s:.0f} s)"
+            ) from None
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: Any, prompt_indices: list[int] | None = None):
         """Completions from this rank's colocated engine (the rollout pool's ``generate`` call)."""
@@ -343,13 +400,15 @@ def bind_off_policy_correction(a: AlgorithmConfig) -> OffPolicyCorrection:
     :mod:`raylign.algorithms.off_policy`): truncated weights, a narrower loss mask, or nothing."""
 
     def truncated_is(batch: MicroBatch):
-        weights, stats = truncated_importance_weights(batch.old_logprobs, batch.rollout_logprobs, batch.mask,
-                                                      cap=a.tis_cap)
+        weights, stats = truncated_importance_weights(
+            batch.old_logprobs, batch.rollout_logprobs, batch.mask, cap=a.tis_cap
+        )
         return batch.mask, weights, stats
 
     def ratio_mask(batch: MicroBatch):
-        mask, stats = mask_by_importance_ratio(batch.old_logprobs, batch.rollout_logprobs, batch.mask,
-                                               low=a.mask_low, high=a.mask_high)
+        mask, stats = mask_by_importance_ratio(
+            batch.old_logprobs, batch.rollout_logprobs, batch.mask, low=a.mask_low, high=a.mask_high
+        )
         return mask, None, stats
 
     def none(batch: MicroBatch):
@@ -362,16 +421,20 @@ def _token_means(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str
     """The algorithm library's statistics of one micro-batch: means over ``mask``'s counted tokens
     (weighted by their number when combined), but for the maxima in ``MAXIMA``."""
     tokens = float(mask.sum())
-    return {name: Metric(float(value), "max") if name in MAXIMA else Metric(float(value), "mean", tokens)
-            for name, value in stats.items()}
+    return {
+        name: Metric(float(value), "max") if name in MAXIMA else Metric(float(value), "mean", tokens)
+        for name, value in stats.items()
+    }
 
 
 def _engine_mismatch(rollout_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, Metric]:
     """How far the engine's log-probs are from the training forward's: mean and largest ``|difference|``."""
     diff = ((rollout_logprobs - logprobs.detach()) * mask).abs()
     tokens = float(mask.sum())
-    return {"mismatch_abs_diff": Metric(float(diff.sum()) / max(tokens, 1.0), "mean", tokens),
-            "mismatch_max_abs_diff": Metric(float(diff.max()), "max")}
+    return {
+        "mismatch_abs_diff": Metric(float(diff.sum()) / max(tokens, 1.0), "mean", tokens),
+        "mismatch_max_abs_diff": Metric(float(diff.max()), "max"),
+    }
 
 
 def _loss_share(loss: torch.Tensor, scale: LossScale) -> Metric:

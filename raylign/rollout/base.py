@@ -61,8 +61,10 @@ class Completion:
         if self.token_versions is None:
             self.token_versions = [self.weight_version] * len(self.response_token_ids)
         elif len(self.token_versions) != len(self.response_token_ids):
-            raise ValueError(f"prompt {self.prompt_index}, sample {self.sample_index}: {len(self.token_versions)} "
-                             f"token versions for {len(self.response_token_ids)} tokens")
+            raise ValueError(
+                f"prompt {self.prompt_index}, sample {self.sample_index}: {len(self.token_versions)} "
+                f"token versions for {len(self.response_token_ids)} tokens"
+            )
 
 
 class RolloutEngine(ABC):
@@ -93,12 +95,14 @@ class RolloutEngine(ABC):
         sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
         indices = default_prompt_indices(prompt_token_ids, prompt_indices)
         check_prompts(prompt_token_ids, self.vocab_size, indices)
-        groups = await asyncio.gather(*(self._group(list(ids), sampling, index)
-                                        for index, ids in zip(indices, prompt_token_ids)))
+        groups = await asyncio.gather(
+            *(self._group(list(ids), sampling, index) for index, ids in zip(indices, prompt_token_ids))
+        )
         return [c for group in groups for c in group]
 
-    async def generate_group(self, prompt_token_ids: list[int], sampling: SamplingConfig,
-                             prompt_index: int = 0) -> list[Completion]:
+    async def generate_group(
+        self, prompt_token_ids: list[int], sampling: SamplingConfig, prompt_index: int = 0
+    ) -> list[Completion]:
         """The ``sampling.n`` completions of one prompt, returned once all of them have finished.
 
         The streaming form of :meth:`generate`: a caller keeps many groups in flight and takes
@@ -113,8 +117,9 @@ class RolloutEngine(ABC):
         """The completions of one prompt whose token ids were checked (``index`` labels them)."""
 
     @abstractmethod
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False,
-                             version: int | None = None) -> float:
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False, version: int | None = None
+    ) -> float:
         """Load full weights (Hugging Face names) handed over in this process; returns seconds taken.
 
         Resets the prefix cache and sets ``weight_version`` to ``version`` (default: one more);
@@ -162,7 +167,7 @@ class RolloutEngine(ABC):
     async def weight_version_now(self) -> int:
         return self.weight_version
 
-    async def shutdown(self) -> None:
+    async def shutdown(self) -> None:  # noqa: B027 - an optional hook
         """Release what the engine started outside its own process (a no-op unless it did)."""
 
 
@@ -176,7 +181,9 @@ def log_once(message: str) -> None:
         logger.warning(message)
 
 
-def default_prompt_indices(prompt_token_ids: Sequence[Sequence[int]], prompt_indices: Sequence[int] | None) -> list[int]:
+def default_prompt_indices(
+    prompt_token_ids: Sequence[Sequence[int]], prompt_indices: Sequence[int] | None
+) -> list[int]:
     if prompt_indices is None:
         return list(range(len(prompt_token_ids)))
     if len(prompt_indices) != len(prompt_token_ids):

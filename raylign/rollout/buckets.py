@@ -105,7 +105,10 @@ def iter_packed_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucke
 
 
 def metas_from_header(header: bytes) -> list[TensorMeta]:
-    return [TensorMeta(name, dtype, tuple(shape), offset, nbytes) for name, dtype, shape, offset, nbytes in pickle.loads(header)]
+    return [
+        TensorMeta(name, dtype, tuple(shape), offset, nbytes)
+        for name, dtype, shape, offset, nbytes in pickle.loads(header)
+    ]
 
 
 def unpack_bucket(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:

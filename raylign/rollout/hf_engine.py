@@ -113,7 +113,9 @@ class HFEngine(RolloutEngine):
             raise ValueError("rollout.tensor_parallel_size must be 1 for the hf engine")
         torch.set_flush_denormal(True)  # CPU generate is erratic with denormals
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[resolve_and_log(self.config.dtype, "hf rollout engine")])
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_path), dtype=_DTYPES[resolve_and_log(self.config.dtype, "hf rollout engine")]
+        )
         self.model.to(self.device).eval()
         self.model.generation_config = neutral_generation_config(self.model.generation_config)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
@@ -148,8 +150,9 @@ class HFEngine(RolloutEngine):
                 batch = [r for r in self._queue if r[2] == sampling]
                 self._queue = [r for r in self._queue if r[2] != sampling]
                 try:
-                    completions = await asyncio.to_thread(self._generate_now, [r[0] for r in batch],
-                                                          [r[1] for r in batch], sampling)
+                    completions = await asyncio.to_thread(
+                        self._generate_now, [r[0] for r in batch], [r[1] for r in batch], sampling
+                    )
                 except BaseException as err:  # every caller of this batch gets the error
                     for *_, future in batch:
                         if not future.done():
@@ -158,10 +161,11 @@ class HFEngine(RolloutEngine):
                 n = sampling.n  # completions come prompt by prompt, n each
                 for position, (*_, future) in enumerate(batch):
                     if not future.done():
-                        future.set_result(completions[position * n:(position + 1) * n])
+                        future.set_result(completions[position * n : (position + 1) * n])
 
-    def _generate_now(self, prompt_token_ids: list[list[int]], indices: list[int],
-                      sampling: SamplingConfig) -> list[Completion]:
+    def _generate_now(
+        self, prompt_token_ids: list[list[int]], indices: list[int], sampling: SamplingConfig
+    ) -> list[Completion]:
         if sampling.seed is None and len(prompt_token_ids) > 1:
             # Unseeded prompts share one generate call (left-padded): far fewer, larger forward passes.
             return self._generate_batch([list(p) for p in prompt_token_ids], list(indices), sampling)
@@ -171,7 +175,9 @@ class HFEngine(RolloutEngine):
         return completions
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], indices: list[int], sampling: SamplingConfig) -> list[Completion]:
+    def _generate_batch(
+        self, prompts: list[list[int]], indices: list[int], sampling: SamplingConfig
+    ) -> list[Completion]:
         from transformers import StoppingCriteriaList
 
         width = max(len(p) for p in prompts)
@@ -201,8 +207,17 @@ class HFEngine(RolloutEngine):
         for i, (prompt, index) in enumerate(zip(prompts, indices)):
             for sample in range(sampling.n):
                 row = i * per_prompt + (0 if greedy else sample)  # generate repeats each input per_prompt times
-                completions.append(self._completion(prompt, index, sample, responses[row].tolist(),
-                                                    logprobs[row].tolist(), sampling, stop_criteria.stopped_at.get(row)))
+                completions.append(
+                    self._completion(
+                        prompt,
+                        index,
+                        sample,
+                        responses[row].tolist(),
+                        logprobs[row].tolist(),
+                        sampling,
+                        stop_criteria.stopped_at.get(row),
+                    )
+                )
         return completions
 
     @torch.no_grad()
@@ -215,8 +230,9 @@ class HFEngine(RolloutEngine):
         seed = request_seed(sampling, index)
         # A seeded request draws from its own stream and leaves the global one untouched; an
         # unseeded one must advance the global stream, or every call would repeat the same draws.
-        rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [],
-                                    enabled=seed is not None)
+        rng = torch.random.fork_rng(
+            devices=[self.device] if self.device.type == "cuda" else [], enabled=seed is not None
+        )
         with rng:
             if seed is not None:
                 torch.manual_seed(seed)
@@ -237,14 +253,27 @@ class HFEngine(RolloutEngine):
         logprobs = sampled_token_logprobs(out.scores, responses).cpu()
         rows = [0] * sampling.n if greedy else range(sampling.n)
         return [
-            self._completion(prompt, index, sample, responses[row].tolist(), logprobs[row].tolist(), sampling,
-                             stop_criteria.stopped_at.get(row))
+            self._completion(
+                prompt,
+                index,
+                sample,
+                responses[row].tolist(),
+                logprobs[row].tolist(),
+                sampling,
+                stop_criteria.stopped_at.get(row),
+            )
             for sample, row in enumerate(rows)
         ]
 
     def _completion(
-        self, prompt: list[int], index: int, sample: int, tokens: list[int], logprobs: list[float],
-        sampling: SamplingConfig, stop_step: int | None,
+        self,
+        prompt: list[int],
+        index: int,
+        sample: int,
+        tokens: list[int],
+        logprobs: list[float],
+        sampling: SamplingConfig,
+        stop_step: int | None,
     ) -> Completion:
         end, stopped = response_length(tokens, self.eos_ids, stop_step)
         text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
@@ -270,11 +299,14 @@ class HFEngine(RolloutEngine):
             if target is None:
                 raise KeyError(f"weight {name!r} is not a parameter of the rollout model")
             if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
+                raise ValueError(
+                    f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
+                )
             target.copy_(tensor)
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False,
-                             version: int | None = None) -> float:
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False, version: int | None = None
+    ) -> float:
         start = time.perf_counter()
         async with self._lock():  # after the running batch
             self._load_named_tensors(named_tensors)

@@ -18,8 +18,8 @@ import asyncio
 import heapq
 import logging
 import time
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +47,11 @@ def engine_class(name: str) -> type:
 
 
 def launch_engines(
-    model_path: str | Path, config: RolloutConfig, env_vars: dict[str, str] | None = None,
-    startup_timeout_s: float = 600.0, timeout_setting: str = "placement.startup_timeout_s",
+    model_path: str | Path,
+    config: RolloutConfig,
+    env_vars: dict[str, str] | None = None,
+    startup_timeout_s: float = 600.0,
+    timeout_setting: str = "placement.startup_timeout_s",
 ) -> list[Any]:
     """Start ``config.num_engines`` engine actors (one Ray actor each) and wait until they are loaded.
 
@@ -72,8 +75,12 @@ def launch_engines(
     names = [f"rollout engine {i} ({config.engine}, model {model_path})" for i in range(len(engines))]
     try:
         # An engine answers its first call once its model is loaded.
-        wait_until_ready(dict(zip(names, engines)), startup_timeout_s, timeout_setting,
-                         ready={name: e.weight_version_now.remote() for name, e in zip(names, engines)})
+        wait_until_ready(
+            dict(zip(names, engines)),
+            startup_timeout_s,
+            timeout_setting,
+            ready={name: e.weight_version_now.remote() for name, e in zip(names, engines)},
+        )
     except Exception:
         for engine in engines:
             ray.kill(engine)
@@ -120,8 +127,10 @@ def order_completions(completions: Iterable[Completion], prompt_indices: Sequenc
     got = [(c.prompt_index, c.sample_index) for c in ordered]
     if got != expected:
         missing = sorted(set(expected) - set(got))[:5]
-        raise RuntimeError(f"rollout pool: engines returned {len(got)} completions, expected {len(expected)}; "
-                           f"missing (prompt, sample) e.g. {missing}")
+        raise RuntimeError(
+            f"rollout pool: engines returned {len(got)} completions, expected {len(expected)}; "
+            f"missing (prompt, sample) e.g. {missing}"
+        )
     return ordered
 
 
@@ -174,8 +183,11 @@ class RolloutPool:
         """Start generating without waiting (the engines work while the caller goes on); see :meth:`collect`."""
         indices = default_prompt_indices(prompt_token_ids, prompt_indices)
         shards = split_by_token_load([len(p) for p in prompt_token_ids], len(self.engines), sampling.max_new_tokens)
-        refs = [engine.generate.remote([prompt_token_ids[p] for p in shard], sampling, [indices[p] for p in shard])
-                for engine, shard in zip(self.engines, shards) if shard]
+        refs = [
+            engine.generate.remote([prompt_token_ids[p] for p in shard], sampling, [indices[p] for p in shard])
+            for engine, shard in zip(self.engines, shards)
+            if shard
+        ]
         return PendingRollout(refs, list(indices), sampling.n)
 
     def is_done(self, pending: PendingRollout) -> bool:
@@ -195,9 +207,11 @@ class RolloutPool:
         return order_completions((c for result in results for c in result), pending.prompt_indices, pending.n)
 
     def _request_timeout(self, pending: PendingRollout) -> TimeoutError:
-        return TimeoutError(f"rollout: a request of {len(pending.prompt_indices)} prompts did not finish within "
-                            f"{self.timeout_s:.0f} s on {len(self.engines)} engine(s); raise "
-                            "rollout.generate_timeout_s if generation is this slow")
+        return TimeoutError(
+            f"rollout: a request of {len(pending.prompt_indices)} prompts did not finish within "
+            f"{self.timeout_s:.0f} s on {len(self.engines)} engine(s); raise "
+            "rollout.generate_timeout_s if generation is this slow"
+        )
 
     def submit_group(self, prompt_token_ids: list[int], sampling: SamplingConfig, prompt_index: int) -> tuple[Any, int]:
         """Start one prompt group on the engine with the least outstanding work: ``(ref, engine)``.
@@ -226,8 +240,9 @@ class RolloutPool:
             except ray.exceptions.RayActorError:
                 dead.append(index)
             except ray.exceptions.GetTimeoutError:
-                raise TimeoutError(f"rollout engine {index} did not say its weight version within {timeout_s:.0f} s "
-                                   "(alive but stuck?)") from None
+                raise TimeoutError(
+                    f"rollout engine {index} did not say its weight version within {timeout_s:.0f} s (alive but stuck?)"
+                ) from None
         return dead
 
     def replace_engine(self, index: int, engine: Any) -> None:
@@ -247,8 +262,13 @@ class RolloutPool:
             self.engines[index] = engine
             self._sender.replace(index, engine)
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False,
-                     version: int | None = None, only: Sequence[int] | None = None) -> SyncStats:
+    def sync_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        keep_running: bool = False,
+        version: int | None = None,
+        only: Sequence[int] | None = None,
+    ) -> SyncStats:
         """Send full weights to every engine, or to the engines ``only`` (labelled ``version``); they
         reset their prefix caches afterwards."""
         if self._sender is None:
@@ -263,9 +283,13 @@ class RolloutPool:
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         from raylign.cluster import get_within
 
-        return get_within([getattr(engine, method).remote(*args) for engine in self.engines], self.timeout_s,
-                          f"rollout engines' {method}", "rollout.generate_timeout_s",
-                          [f"engine {i}" for i in range(len(self.engines))])
+        return get_within(
+            [getattr(engine, method).remote(*args) for engine in self.engines],
+            self.timeout_s,
+            f"rollout engines' {method}",
+            "rollout.generate_timeout_s",
+            [f"engine {i}" for i in range(len(self.engines))],
+        )
 
     def reset_prefix_cache(self) -> None:
         self._call_all("reset_prefix_cache")
@@ -308,8 +332,13 @@ class _InFlight:
 class GroupStream:
     """Prompt groups in flight on a pool's engines, taken back in the order they finish."""
 
-    def __init__(self, pool: RolloutPool, timeout_s: float, timeout_setting: str = "rollout.generate_timeout_s",
-                 restart: Callable[[list[int]], None] | None = None):
+    def __init__(
+        self,
+        pool: RolloutPool,
+        timeout_s: float,
+        timeout_setting: str = "rollout.generate_timeout_s",
+        restart: Callable[[list[int]], None] | None = None,
+    ):
         """``restart(dead)``: replace the dead engines (by index) in the pool; their groups are then
         submitted again. Without it a dead engine raises :class:`EngineDied`."""
         self.pool = pool
@@ -328,8 +357,9 @@ class GroupStream:
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingConfig, prompt_index: int, tag: Any) -> None:
         ref, engine = self.pool.submit_group(prompt_token_ids, sampling, prompt_index)
-        self._pending[ref] = _InFlight(tag, engine, time.perf_counter(), (list(prompt_token_ids), sampling,
-                                                                          prompt_index))
+        self._pending[ref] = _InFlight(
+            tag, engine, time.perf_counter(), (list(prompt_token_ids), sampling, prompt_index)
+        )
 
     def finished(self, wait: bool = True) -> list[FinishedGroup]:
         """The groups that have finished; with ``wait``, blocks until at least one has (at most
@@ -342,9 +372,11 @@ class GroupStream:
         ready, _ = ray.wait(refs, num_returns=1, timeout=self.timeout_s if wait else 0)
         if wait and not ready:
             engines = sorted({group.engine for group in self._pending.values()})
-            raise TimeoutError(f"rollout: no prompt group finished within {self.timeout_s:.0f} s "
-                               f"({len(refs)} in flight on engine(s) {engines}); raise {self.timeout_setting} "
-                               "if generation is this slow, or check the engines' logs")
+            raise TimeoutError(
+                f"rollout: no prompt group finished within {self.timeout_s:.0f} s "
+                f"({len(refs)} in flight on engine(s) {engines}); raise {self.timeout_setting} "
+                "if generation is this slow, or check the engines' logs"
+            )
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)  # everything else already done too
         out, dead = [], {}
         for ref in ready:
@@ -367,9 +399,11 @@ class GroupStream:
 
         if self.restart is None:
             engine, err = next(iter(sorted(dead.items())))
-            raise EngineDied(f"rollout engine {engine} died ({death_cause(err)}) with "
-                             f"{sum(g.engine in dead for g in self._pending.values())} prompt group(s) in flight",
-                             sorted(dead))
+            raise EngineDied(
+                f"rollout engine {engine} died ({death_cause(err)}) with "
+                f"{sum(g.engine in dead for g in self._pending.values())} prompt group(s) in flight",
+                sorted(dead),
+            )
         lost = {ref: group for ref, group in self._pending.items() if group.engine in dead}
         for ref in lost:
             del self._pending[ref]

@@ -176,7 +176,7 @@ def token_versions(output: Any, weight_version: int) -> list[int]:
     versions = [weight_version] * len(output.token_ids)
     for span in getattr(output, "weight_versions", None) or []:
         label = weight_version if span.version == "default" else int(span.version)
-        versions[span.start:span.end] = [label] * (span.end - span.start)
+        versions[span.start : span.end] = [label] * (span.end - span.start)
     return versions
 
 
@@ -221,8 +221,9 @@ class VLLMEngine(RolloutEngine):
 
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config or {})
         self.on_cpu = current_platform.is_cpu()
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**build_llm_kwargs(str(model_path), self.config,
-                                                                                 self.on_cpu)))
+        self.llm = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**build_llm_kwargs(str(model_path), self.config, self.on_cpu))
+        )
         self.vocab_size = self.llm.model_config.get_vocab_size()
         self.weight_version = 0
         self._request_ids = itertools.count()
@@ -247,26 +248,31 @@ class VLLMEngine(RolloutEngine):
             del self._tokens_in_flight[request_id]
         if not samples:
             raise RuntimeError(f"prompt {index}: vLLM returned no output")
-        return completions_from_request_output(SimpleNamespace(outputs=list(samples.values())), index, prompt,
-                                               sampling.n, started_at)
+        return completions_from_request_output(
+            SimpleNamespace(outputs=list(samples.values())), index, prompt, sampling.n, started_at
+        )
 
     async def tokens_in_flight(self) -> int:
         """Tokens sampled so far by the sequences still generating."""
         return sum(self._tokens_in_flight.values())
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False,
-                             version: int | None = None) -> float:
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False, version: int | None = None
+    ) -> float:
         start = time.perf_counter()
         from raylign.rollout.vllm_worker import pack_tensors
 
         packed = pack_tensors(named_tensors)  # copied to the engine's worker process
-        await self._between_steps(lambda: self.llm.collective_rpc("raylign_load_packed", args=(packed,)),
-                                  keep_running, version)
+        await self._between_steps(
+            lambda: self.llm.collective_rpc("raylign_load_packed", args=(packed,)), keep_running, version
+        )
         return time.perf_counter() - start
 
     async def join_weight_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
         if world_size != 1 + self.config.tensor_parallel_size:
-            raise ValueError(f"sync group of size {world_size} for an engine with {self.config.tensor_parallel_size} workers")
+            raise ValueError(
+                f"sync group of size {world_size} for an engine with {self.config.tensor_parallel_size} workers"
+            )
         await self.llm.collective_rpc("raylign_join_sync_group", args=(host, port, world_size, timeout_s))
 
     async def receive_weights(self, keep_running: bool = False, version: int | None = None) -> float:

@@ -59,8 +59,15 @@ class WeightSyncWorkerExtension:
 
 def pack_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int], bytes]]:
     """Tensors as plain values that survive vLLM's message encoding to its engine process."""
-    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape),
-             t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()) for name, t in named_tensors]
+    return [
+        (
+            name,
+            str(t.dtype).removeprefix("torch."),
+            list(t.shape),
+            t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(),
+        )
+        for name, t in named_tensors
+    ]
 
 
 def unpack_tensors(packed: list) -> Iterable[tuple[str, torch.Tensor]]:

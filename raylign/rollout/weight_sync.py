@@ -8,8 +8,8 @@ group and vLLM's groups are untouched). The engine's workers join as ranks
 its model's ``load_weights`` keeps its shard). A sync is, per bucket, three broadcasts
 from rank 0: ``[header_len, payload_len]`` (int64), the pickled metadata, the flat uint8
 payload; a header length of 0 ends the sync, -1 aborts it (the sender failed part-way;
-the engine raises, and holds partly updated weights until the next full sync). The engine loads the tensors as they arrive
-and then resets its prefix cache. One Ray call per engine per sync starts the receiving
+the engine raises, and holds partly updated weights until the next full sync). The engine loads the
+tensors as they arrive and then resets its prefix cache. One Ray call per engine per sync starts the receiving
 side; tensors never travel as individual remote calls.
 
 Why one group per engine rather than one group with every engine's workers: an engine
@@ -107,9 +107,11 @@ def _wait_all(works: Sequence[Any], dead_receivers: Callable[[], set[int]] | Non
                 continue
             if "timed out" not in str(err).lower():
                 raise
-            raise TimeoutError(f"weight sync: the other side of a broadcast did not take part within the group's "
-                               f"timeout; raise {TIMEOUT_SETTING} if it needs longer, or check the other side's logs "
-                               f"(gloo: {err})") from err
+            raise TimeoutError(
+                f"weight sync: the other side of a broadcast did not take part within the group's "
+                f"timeout; raise {TIMEOUT_SETTING} if it needs longer, or check the other side's logs "
+                f"(gloo: {err})"
+            ) from err
     return dead
 
 
@@ -135,16 +137,18 @@ class _Broadcasts:
 
     def send(self, tensor: torch.Tensor) -> None:
         live = [i for i in range(len(self.groups)) if i not in self.dead]
-        dead = _wait_all([_broadcast(self.groups[i], tensor) for i in live],
-                         None if self.dead_receivers is None else lambda: {live.index(i) for i in
-                                                                         self.dead_receivers() if i in live})
+        dead = _wait_all(
+            [_broadcast(self.groups[i], tensor) for i in live],
+            None
+            if self.dead_receivers is None
+            else lambda: {live.index(i) for i in self.dead_receivers() if i in live},
+        )
         self.dead |= {live[i] for i in dead}
 
     def bucket(self, bucket: Bucket) -> None:
         """One bucket (three broadcasts); a receiver that dies meanwhile is left out from then on."""
         header = torch.frombuffer(bytearray(bucket.header_bytes()), dtype=torch.uint8)
-        for tensor in (torch.tensor([header.numel(), bucket.buffer.numel()], dtype=torch.int64), header,
-                       bucket.buffer):
+        for tensor in (torch.tensor([header.numel(), bucket.buffer.numel()], dtype=torch.int64), header, bucket.buffer):
             self.send(tensor)
 
     def marker(self, marker: int) -> None:
@@ -164,7 +168,9 @@ def send_end_of_sync(groups: Sequence[dist.ProcessGroupGloo], marker: int = END_
 
 
 def send_named_tensors(
-    groups: Sequence[dist.ProcessGroupGloo], named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+    groups: Sequence[dist.ProcessGroupGloo],
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
     dead_receivers: Callable[[], set[int]] | None = None,
 ) -> tuple[int, int, int]:
     """Broadcast one whole sync in buckets, then its end marker; ``(buckets, tensors, bytes)`` sent.
@@ -287,7 +293,9 @@ class WeightSyncSender:
     rank that holds the full weights), :meth:`close` at the end.
     """
 
-    def __init__(self, engines: Sequence[Any], bucket_mb: float = 32.0, timeout_s: float = 600.0, host: str | None = None):
+    def __init__(
+        self, engines: Sequence[Any], bucket_mb: float = 32.0, timeout_s: float = 600.0, host: str | None = None
+    ):
         self.engines = list(engines)
         self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.timeout_s = timeout_s
@@ -297,8 +305,13 @@ class WeightSyncSender:
 
     def _results(self, refs: list[Any], what: str, names: Sequence[str] | None = None) -> list[Any]:
         """The engines' answers to one call each, waiting at most ``timeout_s``."""
-        return get_within(refs, self.timeout_s, f"weight sync: {what}", TIMEOUT_SETTING,
-                          names or [f"engine {i}" for i in range(len(refs))])
+        return get_within(
+            refs,
+            self.timeout_s,
+            f"weight sync: {what}",
+            TIMEOUT_SETTING,
+            names or [f"engine {i}" for i in range(len(refs))],
+        )
 
     def connect(self) -> None:
         """Open one group per engine; each engine's workers join it."""
@@ -311,8 +324,9 @@ class WeightSyncSender:
 
     def _open(self, index: int, engine: Any, host: str) -> tuple[dist.TCPStore, dist.ProcessGroupGloo]:
         """A new group with engine ``index``'s workers in it."""
-        world_size = 1 + self._results([engine.num_sync_ranks.remote()], "the engine's sync ranks",
-                                       [f"engine {index}"])[0]
+        world_size = (
+            1 + self._results([engine.num_sync_ranks.remote()], "the engine's sync ranks", [f"engine {index}"])[0]
+        )
         store, port = open_group_as_sender(host, world_size, self.timeout_s)
         joined = engine.join_weight_sync_group.remote(host, port, world_size, self.timeout_s)
         group = make_gloo_group(store, 0, world_size, self.timeout_s)  # returns once the engine joined
@@ -325,8 +339,13 @@ class WeightSyncSender:
         self._stores[index], self._groups[index] = self._open(index, engine, self.host or local_host_address())
         logger.info("weight sync: reconnected engine %d", index)
 
-    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False,
-             version: int | None = None, only: Sequence[int] | None = None) -> SyncStats:
+    def sync(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        keep_running: bool = False,
+        version: int | None = None,
+        only: Sequence[int] | None = None,
+    ) -> SyncStats:
         """Send full weights (Hugging Face names) to every engine, or to the engines ``only``; returns
         when they have loaded them.
 
@@ -339,8 +358,8 @@ class WeightSyncSender:
         loading = [self.engines[i].receive_weights.remote(keep_running, version) for i in indices]
         try:
             num_buckets, num_tensors, num_bytes = send_named_tensors(
-                [self._groups[i] for i in indices], named_tensors, self.bucket_bytes,
-                lambda: _dead_receivers(loading))
+                [self._groups[i] for i in indices], named_tensors, self.bucket_bytes, lambda: _dead_receivers(loading)
+            )
         except BaseException:
             self._await_aborted(loading)
             raise
@@ -348,7 +367,11 @@ class WeightSyncSender:
         stats = SyncStats(time.perf_counter() - start, num_buckets, num_tensors, num_bytes)
         logger.info(
             "weight sync: %d tensors, %.1f MiB in %d buckets to %d engine(s) in %.3f s",
-            stats.num_tensors, stats.num_bytes / (1 << 20), stats.num_buckets, len(indices), stats.seconds,
+            stats.num_tensors,
+            stats.num_bytes / (1 << 20),
+            stats.num_buckets,
+            len(indices),
+            stats.seconds,
         )
         return stats
 

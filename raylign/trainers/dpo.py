@@ -54,14 +54,21 @@ class ReferencedPair:
 
 def sequence_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Summed log-probs of the scored tokens of every sequence of a :func:`collate_pairs` batch, float32 ``[2B]``."""
-    return sequence_logprobs(model, batch["input_ids"], batch["loss_mask"], attention_mask=batch.get("attention_mask"),
-                             position_ids=batch.get("position_ids"), seq_lens=batch.get("seq_lens"))
+    return sequence_logprobs(
+        model,
+        batch["input_ids"],
+        batch["loss_mask"],
+        attention_mask=batch.get("attention_mask"),
+        position_ids=batch.get("position_ids"),
+        seq_lens=batch.get("seq_lens"),
+    )
 
 
 def loss_kwargs(cfg: DPOConfig) -> dict[str, float]:
     """Keyword options for the configured loss; unset ones keep the loss function's defaults."""
-    return {kwarg: getattr(cfg.dpo, field) for field, kwarg in _OPTION_KWARGS.items()
-            if getattr(cfg.dpo, field) is not None}
+    return {
+        kwarg: getattr(cfg.dpo, field) for field, kwarg in _OPTION_KWARGS.items() if getattr(cfg.dpo, field) is not None
+    }
 
 
 class DPOTrainer(OfflineTrainer):
@@ -92,8 +99,12 @@ class DPOTrainer(OfflineTrainer):
     def build_reference(self) -> torch.nn.Module:
         """The frozen reference: ``dpo.reference_path`` or the starting model, without LoRA, in eval mode."""
         m = self.cfg.model
-        ref_cfg = ModelConfig(path=self.cfg.dpo.reference_path or m.path, dtype=m.dtype,
-                              attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code)
+        ref_cfg = ModelConfig(
+            path=self.cfg.dpo.reference_path or m.path,
+            dtype=m.dtype,
+            attn_implementation=m.attn_implementation,
+            trust_remote_code=m.trust_remote_code,
+        )
         model = load_causal_lm(ref_cfg, device=self.engine.device).eval()
         model.requires_grad_(False)
         return model
@@ -119,8 +130,9 @@ class DPOTrainer(OfflineTrainer):
         size = self.train_cfg.eval_batch_size
         for start in range(0, len(mine), size):
             indices = mine[start : start + size]
-            batch = self._to_device(collate_pairs([samples[i] for i in indices], self.tokenizer.pad_token_id,
-                                                  packed=self.cfg.data.packing))
+            batch = self._to_device(
+                collate_pairs([samples[i] for i in indices], self.tokenizer.pad_token_id, packed=self.cfg.data.packing)
+            )
             logps = sequence_logps(self.reference, batch).tolist()
             for j, i in enumerate(indices):
                 values[2 * i], values[2 * i + 1] = logps[j], logps[len(indices) + j]
@@ -161,8 +173,11 @@ class DPOTrainer(OfflineTrainer):
         loss, metrics = self.loss_fn(*inputs, **self.loss_kwargs, **length_kwargs)
         sums = {key: float(value) * n for key, value in metrics.items()}
         chosen, rejected = policy[:n].detach(), policy[n:].detach()
-        sums.update(logps_chosen=float(chosen.sum()), logps_rejected=float(rejected.sum()),
-                    logps_margin=float((chosen - rejected).sum()))
+        sums.update(
+            logps_chosen=float(chosen.sum()),
+            logps_rejected=float(rejected.sum()),
+            logps_margin=float((chosen - rejected).sum()),
+        )
         # loss functions return means over the micro-batch's pairs; the loop wants sums
         return loss * n, sums
 

@@ -34,9 +34,16 @@ class SkippedSteps:
             raise FloatingPointError(
                 f"step {step}: {what}; the update was skipped, {self.in_a_row} step(s) in a row (more than "
                 f"{self.setting} = {self.limit}). Lower optim.lr, check the data of these steps, or raise "
-                f"{self.setting}; the newest checkpoint holds weights from before the first skipped step")
-        log.warning("step %d skipped: %s (%d in a row, %d in all; the run stops after %d in a row)",
-                    step, what, self.in_a_row, self.total, self.limit + 1)
+                f"{self.setting}; the newest checkpoint holds weights from before the first skipped step"
+            )
+        log.warning(
+            "step %d skipped: %s (%d in a row, %d in all; the run stops after %d in a row)",
+            step,
+            what,
+            self.in_a_row,
+            self.total,
+            self.limit + 1,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"in_a_row": self.in_a_row, "total": self.total}

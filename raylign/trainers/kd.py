@@ -45,8 +45,13 @@ def check_same_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTrainedT
 
 
 def teacher_model_config(teacher: TeacherConfig) -> ModelConfig:
-    return ModelConfig(path=teacher.path, tokenizer_path=teacher.tokenizer_path, dtype=teacher.dtype,
-                       attn_implementation=teacher.attn_implementation, trust_remote_code=teacher.trust_remote_code)
+    return ModelConfig(
+        path=teacher.path,
+        tokenizer_path=teacher.tokenizer_path,
+        dtype=teacher.dtype,
+        attn_implementation=teacher.attn_implementation,
+        trust_remote_code=teacher.trust_remote_code,
+    )
 
 
 def _output_size(model: nn.Module) -> int:
@@ -76,8 +81,10 @@ class KDTrainer(SFTTrainer):
 
     def compute_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         kd = self.cfg.kd
-        inputs = {"input_ids": batch["input_ids"],
-                  **attention_kwargs(batch.get("attention_mask"), batch.get("position_ids"))}
+        inputs = {
+            "input_ids": batch["input_ids"],
+            **attention_kwargs(batch.get("attention_mask"), batch.get("position_ids")),
+        }
         # Logits at t predict token t+1: keep the positions whose next token is a target.
         predicts_target = batch["loss_mask"][:, 1:].bool()
         student = model(**inputs).logits[:, :-1][predicts_target][:, : self.vocab_size].float()

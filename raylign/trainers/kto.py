@@ -70,8 +70,13 @@ class KTOTrainer(OfflineTrainer):
         self.reference.requires_grad_(False)
 
     def collate(self, samples: list) -> Batch:
-        return collate_kto(samples, self.tokenizer.pad_token_id, self.cfg.data.packing,
-                           with_kl_pairs=self.cfg.kto.estimate_kl, max_length=self.cfg.data.max_length)
+        return collate_kto(
+            samples,
+            self.tokenizer.pad_token_id,
+            self.cfg.data.packing,
+            with_kl_pairs=self.cfg.kto.estimate_kl,
+            max_length=self.cfg.data.max_length,
+        )
 
     def batch_units(self, batch: Batch) -> float:
         return float(batch["desirable"].numel())  # examples
@@ -92,9 +97,14 @@ class KTOTrainer(OfflineTrainer):
             reference_kl = completion_logps(self.reference, batch, "kl_") if kto.estimate_kl else None
         desirable = batch["desirable"]
         loss, metrics = kto_loss(
-            policy, reference, desirable,
-            policy_kl_logps=policy_kl, ref_kl_logps=reference_kl,
-            beta=kto.beta, desirable_weight=kto.desirable_weight, undesirable_weight=kto.undesirable_weight,
+            policy,
+            reference,
+            desirable,
+            policy_kl_logps=policy_kl,
+            ref_kl_logps=reference_kl,
+            beta=kto.beta,
+            desirable_weight=kto.desirable_weight,
+            undesirable_weight=kto.undesirable_weight,
             process_group=self._kl_process_group(model),
         )
         examples = self.batch_units(batch)

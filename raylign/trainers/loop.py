@@ -99,17 +99,28 @@ class OfflineTrainer:
         self.total_steps = self._total_steps()
         model = self.build_model()
         self.engine = create_engine(model, self.cfg.engine, self.cfg.optim, self.total_steps)
-        self.metrics = MetricsLogger(self.output_dir, self.train_cfg.logging, self.cfg.model_dump(mode="json"),
-                                     enabled=self.is_main)
+        self.metrics = MetricsLogger(
+            self.output_dir, self.train_cfg.logging, self.cfg.model_dump(mode="json"), enabled=self.is_main
+        )
         self.skipped = SkippedSteps(self.train_cfg.max_skipped_steps)
-        self.sampler = ResumableSampler(len(self.train_samples), self.train_cfg.global_batch_size,
-                                        shuffle=self.cfg.data.shuffle, seed=self.cfg.data.seed, drop_last=True)
+        self.sampler = ResumableSampler(
+            len(self.train_samples),
+            self.train_cfg.global_batch_size,
+            shuffle=self.cfg.data.shuffle,
+            seed=self.cfg.data.seed,
+            drop_last=True,
+        )
         self.on_setup()
         if self.is_main:
             log.info("data: %s", format_metrics({k: v for k, v in data_stats.items() if _is_number(v)}))
-            log.info("%d train / %d eval samples; %d optimizer steps of %d samples on %d rank(s)",
-                     len(self.train_samples), len(self.eval_samples), self.total_steps,
-                     self.train_cfg.global_batch_size, self.world_size)
+            log.info(
+                "%d train / %d eval samples; %d optimizer steps of %d samples on %d rank(s)",
+                len(self.train_samples),
+                len(self.eval_samples),
+                self.total_steps,
+                self.train_cfg.global_batch_size,
+                self.world_size,
+            )
         if not self._maybe_resume():  # a resumed run has its data record already
             self.metrics.log({f"data/{k}": v for k, v in data_stats.items() if _is_number(v)}, step=0)
 
@@ -153,7 +164,9 @@ class OfflineTrainer:
 
     def run(self) -> dict[str, float]:
         self.setup()
-        progress = Progress(self.total_steps, f"{self.name}", enabled=self.is_main and self.train_cfg.logging.progress_bar)
+        progress = Progress(
+            self.total_steps, f"{self.name}", enabled=self.is_main and self.train_cfg.logging.progress_bar
+        )
         progress.advance_to(self.step)
         batches = _endless(self.sampler)
         last_metrics: dict[str, float] = {}
@@ -165,7 +178,11 @@ class OfflineTrainer:
                 progress.advance_to(self.step, format_metrics(last_metrics, ["loss", "lr", "tokens_per_s"]))
                 if self.step % self.train_cfg.log_every == 0 or self.step == self.total_steps:
                     self.metrics.log({f"train/{k}": v for k, v in last_metrics.items()}, self.step)
-                if self.train_cfg.eval_every and self.step % self.train_cfg.eval_every == 0 and self.step < self.total_steps:
+                if (
+                    self.train_cfg.eval_every
+                    and self.step % self.train_cfg.eval_every == 0
+                    and self.step < self.total_steps
+                ):
                     self.evaluate_and_log()
                 if self.train_cfg.save_every and self.step % self.train_cfg.save_every == 0:
                     self.save_checkpoint()
@@ -198,14 +215,18 @@ class OfflineTrainer:
             self.engine.backward(loss_sum * (self.world_size / total_units))
             stats = {"loss": float(loss_sum.detach()), **stats}
             if not math.isfinite(stats["loss"]):
-                not_finite.append(f"loss {stats['loss']} in micro-batch {j} of rank {self.rank} "
-                                  f"({self._describe(indices)})")
+                not_finite.append(
+                    f"loss {stats['loss']} in micro-batch {j} of rank {self.rank} ({self._describe(indices)})"
+                )
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             tokens += self.batch_tokens(batch)
         step_info = self.engine.step(finite_loss=not not_finite)
-        self.skipped.after_step(self.step + 1, bool(step_info["skipped"]),
-                                "; ".join(not_finite) or f"gradient norm {step_info['grad_norm']}")
+        self.skipped.after_step(
+            self.step + 1,
+            bool(step_info["skipped"]),
+            "; ".join(not_finite) or f"gradient norm {step_info['grad_norm']}",
+        )
         keys = sorted(sums)
         reduced = all_reduce_scalars([sums[k] for k in keys] + [float(tokens)], op="sum")
         elapsed = time.perf_counter() - start
@@ -265,8 +286,9 @@ class OfflineTrainer:
 
     def save_checkpoint(self) -> None:
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "skipped": self.skipped.state_dict()}
-        path = save_step_checkpoint(self.engine, self.output_dir / "checkpoints", self.step, state,
-                                    keep_last=self.train_cfg.keep_last)
+        path = save_step_checkpoint(
+            self.engine, self.output_dir / "checkpoints", self.step, state, keep_last=self.train_cfg.keep_last
+        )
         if self.is_main:
             log.info("saved checkpoint %s", path)
 
@@ -297,7 +319,6 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
 
 
 def data_stats_dict(stats: Any) -> dict[str, float]:

@@ -31,13 +31,15 @@ class MetricsLogger:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl_path = self.output_dir / "metrics.jsonl"
-        self._jsonl = open(self._jsonl_path, "a", buffering=1)
+        self._jsonl = open(self._jsonl_path, "a", buffering=1)  # noqa: SIM115 - open for the logger's life
         self._purge_step: int | None = None  # TensorBoard hides the events from here on (a resume)
         if cfg.wandb:
             try:
                 import wandb
             except ImportError:
-                raise RuntimeError("logging.wandb is on but wandb is not installed: pip install 'raylign[wandb]'") from None
+                raise RuntimeError(
+                    "logging.wandb is on but wandb is not installed: pip install 'raylign[wandb]'"
+                ) from None
             self._wandb = wandb.init(
                 project=cfg.wandb_project, name=cfg.run_name or self.output_dir.name, config=run_config
             )
@@ -60,14 +62,18 @@ class MetricsLogger:
             partial = self._jsonl_path.with_suffix(".jsonl.partial")
             partial.write_text("".join(kept))
             partial.replace(self._jsonl_path)  # atomic: a kill here leaves one whole file or the other
-        self._jsonl = open(self._jsonl_path, "a", buffering=1)
+        self._jsonl = open(self._jsonl_path, "a", buffering=1)  # noqa: SIM115 - open for the logger's life
         self._purge_step = step + 1
         if self._tb is not None:  # reopened on the next record, with the purge step
             self._tb.close()
             self._tb = None
         if superseded:
-            log.info("metrics: %d record(s) past step %d, logged before the run stopped, moved to %s",
-                     len(superseded), step, self.output_dir / "metrics.superseded.jsonl")
+            log.info(
+                "metrics: %d record(s) past step %d, logged before the run stopped, moved to %s",
+                len(superseded),
+                step,
+                self.output_dir / "metrics.superseded.jsonl",
+            )
         return len(superseded)
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -99,8 +99,9 @@ class PRMTrainer(OfflineTrainer):
         return data.train, data.eval, {**data_stats_dict(data.stats), **data.step_stats()}
 
     def collate(self, samples: list) -> Batch:
-        return collate_prm(samples, self.tokenizer.pad_token_id, self.cfg.data.packing,
-                           soft_labels=self.cfg.prm.label_type == "soft")
+        return collate_prm(
+            samples, self.tokenizer.pad_token_id, self.cfg.data.packing, soft_labels=self.cfg.prm.label_type == "soft"
+        )
 
     def batch_units(self, batch: Batch) -> float:
         return float(batch["loss_mask"].sum())  # steps
@@ -121,8 +122,9 @@ def run_prm(cfg: PRMConfig) -> dict[str, float]:
 
 def load_prm(path: str | Path, dtype: str = "float32", device: str | torch.device | None = None):
     """A trained PRM folder as ``(model in eval mode, tokenizer)``."""
-    model = load_score_model(ModelConfig(path=str(path), dtype=dtype), num_labels=NUM_CLASSES,
-                             init_from_causal_lm=False, device=device)
+    model = load_score_model(
+        ModelConfig(path=str(path), dtype=dtype), num_labels=NUM_CLASSES, init_from_causal_lm=False, device=device
+    )
     return model.eval(), load_tokenizer(path, padding_side="right")
 
 

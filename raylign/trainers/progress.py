@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
@@ -68,8 +68,9 @@ class Progress:
     seconds (monotonic; tests pass their own).
     """
 
-    def __init__(self, total: int, description: str, enabled: bool = True, *,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, total: int, description: str, enabled: bool = True, *, clock: Callable[[], float] = time.monotonic
+    ):
         self.total = total
         self.description = description
         self.mode = progress_mode() if enabled else "off"
@@ -128,8 +129,10 @@ class Progress:
         if done > first_done:
             seconds_per_step = (now - first_time) / (done - first_done)
             eta = format_duration(max(0, total - done) * seconds_per_step)
-        line = (f"{self.description} {done}/{total} ({percent}%) "
-                f"elapsed {format_duration(now - self._start_time)} eta {eta}")
+        line = (
+            f"{self.description} {done}/{total} ({percent}%) "
+            f"elapsed {format_duration(now - self._start_time)} eta {eta}"
+        )
         return f"{line} | {self._info}" if self._info else line
 
     def close(self) -> None:

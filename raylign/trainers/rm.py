@@ -62,8 +62,7 @@ def last_token_scores(model: torch.nn.Module, head: torch.nn.Module, batch: Batc
     calling the backbone and the head separately would meet sharded weights.
     """
     with _capture_output(head) as captured:
-        model(input_ids=batch["input_ids"],
-              **attention_kwargs(batch.get("attention_mask"), batch.get("position_ids")))
+        model(input_ids=batch["input_ids"], **attention_kwargs(batch.get("attention_mask"), batch.get("position_ids")))
     scores = captured["output"].squeeze(-1).float()
     if "seq_lens" in batch:  # packed: one row, samples back to back
         return scores[0, batch["seq_lens"].cumsum(0) - 1]
@@ -111,8 +110,10 @@ class RMTrainer(OfflineTrainer):
         distinct = list({id(s): s for s in self.train_samples}.values())
         total = sum_sq = count = 0.0
         for samples, real in _equal_batch_counts(distinct, self.rank, self.world_size, self.train_cfg.eval_batch_size):
-            collated = {k: v.to(self.engine.device) if isinstance(v, torch.Tensor) else v
-                        for k, v in self.collate(samples).items()}
+            collated = {
+                k: v.to(self.engine.device) if isinstance(v, torch.Tensor) else v
+                for k, v in self.collate(samples).items()
+            }
             scores = last_token_scores(self.engine.module, self.head, collated).double()
             if real:
                 total += float(scores.sum())

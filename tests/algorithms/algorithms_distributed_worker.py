@@ -67,8 +67,12 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
                 with sync:
                     logprobs = token_logprobs(ddp, batch)
                     loss, _ = compute_ppo_policy_loss(
-                        logprobs, batch["old_logprobs"], batch["advantages"], batch["mask"],
-                        aggregation=mode, scale=scale,
+                        logprobs,
+                        batch["old_logprobs"],
+                        batch["advantages"],
+                        batch["mask"],
+                        aggregation=mode,
+                        scale=scale,
                     )
                     loss.backward()
             results[mode] = [p.grad.clone() for p in policy.parameters()]
@@ -81,7 +85,11 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
         normalizer.update(rewards, process_group=group)
         results["normalizer"] = normalizer.state_dict()
         _, kto_metrics = kto_loss(
-            rewards, rewards * 0.5, rewards > 0, policy_kl_logps=rewards, ref_kl_logps=rewards - 0.1 * rank - 0.05,
+            rewards,
+            rewards * 0.5,
+            rewards > 0,
+            policy_kl_logps=rewards,
+            ref_kl_logps=rewards - 0.1 * rank - 0.05,
             process_group=group,
         )
         results["kto_kl"] = kto_metrics["kl"]

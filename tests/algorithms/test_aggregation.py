@@ -54,8 +54,9 @@ def test_global_denominators_and_world_size_are_applied():
 def test_micro_batches_with_the_loss_scale_sum_to_the_full_batch_loss_and_gradient(mode):
     torch.manual_seed(0)
     weights = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [1, 1, 0, 0, 0],
-                         [0, 1, 1, 0, 0]])
+    mask = torch.tensor(
+        [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0]]
+    )
     features = torch.randn(6, 5, dtype=torch.float64)
 
     def token_losses(rows):

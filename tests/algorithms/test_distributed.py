@@ -46,8 +46,12 @@ def reference_gradient(mode: str) -> list[torch.Tensor]:
     policy = worker.make_policy()
     batch = one_big_batch()
     loss, _ = compute_ppo_policy_loss(
-        worker.token_logprobs(policy, batch), batch["old_logprobs"], batch["advantages"], batch["mask"],
-        aggregation=mode, scale=LossScale(max_response_length=worker.SEQ),
+        worker.token_logprobs(policy, batch),
+        batch["old_logprobs"],
+        batch["advantages"],
+        batch["mask"],
+        aggregation=mode,
+        scale=LossScale(max_response_length=worker.SEQ),
     )
     return list(torch.autograd.grad(loss, list(policy.parameters())))
 
@@ -84,8 +88,10 @@ def test_running_normalizer_merges_all_ranks(rank_results):
 def test_kto_kl_estimate_is_the_mean_over_all_ranks(rank_results):
     # rank r's KL samples are all 0.1 * r + 0.05; rank sizes differ, so weight by sample count
     sizes = [
-        sum(worker.micro_batch(r * worker.MICRO_BATCHES_PER_RANK + k)["mask"].shape[0]
-            for k in range(worker.MICRO_BATCHES_PER_RANK))
+        sum(
+            worker.micro_batch(r * worker.MICRO_BATCHES_PER_RANK + k)["mask"].shape[0]
+            for k in range(worker.MICRO_BATCHES_PER_RANK)
+        )
         for r in range(worker.WORLD_SIZE)
     ]
     expected = sum(n * (0.1 * r + 0.05) for r, n in enumerate(sizes)) / sum(sizes)

@@ -71,8 +71,13 @@ def test_k3_default_clamp_applies_to_the_loss_and_the_reward_penalty():
 
 
 def test_k3_without_value_clamp_follows_the_formula():
-    kl = compute_token_kl(torch.tensor([[-19.0]], dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64),
-                          torch.ones(1, 1), "k3", value_clamp=None)
+    kl = compute_token_kl(
+        torch.tensor([[-19.0]], dtype=torch.float64),
+        torch.zeros(1, 1, dtype=torch.float64),
+        torch.ones(1, 1),
+        "k3",
+        value_clamp=None,
+    )
     assert kl.item() == pytest.approx(math.exp(19) - 20, rel=1e-12)
 
 

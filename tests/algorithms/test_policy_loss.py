@@ -13,7 +13,6 @@ from raylign.algorithms import (
     compute_gspo_policy_loss,
     compute_ppo_policy_loss,
 )
-
 from raylign.models import entropy_from_logits
 
 from .helpers import fill_masked
@@ -37,18 +36,11 @@ def make_batch(seed=0):
 
 
 def py_token_mean(fn, logp, old, adv, mask):
-    values = [
-        fn(logp[i][j], old[i][j], adv[i][j])
-        for i in range(len(mask))
-        for j in range(len(mask[0]))
-        if mask[i][j]
-    ]
+    values = [fn(logp[i][j], old[i][j], adv[i][j]) for i in range(len(mask)) for j in range(len(mask[0])) if mask[i][j]]
     return sum(values) / len(values)
 
 
-@pytest.mark.parametrize(
-    ("eps_low", "eps_high", "dual_c"), [(0.2, None, None), (0.2, 0.28, None), (0.1, 0.3, 3.0)]
-)
+@pytest.mark.parametrize(("eps_low", "eps_high", "dual_c"), [(0.2, None, None), (0.2, 0.28, None), (0.1, 0.3, 3.0)])
 def test_ppo_loss_matches_python_reference(eps_low, eps_high, dual_c):
     logp, old, adv, mask = make_batch()
     loss, _ = compute_ppo_policy_loss(
@@ -62,7 +54,10 @@ def test_ppo_loss_matches_python_reference(eps_low, eps_high, dual_c):
     )
     high = eps_low if eps_high is None else eps_high
     expected = py_token_mean(
-        lambda lp, o, a: py_ppo_token(lp, o, a, eps_low, high, dual_c), logp.tolist(), old.tolist(), adv.tolist(),
+        lambda lp, o, a: py_ppo_token(lp, o, a, eps_low, high, dual_c),
+        logp.tolist(),
+        old.tolist(),
+        adv.tolist(),
         mask.tolist(),
     )
     assert loss.item() == pytest.approx(expected, rel=1e-12)
@@ -126,7 +121,11 @@ def test_ppo_sequence_advantages_broadcast_and_other_aggregations():
     loss, _ = compute_ppo_policy_loss(logp, logp, torch.tensor([1.0, 4.0]), mask, aggregation="seq_mean_token_mean")
     assert loss.item() == pytest.approx(-(1.0 + 4.0) / 2)
     loss, _ = compute_ppo_policy_loss(
-        logp, logp, torch.tensor([1.0, 4.0]), mask, aggregation="constant_normalizer",
+        logp,
+        logp,
+        torch.tensor([1.0, 4.0]),
+        mask,
+        aggregation="constant_normalizer",
         scale=LossScale(max_response_length=10),
     )
     assert loss.item() == pytest.approx(-(3 * 1.0 + 4.0) / (2 * 10))

@@ -91,8 +91,9 @@ def test_orpo_log_odds_ratio_and_nll():
     assert loss.item() == pytest.approx(py_mean([-a for a in avg_c]) - 0.1 * py_mean(odds_terms))
     token_loss, _ = orpo_loss(t(PC), t(PR), lam=0.1, chosen_lengths=t(LEN_C), rejected_lengths=t(LEN_R))
     assert token_loss.item() == pytest.approx(-sum(PC) / sum(LEN_C) - 0.1 * py_mean(odds_terms))
-    assert metrics["log_odds_ratio"].item() == pytest.approx(py_mean([log_odds(avg_c[i]) - log_odds(avg_r[i])
-                                                                       for i in range(3)]))
+    assert metrics["log_odds_ratio"].item() == pytest.approx(
+        py_mean([log_odds(avg_c[i]) - log_odds(avg_r[i]) for i in range(3)])
+    )
 
 
 def test_orpo_is_finite_when_a_response_is_certain():
@@ -113,8 +114,14 @@ def test_kto_by_hand_with_batch_kl():
         else:
             expected.append(1.5 * (1 - 1 / (1 + math.exp(-0.1 * (z0 - r)))))
     loss, metrics = kto_loss(
-        t(policy), t(ref), torch.tensor(desirable), policy_kl_logps=t(policy_kl), ref_kl_logps=t(ref_kl),
-        beta=0.1, desirable_weight=1.0, undesirable_weight=1.5,
+        t(policy),
+        t(ref),
+        torch.tensor(desirable),
+        policy_kl_logps=t(policy_kl),
+        ref_kl_logps=t(ref_kl),
+        beta=0.1,
+        desirable_weight=1.0,
+        undesirable_weight=1.5,
     )
     assert loss.item() == pytest.approx(py_mean(expected))
     assert metrics["kl"].item() == pytest.approx(z0)
@@ -122,8 +129,9 @@ def test_kto_by_hand_with_batch_kl():
 
 def test_kto_kl_estimate_is_clamped_at_zero_and_detached():
     policy_kl = t([-7.0, -8.0], requires_grad=True)
-    _, metrics = kto_loss(t([-1.0]), t([-1.0]), torch.tensor([True]), policy_kl_logps=policy_kl,
-                          ref_kl_logps=t([-6.0, -7.0]))
+    _, metrics = kto_loss(
+        t([-1.0]), t([-1.0]), torch.tensor([True]), policy_kl_logps=policy_kl, ref_kl_logps=t([-6.0, -7.0])
+    )
     assert metrics["kl"].item() == 0.0
     with pytest.raises(ValueError, match="both"):
         kto_loss(t([-1.0]), t([-1.0]), torch.tensor([True]), policy_kl_logps=policy_kl)
@@ -146,8 +154,13 @@ def test_gradcheck_pairwise_preference_losses(name):
 
 def test_gradcheck_kto():
     def loss(policy):
-        return kto_loss(policy, t([-3.5, -4.0, -2.5]), torch.tensor([True, False, True]),
-                        policy_kl_logps=t([-6.0, -5.0]), ref_kl_logps=t([-6.5, -5.2]))[0]
+        return kto_loss(
+            policy,
+            t([-3.5, -4.0, -2.5]),
+            torch.tensor([True, False, True]),
+            policy_kl_logps=t([-6.0, -5.0]),
+            ref_kl_logps=t([-6.5, -5.2]),
+        )[0]
 
     assert torch.autograd.gradcheck(loss, (t([-3.0, -5.0, -2.0], True),))
 

@@ -296,9 +296,15 @@ def test_whitened_values_have_zero_mean_and_unit_std(data):
 # ---------------------------------------------------------------- advantage estimators
 
 
-def estimator_inputs(data: st.DataObject, name: str, batch: int, mask: torch.Tensor, dtype: torch.dtype,
-                     elements: st.SearchStrategy, exact: bool = False,
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+def estimator_inputs(
+    data: st.DataObject,
+    name: str,
+    batch: int,
+    mask: torch.Tensor,
+    dtype: torch.dtype,
+    elements: st.SearchStrategy,
+    exact: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
     """``(outcome rewards [batch], per-token inputs, other keyword arguments)`` for the named estimator."""
     metadata = alg.ADVANTAGE_ESTIMATORS.metadata(name)
     shape = tuple(mask.shape)
@@ -460,8 +466,9 @@ def test_policy_losses_vanish_without_advantage(data, name):
     aggregation, scale = draw_aggregation(data, seq)
     logprobs = draw_tensor(data, (batch, seq), LOGPROBS, torch.float64).requires_grad_(True)
     old = draw_tensor(data, (batch, seq), LOGPROBS, torch.float64)
-    loss, _ = alg.POLICY_LOSSES.get(name)(logprobs, old, torch.zeros(batch, seq, dtype=torch.float64), mask,
-                                          aggregation=aggregation, scale=scale)
+    loss, _ = alg.POLICY_LOSSES.get(name)(
+        logprobs, old, torch.zeros(batch, seq, dtype=torch.float64), mask, aggregation=aggregation, scale=scale
+    )
     (gradient,) = torch.autograd.grad(loss, logprobs)
     assert loss.item() == 0.0 and gradient.abs().sum().item() == 0.0
 
@@ -575,8 +582,9 @@ def test_k1_and_k2_are_bounded_by_the_log_ratio_clamp_only(data):
 def test_off_policy_corrections_are_finite_and_ignore_masked_values(data, name, level):
     (batch, seq), dtype = draw_shape(data), data.draw(DTYPES)
     mask = draw_mask(data, (batch, seq))
-    token_inputs = {key: draw_tensor(data, (batch, seq), LOGPROBS, dtype)
-                    for key in ("old_logprobs", "rollout_logprobs")}
+    token_inputs = {
+        key: draw_tensor(data, (batch, seq), LOGPROBS, dtype) for key in ("old_logprobs", "rollout_logprobs")
+    }
     correct = alg.OFF_POLICY_CORRECTIONS.get(name)
     output, *_ = check_masked_invariance(data, lambda **t: correct(mask=mask, level=level, **t), token_inputs, mask)
     assert not output[~mask.bool()].to(torch.float64).abs().sum().item()
@@ -595,8 +603,9 @@ def test_distillation_losses_are_finite_and_ignore_masked_values(data, name):
     options: dict[str, Any] = {"temperature": data.draw(st.sampled_from([0.5, 1.0, 2.0]))}
     if name == "generalized_jsd":
         options["beta"] = data.draw(st.sampled_from([0.0, 0.1, 0.5, 1.0]))
-    token_inputs = {key: draw_tensor(data, (batch, seq, vocab), FINITE, dtype)
-                    for key in ("student_logits", "teacher_logits")}
+    token_inputs = {
+        key: draw_tensor(data, (batch, seq, vocab), FINITE, dtype) for key in ("student_logits", "teacher_logits")
+    }
     loss = alg.DISTILLATION_LOSSES.get(name)
     check_masked_invariance(data, lambda **t: loss(mask=mask, **t, **options), token_inputs, mask, ("student_logits",))
 
@@ -608,8 +617,11 @@ def test_process_reward_loss_is_finite_and_ignores_masked_steps(data, soft):
     (batch, seq), dtype = draw_shape(data), data.draw(DTYPES)
     classes = 2 if soft else data.draw(st.integers(2, 4))
     step_mask = draw_mask(data, (batch, seq))
-    labels = (draw_tensor(data, (batch, seq), floats(0.0, 1.0), dtype) if soft
-              else draw_tensor(data, (batch, seq), st.integers(0, classes - 1), torch.int64))
+    labels = (
+        draw_tensor(data, (batch, seq), floats(0.0, 1.0), dtype)
+        if soft
+        else draw_tensor(data, (batch, seq), st.integers(0, classes - 1), torch.int64)
+    )
     token_inputs = {"logits": draw_tensor(data, (batch, seq, classes), FINITE, dtype), "labels": labels}
     check_masked_invariance(
         data, lambda **t: alg.process_reward_loss(step_mask=step_mask, **t), token_inputs, step_mask, ("logits",)

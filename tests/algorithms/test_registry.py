@@ -63,8 +63,11 @@ def test_every_deliverable_is_selectable_by_name(registry, names):
 
 
 def test_metadata_tells_which_estimators_need_a_critic_or_groups():
-    assert alg.ADVANTAGE_ESTIMATORS.metadata("gae") == {"needs_values": True, "options": ("gamma", "lam"),
-                                                        "takes_token_kl": True}
+    assert alg.ADVANTAGE_ESTIMATORS.metadata("gae") == {
+        "needs_values": True,
+        "options": ("gamma", "lam"),
+        "takes_token_kl": True,
+    }
     assert alg.ADVANTAGE_ESTIMATORS.metadata("grpo") == {"needs_groups": True, "options": ("normalize_std",)}
     assert alg.ADVANTAGE_ESTIMATORS.metadata("reinforce") == {"options": ("gamma",), "takes_token_kl": True}
     assert alg.ADVANTAGE_ESTIMATORS.metadata("rloo") == {"needs_groups": True}

@@ -73,8 +73,12 @@ def test_process_reward_loss_with_hard_labels():
     logits, steps = prm_inputs()
     labels = torch.tensor([[1, -100, 0], [-100, 1, 1]])  # -100 at non-step positions must be ignored
     loss, metrics = process_reward_loss(logits, labels, steps)
-    expected = [py_ce(LOGITS[0][0], [0, 1]), py_ce(LOGITS[0][2], [1, 0]), py_ce(LOGITS[1][1], [0, 1]),
-                py_ce(LOGITS[1][2], [0, 1])]
+    expected = [
+        py_ce(LOGITS[0][0], [0, 1]),
+        py_ce(LOGITS[0][2], [1, 0]),
+        py_ce(LOGITS[1][1], [0, 1]),
+        py_ce(LOGITS[1][2], [0, 1]),
+    ]
     assert loss.item() == pytest.approx(sum(expected) / 4)
     # argmax: step (0,0) -> 1 ok; (0,2) tie -> 0 ok; (1,1) tie -> 0 wrong; (1,2) -> 1 ok
     assert metrics["step_accuracy"].item() == pytest.approx(3 / 4)
@@ -84,8 +88,12 @@ def test_process_reward_loss_with_soft_labels():
     logits, steps = prm_inputs()
     soft = fill_masked(t([[0.9, 0.0, 0.2], [0.0, 0.6, 1.0]]), steps)
     loss, _ = process_reward_loss(logits, soft, steps)
-    expected = [py_ce(LOGITS[0][0], [0.1, 0.9]), py_ce(LOGITS[0][2], [0.8, 0.2]), py_ce(LOGITS[1][1], [0.4, 0.6]),
-                py_ce(LOGITS[1][2], [0.0, 1.0])]
+    expected = [
+        py_ce(LOGITS[0][0], [0.1, 0.9]),
+        py_ce(LOGITS[0][2], [0.8, 0.2]),
+        py_ce(LOGITS[1][1], [0.4, 0.6]),
+        py_ce(LOGITS[1][2], [0.0, 1.0]),
+    ]
     assert loss.item() == pytest.approx(sum(expected) / 4)
     distribution = torch.stack([1 - soft, soft], dim=-1)
     loss_dist, _ = process_reward_loss(logits, fill_masked(distribution, steps), steps)

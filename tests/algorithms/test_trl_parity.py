@@ -51,8 +51,14 @@ def build_model(seed: int):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
     )
     model = LlamaForCausalLM(config)
     # TRL's trainers call `model(..., fused_lm_head=True)`; this is how TRL itself prepares its models
@@ -91,8 +97,10 @@ def new_metrics():
 
 def grads(loss: torch.Tensor, model) -> list[torch.Tensor]:
     params = [p for p in model.parameters() if p.requires_grad]
-    return [g if g is not None else torch.zeros_like(p) for g, p in
-            zip(torch.autograd.grad(loss, params, allow_unused=True), params)]
+    return [
+        g if g is not None else torch.zeros_like(p)
+        for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params)
+    ]
 
 
 def assert_same(trl_loss, our_loss, model, atol=1e-5):
@@ -114,14 +122,28 @@ def test_dpo_and_ipo_match_trl(model, accelerator, loss_type):
     beta = 0.2
     # only the attributes DPOTrainer._compute_loss reads
     trainer = types.SimpleNamespace(
-        model=model, accelerator=accelerator, aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
-        f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0], beta=beta, label_smoothing=0.0,
-        use_weighting=False, _metrics=new_metrics(), _total_train_tokens=0, _tp_size=1,
+        model=model,
+        accelerator=accelerator,
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type="reverse_kl",
+        loss_types=[loss_type],
+        loss_weights=[1.0],
+        beta=beta,
+        label_smoothing=0.0,
+        use_weighting=False,
+        _metrics=new_metrics(),
+        _total_train_tokens=0,
+        _tp_size=1,
         args=types.SimpleNamespace(gradient_checkpointing_kwargs=None),
     )
     inputs = {
-        "input_ids": ids, "attention_mask": attention, "completion_mask": completion,
-        "ref_chosen_logps": ref_chosen, "ref_rejected_logps": ref_rejected,
+        "input_ids": ids,
+        "attention_mask": attention,
+        "completion_mask": completion,
+        "ref_chosen_logps": ref_chosen,
+        "ref_rejected_logps": ref_rejected,
     }
     trl_loss = DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
 
@@ -131,8 +153,9 @@ def test_dpo_and_ipo_match_trl(model, accelerator, loss_type):
         ours, _ = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=beta)
     else:
         lengths_c, lengths_r = completion.sum(-1).chunk(2)
-        ours, _ = ipo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=beta, chosen_lengths=lengths_c,
-                           rejected_lengths=lengths_r)
+        ours, _ = ipo_loss(
+            chosen, rejected, ref_chosen, ref_rejected, beta=beta, chosen_lengths=lengths_c, rejected_lengths=lengths_r
+        )
     assert_same(trl_loss, ours, model)
 
 
@@ -148,24 +171,48 @@ def test_kto_matches_trl(model, accelerator):
     ref_logps = torch.tensor([-15.0, -8.0, -20.0, -12.0])
     ref_kl_logps = torch.tensor([-13.0, -19.0, -6.0, -17.0])
     trainer = types.SimpleNamespace(
-        model=model, accelerator=accelerator, calculate_KL=True, aux_loss_enabled=False, precompute_ref_logps=True,
-        loss_type="kto", beta=0.1, desirable_weight=1.0, undesirable_weight=1.33, _metrics=new_metrics(),
-        _total_train_tokens=0, _tp_size=1, args=types.SimpleNamespace(gradient_checkpointing_kwargs=None),
+        model=model,
+        accelerator=accelerator,
+        calculate_KL=True,
+        aux_loss_enabled=False,
+        precompute_ref_logps=True,
+        loss_type="kto",
+        beta=0.1,
+        desirable_weight=1.0,
+        undesirable_weight=1.33,
+        _metrics=new_metrics(),
+        _total_train_tokens=0,
+        _tp_size=1,
+        args=types.SimpleNamespace(gradient_checkpointing_kwargs=None),
     )
     # the loss method calls this helper on `self`: bind TRL's own implementation
     trainer._compute_kl_logps = types.MethodType(KTOTrainer._compute_kl_logps, trainer)
     inputs = {
-        "input_ids": ids, "attention_mask": attention, "completion_mask": completion, "label": desirable,
-        "KL_input_ids": kl_ids, "KL_attention_mask": kl_attention, "KL_completion_mask": kl_completion,
-        "ref_logps": ref_logps, "ref_KL_logps": ref_kl_logps,
+        "input_ids": ids,
+        "attention_mask": attention,
+        "completion_mask": completion,
+        "label": desirable,
+        "KL_input_ids": kl_ids,
+        "KL_attention_mask": kl_attention,
+        "KL_completion_mask": kl_completion,
+        "ref_logps": ref_logps,
+        "ref_KL_logps": ref_kl_logps,
     }
     trl_loss = KTOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
 
     policy = (token_logprobs(model, ids, attention) * completion[:, 1:]).sum(-1)
     with torch.no_grad():
         policy_kl = (token_logprobs(model, kl_ids, kl_attention) * kl_completion[:, 1:]).sum(-1)
-    ours, _ = kto_loss(policy, ref_logps, desirable, policy_kl_logps=policy_kl, ref_kl_logps=ref_kl_logps,
-                       beta=0.1, desirable_weight=1.0, undesirable_weight=1.33)
+    ours, _ = kto_loss(
+        policy,
+        ref_logps,
+        desirable,
+        policy_kl_logps=policy_kl,
+        ref_kl_logps=ref_kl_logps,
+        beta=0.1,
+        desirable_weight=1.0,
+        undesirable_weight=1.33,
+    )
     assert_same(trl_loss, ours, model)
 
 
@@ -177,13 +224,24 @@ def test_simpo_matches_trl_cpo_trainer(accelerator):
 
     chosen = torch.tensor([-0.8, -1.9, -0.3, -2.5], requires_grad=True)  # average log-probs
     rejected = torch.tensor([-1.1, -1.2, -0.9, -2.0], requires_grad=True)
-    trainer = types.SimpleNamespace(accelerator=accelerator, loss_type="simpo", beta=2.0, simpo_gamma=0.7,
-                                    label_smoothing=0.1, cpo_alpha=0.0, alpha=0.0)
+    trainer = types.SimpleNamespace(
+        accelerator=accelerator,
+        loss_type="simpo",
+        beta=2.0,
+        simpo_gamma=0.7,
+        label_smoothing=0.1,
+        cpo_alpha=0.0,
+        alpha=0.0,
+    )
     losses, _, _ = CPOTrainer.cpo_loss(trainer, chosen, rejected)
     ours, _ = simpo_loss(chosen, rejected, beta=2.0, gamma=0.7, label_smoothing=0.1)
     assert ours.item() == pytest.approx(losses.mean().item(), rel=1e-6)
-    assert all(torch.allclose(a, b) for a, b in zip(torch.autograd.grad(ours, (chosen, rejected)),
-                                                     torch.autograd.grad(losses.mean(), (chosen, rejected))))
+    assert all(
+        torch.allclose(a, b)
+        for a, b in zip(
+            torch.autograd.grad(ours, (chosen, rejected)), torch.autograd.grad(losses.mean(), (chosen, rejected))
+        )
+    )
 
 
 def test_orpo_odds_ratio_term_matches_trl(accelerator):
@@ -243,19 +301,35 @@ def test_grpo_loss_types_match_trl(model, accelerator, loss_type):
     beta, max_completion_length = 0.04, 8
     num_items = completion_mask.sum() * 2  # a micro-batch holding half the step's tokens
     trainer = types.SimpleNamespace(
-        model=model, accelerator=accelerator, aux_loss_enabled=False, top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta, loss_type=loss_type,
-        epsilon_low=0.2, epsilon_high=0.28, use_vllm=False, current_gradient_accumulation_steps=1,
-        max_completion_length=max_completion_length, _entropy_bonus_enabled=False, _metrics=new_metrics(),
+        model=model,
+        accelerator=accelerator,
+        aux_loss_enabled=False,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        beta=beta,
+        loss_type=loss_type,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        use_vllm=False,
+        current_gradient_accumulation_steps=1,
+        max_completion_length=max_completion_length,
+        _entropy_bonus_enabled=False,
+        _metrics=new_metrics(),
         args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
     )
     trainer._get_per_token_logps_and_entropies = types.MethodType(
         GRPOTrainer._get_per_token_logps_and_entropies, trainer
     )
     inputs = {
-        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-        "completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old,
-        "ref_per_token_logps": ref, "num_items_in_batch": num_items,
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": num_items,
     }
     trl_loss = GRPOTrainer._compute_loss(trainer, model, inputs)
 
@@ -267,8 +341,16 @@ def test_grpo_loss_types_match_trl(model, accelerator, loss_type):
         "dapo": LossScale(global_tokens=float(num_items)),
     }[loss_type]
     aggregation = GRPO_AGGREGATION[loss_type]
-    policy, metrics = compute_ppo_policy_loss(logprobs, old, advantages, completion_mask, clip_eps_low=0.2,
-                                              clip_eps_high=0.28, aggregation=aggregation, scale=scale)
+    policy, metrics = compute_ppo_policy_loss(
+        logprobs,
+        old,
+        advantages,
+        completion_mask,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        aggregation=aggregation,
+        scale=scale,
+    )
     kl, _ = compute_kl_loss(logprobs, ref, completion_mask, "k3", aggregation=aggregation, scale=scale)
     assert metrics["clip_fraction"].item() > 0  # the comparison exercises clipping
     assert_same(trl_loss, policy + beta * kl, model)
@@ -295,21 +377,41 @@ def test_rloo_advantages_match_trl(model, accelerator):
         return prompt_ids, completion_ids, [f"completion {i}" for i in range(6)]
 
     trainer = types.SimpleNamespace(
-        model=model, ref_model=ref_model, accelerator=accelerator, beta=beta, num_generations=group,
-        _generate=fixed_generation, _tokenizer=types.SimpleNamespace(pad_token_id=0), pad_to_multiple_of=None,
-        mask_truncated_completions=False, aux_loss_enabled=False, reward_funcs=[fixed_rewards],
-        reward_processing_classes=[None], reward_func_names=["fixed"], reward_weights=torch.ones(1),
-        reward_clip_range=None, normalize_advantages=False, state=types.SimpleNamespace(global_step=0),
+        model=model,
+        ref_model=ref_model,
+        accelerator=accelerator,
+        beta=beta,
+        num_generations=group,
+        _generate=fixed_generation,
+        _tokenizer=types.SimpleNamespace(pad_token_id=0),
+        pad_to_multiple_of=None,
+        mask_truncated_completions=False,
+        aux_loss_enabled=False,
+        reward_funcs=[fixed_rewards],
+        reward_processing_classes=[None],
+        reward_func_names=["fixed"],
+        reward_weights=torch.ones(1),
+        reward_clip_range=None,
+        normalize_advantages=False,
+        state=types.SimpleNamespace(global_step=0),
         args=types.SimpleNamespace(per_device_train_batch_size=6, gradient_checkpointing_kwargs=None, report_to=[]),
-        _metrics=new_metrics(), _pending_extra_logs=defaultdict(list), _pending_metrics=defaultdict(list),
-        _logs={"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [],
-               "extra": defaultdict(list)},
+        _metrics=new_metrics(),
+        _pending_extra_logs=defaultdict(list),
+        _pending_metrics=defaultdict(list),
+        _logs={
+            "prompt": [],
+            "completion": [],
+            "rewards": defaultdict(list),
+            "advantages": [],
+            "extra": defaultdict(list),
+        },
         log_multimodal=False,
     )
     for name in ("_get_per_token_logps_and_entropies", "_calculate_rewards", "_log_completion_extra", "_log_metric"):
         setattr(trainer, name, types.MethodType(getattr(RLOOTrainer, name), trainer))
-    output = RLOOTrainer._generate_and_score_completions(trainer, [{"prompt": f"prompt {i // group}"}
-                                                                   for i in range(6)])
+    output = RLOOTrainer._generate_and_score_completions(
+        trainer, [{"prompt": f"prompt {i // group}"} for i in range(6)]
+    )
 
     with torch.no_grad():
         policy = token_logprobs(model, ids, attention)

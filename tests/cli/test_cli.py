@@ -15,7 +15,7 @@ from raylign.config.commands import SFTConfig
 def test_help_lists_every_field_with_default_and_description(capsys):
     assert main(["sft", "--help"]) == 0
     text = capsys.readouterr().out
-    for dotted, type_text, default, description in describe_fields(SFTConfig):
+    for dotted, type_text, _default, description in describe_fields(SFTConfig):
         if type_text == "section":
             continue
         assert f"--{dotted}  (" in text, dotted

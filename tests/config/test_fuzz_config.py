@@ -81,16 +81,67 @@ COMMAND = st.sampled_from(sorted(MINIMAL))
 NAME = st.text(st.sampled_from("abcdefghijklmnopqrstuvwxyz_"), min_size=1, max_size=12)
 # Values a user might plausibly write, next to arbitrary ones.
 PLAUSIBLE = st.sampled_from(
-    [0, 1, -1, 2, 8, 0.5, 1e-5, -0.0, math.nan, math.inf, -math.inf, True, False, None, "", "auto", "chat",
-     "plain", "fsdp2", "bf16", "grpo", "ppo", "exact_match", [], {}, ["a.jsonl"], {"path": "x.jsonl"}]
+    [
+        0,
+        1,
+        -1,
+        2,
+        8,
+        0.5,
+        1e-5,
+        -0.0,
+        math.nan,
+        math.inf,
+        -math.inf,
+        True,
+        False,
+        None,
+        "",
+        "auto",
+        "chat",
+        "plain",
+        "fsdp2",
+        "bf16",
+        "grpo",
+        "ppo",
+        "exact_match",
+        [],
+        {},
+        ["a.jsonl"],
+        {"path": "x.jsonl"},
+    ]
 )
 VALUES = PLAUSIBLE | JSON_VALUES
 # YAML text for one override value, as typed on a command line.
 VALUE_TEXT = st.one_of(
     st.text(max_size=20),
-    st.sampled_from(["1e-5", "true", "no", "~", "null", ".nan", "-.inf", "[1, 2]", "{a: 1}", "[unclosed", "a: b: c",
-                     "2001-13-01", "2001-02-30 25:61:00", "!!binary x", "!!python/object:os.system", "&a [*a]",
-                     "*undefined", "'", "- x", "0x1F", "1_000", "0o17", "[" * 600 + "]" * 600]),
+    st.sampled_from(
+        [
+            "1e-5",
+            "true",
+            "no",
+            "~",
+            "null",
+            ".nan",
+            "-.inf",
+            "[1, 2]",
+            "{a: 1}",
+            "[unclosed",
+            "a: b: c",
+            "2001-13-01",
+            "2001-02-30 25:61:00",
+            "!!binary x",
+            "!!python/object:os.system",
+            "&a [*a]",
+            "*undefined",
+            "'",
+            "- x",
+            "0x1F",
+            "1_000",
+            "0o17",
+            "[" * 600 + "]" * 600,
+        ]
+    ),
     st.builds(str, st.integers() | st.floats(allow_subnormal=False)),
 )
 
@@ -107,8 +158,11 @@ def typed_values(annotation: Any) -> st.SearchStrategy[Any] | None:
         item = typed_values(args[0])
         return None if item is None else st.lists(item, max_size=2)
     simple = {
-        type(None): st.none(), bool: st.booleans(), int: st.integers(-2, 64),
-        float: st.floats(-1, 10, allow_subnormal=False), str: NAME,
+        type(None): st.none(),
+        bool: st.booleans(),
+        int: st.integers(-2, 64),
+        float: st.floats(-1, 10, allow_subnormal=False),
+        str: NAME,
     }
     return simple.get(annotation)
 
@@ -142,7 +196,7 @@ def set_path(data: dict[Any, Any], dotted: str, value: Any) -> str:
     for depth, key in enumerate(parents):
         if not isinstance(node.get(key), dict):
             node[key] = {}
-            set_path(node[key], ".".join([*parents[depth + 1:], last]), value)
+            set_path(node[key], ".".join([*parents[depth + 1 :], last]), value)
             return ".".join(parents[: depth + 1])
         node = node[key]
     node[last] = value
@@ -159,8 +213,10 @@ def mutated_configs(draw: st.DrawFn, command: str) -> tuple[dict[Any, Any], list
     junk = draw(st.booleans())
     data = copy.deepcopy(MINIMAL[command])
     fields = dotted_paths(command) if junk else st.sampled_from(sorted(LEAVES[command]))
-    paths = [set_path(data, dotted, draw(field_values(command, dotted, junk)))
-             for dotted in draw(st.lists(fields, min_size=1, max_size=3))]
+    paths = [
+        set_path(data, dotted, draw(field_values(command, dotted, junk)))
+        for dotted in draw(st.lists(fields, min_size=1, max_size=3))
+    ]
     if junk and draw(st.integers(0, 4)) == 0:
         key = draw(st.integers() | st.booleans() | NAME)
         data[key] = draw(VALUES)
@@ -244,16 +300,38 @@ def test_fuzzed_config_file_is_accepted_or_names_the_field(data, command, config
     assert_accepted_config_round_trips(command, cfg, config_dir)
 
 
-NASTY_YAML = st.sampled_from([
-    "", "~", "- 1\n- 2", "just text", "42", "model: [unclosed", "model: {path: x", "a: b: c", "\t- x",
-    "seed: 2001-13-01", "created: 2001-02-30 10:00:00", "data: !!binary '!!'", "x: !!python/object:os.system {}",
-    "a: &a [*a]", "a: *missing", "model:\n  path: x\n model: y", "? [a, b]\n: 1", "[" * 600 + "]" * 600,
-    "a: " + "[" * 600, "%YAML 9.9\n---\na: 1", "---\na: 1\n---\nb: 2", "a: 1\na: 2",
-])
+NASTY_YAML = st.sampled_from(
+    [
+        "",
+        "~",
+        "- 1\n- 2",
+        "just text",
+        "42",
+        "model: [unclosed",
+        "model: {path: x",
+        "a: b: c",
+        "\t- x",
+        "seed: 2001-13-01",
+        "created: 2001-02-30 10:00:00",
+        "data: !!binary '!!'",
+        "x: !!python/object:os.system {}",
+        "a: &a [*a]",
+        "a: *missing",
+        "model:\n  path: x\n model: y",
+        "? [a, b]\n: 1",
+        "[" * 600 + "]" * 600,
+        "a: " + "[" * 600,
+        "%YAML 9.9\n---\na: 1",
+        "---\na: 1\n---\nb: 2",
+        "a: 1\na: 2",
+    ]
+)
 
 
 @settings(FUZZ, max_examples=60)
-@given(text=NASTY_YAML | st.text(max_size=60), command=COMMAND, encoding=st.sampled_from(["utf-8", "utf-16", "latin-1"]))
+@given(
+    text=NASTY_YAML | st.text(max_size=60), command=COMMAND, encoding=st.sampled_from(["utf-8", "utf-16", "latin-1"])
+)
 def test_fuzzed_yaml_text_is_accepted_or_refused_with_a_config_error(text, command, encoding, config_dir):
     count_case("config: raw YAML text")
     path = config_dir / "raw.yaml"

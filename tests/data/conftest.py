@@ -10,14 +10,14 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import pyarrow as pa  # noqa: E402
-import pyarrow.csv as pa_csv  # noqa: E402
-import pyarrow.feather as feather  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.feather as feather
+import pyarrow.parquet as pq
+import pytest
+import torch
 
-from raylign.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from raylign.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 torch.set_num_threads(1)
 

@@ -82,8 +82,14 @@ def chat_samples(tmp_path_factory, tokenizer):
     rows = [
         {"prompt": "add 2 and 3", "completion": "5"},
         {"prompt": "reverse abc", "completion": "the result is cba, because reversing"},
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
-                      {"role": "user", "content": "count to three"}, {"role": "assistant", "content": "1 2 3"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello there"},
+                {"role": "user", "content": "count to three"},
+                {"role": "assistant", "content": "1 2 3"},
+            ]
+        },
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return build_sft_datasets(DataConfig(train=[str(path)], max_length=128, min_response_tokens=4), tokenizer).train

@@ -62,17 +62,23 @@ def test_plain_pair_is_template_then_reply_then_eos_all_scored(write_dataset, to
 
 def test_prompt_may_be_a_conversation_with_a_system_message(write_dataset, tokenizer):
     prompt = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    pair = _only_pair(_config(write_dataset([{"prompt": prompt, "chosen": "yo", "rejected": "hello there"}])),
-                      tokenizer)
+    pair = _only_pair(
+        _config(write_dataset([{"prompt": prompt, "chosen": "yo", "rejected": "hello there"}])), tokenizer
+    )
     assert pair.prompt_ids == _chat(tokenizer, prompt, add_generation_prompt=True)
     assert _scored(tokenizer, pair.chosen_ids, pair.chosen_mask) == "yo" + EOS
 
 
 def test_whole_conversations_split_at_the_final_reply_without_a_prompt_key(write_dataset, tokenizer):
-    turns = [{"role": "user", "content": "1 + 1"}, {"role": "assistant", "content": "2"},
-             {"role": "user", "content": "add 3"}]
-    row = {"chosen": turns + [{"role": "assistant", "content": "5"}],
-           "rejected": turns + [{"role": "assistant", "content": "6"}]}
+    turns = [
+        {"role": "user", "content": "1 + 1"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "add 3"},
+    ]
+    row = {
+        "chosen": turns + [{"role": "assistant", "content": "5"}],
+        "rejected": turns + [{"role": "assistant", "content": "6"}],
+    }
     pair = _only_pair(_config(write_dataset([row])), tokenizer)
     assert pair.prompt_ids == _chat(tokenizer, turns, add_generation_prompt=True)
     # the earlier assistant turn belongs to the prompt and is not scored
@@ -98,22 +104,43 @@ GOOD = {"prompt": "hi", "chosen": "yo", "rejected": "no"}
 @pytest.mark.parametrize(
     "bad_row, key, problem, reason",
     [
-        ({"prompt": "hi", "chosen": "same", "rejected": "same"}, "rejected",
-         "'chosen' and 'rejected' are identical", "identical_pair"),
+        (
+            {"prompt": "hi", "chosen": "same", "rejected": "same"},
+            "rejected",
+            "'chosen' and 'rejected' are identical",
+            "identical_pair",
+        ),
         ({"chosen": "yo", "rejected": "no"}, "prompt", "missing key", "missing_key"),
         ({"prompt": "hi", "rejected": "no"}, "chosen", "missing key", "missing_key"),
         ({"prompt": "hi", "chosen": "yo"}, "rejected", "missing key", "missing_key"),
         ({"prompt": "hi", "chosen": "  ", "rejected": "no"}, "chosen", "empty text", "empty_text"),
         ({"prompt": "", "chosen": "yo", "rejected": "no"}, "prompt", "empty text", "empty_text"),
         ({"prompt": "hi", "chosen": 3, "rejected": "no"}, "chosen", "expected a string", "wrong_type"),
-        ({"prompt": "hi", "chosen": [{"role": "assistant", "content": ""}], "rejected": "no"},
-         "chosen[0].content", "empty text", "empty_text"),
-        ({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}],
-          "rejected": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "y"}]},
-         "rejected", "different prompts", "different_prompts"),
-        ({"prompt": "a", "chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}],
-          "rejected": "y"}, "rejected", "'chosen' is a whole conversation but 'rejected' is only a reply",
-         "different_prompts"),
+        (
+            {"prompt": "hi", "chosen": [{"role": "assistant", "content": ""}], "rejected": "no"},
+            "chosen[0].content",
+            "empty text",
+            "empty_text",
+        ),
+        (
+            {
+                "chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}],
+                "rejected": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "y"}],
+            },
+            "rejected",
+            "different prompts",
+            "different_prompts",
+        ),
+        (
+            {
+                "prompt": "a",
+                "chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}],
+                "rejected": "y",
+            },
+            "rejected",
+            "'chosen' is a whole conversation but 'rejected' is only a reply",
+            "different_prompts",
+        ),
     ],
 )
 def test_bad_pair_is_an_error_naming_file_row_and_key(write_dataset, tokenizer, bad_row, key, problem, reason):
@@ -135,8 +162,10 @@ def test_conversation_in_plain_format_points_to_chat_format(write_dataset, token
         build_pair_datasets(_config(path, format="plain"), tokenizer)
 
 
-@pytest.mark.parametrize("margin, problem", [(None, "missing key"), ("big", "expected a finite number"),
-                                             (float("nan"), "expected a finite number")])
+@pytest.mark.parametrize(
+    "margin, problem",
+    [(None, "missing key"), ("big", "expected a finite number"), (float("nan"), "expected a finite number")],
+)
 def test_margin_must_be_a_number_on_every_row(write_dataset, tokenizer, margin, problem):
     path = write_dataset([{**GOOD, "margin": 1.5}, {**GOOD, "margin": margin}])
     with pytest.raises(RowError, match=rf"row 2, key 'margin': {problem}"):
@@ -144,8 +173,13 @@ def test_margin_must_be_a_number_on_every_row(write_dataset, tokenizer, margin, 
 
 
 def test_skip_bad_rows_keeps_the_good_pairs_and_counts_each_reason(write_dataset, tokenizer):
-    rows = [GOOD, {"prompt": "hi", "chosen": "x", "rejected": "x"}, {"prompt": "hi", "chosen": "yo"},
-            {**GOOD, "prompt": "hey"}, {"prompt": "hi", "chosen": "", "rejected": "no"}]
+    rows = [
+        GOOD,
+        {"prompt": "hi", "chosen": "x", "rejected": "x"},
+        {"prompt": "hi", "chosen": "yo"},
+        {**GOOD, "prompt": "hey"},
+        {"prompt": "hi", "chosen": "", "rejected": "no"},
+    ]
     data = build_pair_datasets(_config(write_dataset(rows), skip_bad_rows=True), tokenizer)
     assert [p.row for p in data.train] == [1, 4]
     assert data.stats.skipped == {"identical_pair": 1, "missing_key": 1, "empty_text": 1}
@@ -157,7 +191,8 @@ def test_skip_bad_rows_keeps_the_good_pairs_and_counts_each_reason(write_dataset
 
 def _plain_parts(tokenizer, prompt, reply):
     return tokenizer(prompt + "\n")["input_ids"], tokenizer(reply, add_special_tokens=False)["input_ids"] + [
-        tokenizer.eos_token_id]
+        tokenizer.eos_token_id
+    ]
 
 
 def test_truncate_cuts_one_shared_prompt_and_each_reply_to_fit(write_dataset, tokenizer):
@@ -208,8 +243,10 @@ def test_eval_fraction_holds_out_pairs_never_trained_on(write_dataset, tokenizer
 
 
 def _two_pairs(write_dataset, tokenizer):
-    rows = [{"prompt": "hi", "chosen": "a", "rejected": "b c d", "m": 1.0},
-            {"prompt": "hello there", "chosen": "e f", "rejected": "g", "m": 0.5}]
+    rows = [
+        {"prompt": "hi", "chosen": "a", "rejected": "b c d", "m": 1.0},
+        {"prompt": "hello there", "chosen": "e f", "rejected": "g", "m": 0.5},
+    ]
     return build_pair_datasets(_config(write_dataset(rows), format="plain"), tokenizer, margin_key="m").train
 
 
@@ -222,7 +259,8 @@ def test_padded_batch_holds_every_chosen_side_then_every_rejected_side(write_dat
         assert batch["input_ids"][row, :n].tolist() == ids
         assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)
     masks = [[0] * len(p.prompt_ids) + p.chosen_mask for p in pairs] + [
-        [0] * len(p.prompt_ids) + p.rejected_mask for p in pairs]
+        [0] * len(p.prompt_ids) + p.rejected_mask for p in pairs
+    ]
     assert batch["response_lengths"].tolist() == [sum(m) for m in masks]
     assert batch["margin"].tolist() == [1.0, 0.5]
 

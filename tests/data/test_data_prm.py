@@ -67,7 +67,9 @@ def test_custom_keys_are_read(write_dataset, prm_tokenizer):
     spec = DatasetSpec(path=str(write_dataset([row])), input_key="question")
     data = build_prm_datasets(
         DataConfig(train=[spec], format="plain", max_length=64, min_response_tokens=4),
-        prm, prm_tokenizer, prm_tokenizer.convert_tokens_to_ids(SEP),
+        prm,
+        prm_tokenizer,
+        prm_tokenizer.convert_tokens_to_ids(SEP),
     )
     assert prm_tokenizer.decode(data.train[0].input_ids) == "q\n2+2=4<|step|>"
     assert data.train[0].step_labels == [1.0]

@@ -18,8 +18,13 @@ TEXT_ROWS = [
 
 CHAT_ROWS = [
     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sum 2 2"},
-                  {"role": "assistant", "content": "4"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "sum 2 2"},
+            {"role": "assistant", "content": "4"},
+        ]
+    },
 ]
 
 
@@ -54,13 +59,20 @@ def test_jsonl_bad_line_names_the_file_and_the_line(tmp_path):
     assert str(info.value).startswith(f"{path}, row 3: line 3 is not valid JSON")
 
 
-def test_jsonl_bad_line_goes_to_the_handler_and_the_rest_is_read(tmp_path):
+def test_jsonl_bad_lines_of_every_kind_go_to_the_handler_and_the_rest_is_read(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"a": "x"}\n{"a": oops}\n[1, 2]\n{"a": "z"}\n')
+    # 1 good, 2 bad JSON, 3 not an object, 4 Latin-1 (not UTF-8), 5 blank, 6 good UTF-8, 7 a lone 0x80
+    path.write_bytes(b'{"a": "x"}\n{"a": oops}\n[1, 2]\n{"a": "caf\xe9"}\n\n{"a": "caf\xc3\xa9"}\n{"a": "\x80"}\n')
     rejected = []
     rows = list(read_rows(path, on_bad_row=rejected.append))
-    assert rows == [(1, {"a": "x"}), (4, {"a": "z"})]
-    assert [(e.row, e.reason) for e in rejected] == [(2, "bad_json"), (3, "not_an_object")]
+    assert rows == [(1, {"a": "x"}), (6, {"a": "caf\u00e9"})]
+    assert [(e.row, e.reason) for e in rejected] == [
+        (2, "bad_json"),
+        (3, "not_an_object"),
+        (4, "not_utf8"),
+        (7, "not_utf8"),
+    ]
+    assert str(rejected[3]) == f"{path}, row 7: not UTF-8 text: byte 0x80 at byte offset 7 of line 7"
 
 
 def test_jsonl_line_that_is_not_utf8_names_the_file_the_line_and_the_byte(tmp_path):
@@ -71,16 +83,6 @@ def test_jsonl_line_that_is_not_utf8_names_the_file_the_line_and_the_byte(tmp_pa
         list(read_rows(path))
     assert str(info.value) == f"{path}, row 2: not UTF-8 text: byte 0xff at byte offset 18 of line 2"
     assert (info.value.row, info.value.reason) == (2, "not_utf8")
-
-
-def test_jsonl_line_that_is_not_utf8_goes_to_the_handler_and_the_rest_is_read(tmp_path):
-    path = tmp_path / "latin1.jsonl"
-    path.write_bytes(b'{"a": "x"}\n{"a": "caf\xe9"}\n\n{"a": "caf\xc3\xa9"}\n{"a": "\x80"}\n')
-    rejected = []
-    rows = list(read_rows(path, on_bad_row=rejected.append))
-    assert rows == [(1, {"a": "x"}), (4, {"a": "caf\u00e9"})]
-    assert [(e.row, e.reason) for e in rejected] == [(2, "not_utf8"), (5, "not_utf8")]
-    assert str(rejected[1]) == f"{path}, row 5: not UTF-8 text: byte 0x80 at byte offset 7 of line 5"
 
 
 def test_json_item_with_bytes_that_are_not_utf8_is_a_bad_row_and_the_other_items_are_read(tmp_path):

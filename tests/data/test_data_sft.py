@@ -205,7 +205,12 @@ def test_skip_bad_rows_counts_each_reason_and_keeps_the_good_rows(tmp_path, toke
     data = build_sft_datasets(_config(path, skip_bad_rows=True), tokenizer)
     assert [s.row for s in data.train] == [1, 8]
     assert data.stats.skipped == {
-        "missing_key": 1, "wrong_type": 1, "empty_text": 1, "bad_role": 1, "no_target": 1, "bad_json": 1
+        "missing_key": 1,
+        "wrong_type": 1,
+        "empty_text": 1,
+        "bad_role": 1,
+        "no_target": 1,
+        "bad_json": 1,
     }
     assert (data.stats.rows_read, data.stats.rows_kept) == (8, 2)
     assert data.stats.skip_examples[0].startswith(f"{path}, row 2, key 'completion': missing key")
@@ -229,14 +234,18 @@ def test_a_line_that_is_not_utf8_stops_the_run_naming_file_line_and_byte(tmp_pat
 
 def test_skip_bad_rows_skips_and_counts_lines_that_are_not_utf8(tmp_path, tokenizer):
     path = tmp_path / "latin1.jsonl"
-    path.write_bytes(b"".join([
-        b'{"prompt": "hi", "completion": "there"}\n',
-        b'{"prompt": "caf\xe9", "completion": "x"}\n',  # Latin-1
-        b'{"prompt": "bye", "completion": "now"}\n',
-        b'{"prompt": "\xff\xfe", "completion": "x"}\n',
-        b'{"prompt": "missing completion"}\n',
-        b'{"prompt": "caf\xc3\xa9", "completion": "ok"}\n',  # UTF-8
-    ]))
+    path.write_bytes(
+        b"".join(
+            [
+                b'{"prompt": "hi", "completion": "there"}\n',
+                b'{"prompt": "caf\xe9", "completion": "x"}\n',  # Latin-1
+                b'{"prompt": "bye", "completion": "now"}\n',
+                b'{"prompt": "\xff\xfe", "completion": "x"}\n',
+                b'{"prompt": "missing completion"}\n',
+                b'{"prompt": "caf\xc3\xa9", "completion": "ok"}\n',  # UTF-8
+            ]
+        )
+    )
     data = build_sft_datasets(_config(path, skip_bad_rows=True), tokenizer)
     assert [s.row for s in data.train] == [1, 3, 6]
     assert data.stats.skipped == {"not_utf8": 2, "missing_key": 1}

@@ -62,7 +62,11 @@ ROLES = st.sampled_from(ALLOWED_ROLES) | st.sampled_from(["bot", "User", "", "as
 MESSAGE = st.fixed_dictionaries({}, optional={"role": ROLES, "content": WORDS | TEXT | JSON_VALUES}) | JSON_VALUES
 LABEL = st.booleans() | st.sampled_from(["+", "-", "\u2212", 0, 1, 0.5, 2, -0.0, 10**400]) | JSON_VALUES
 JUNK = st.one_of(
-    TEXT, JSON_VALUES, st.lists(MESSAGE, max_size=4), st.lists(WORDS | TEXT, max_size=4), st.lists(LABEL, max_size=4),
+    TEXT,
+    JSON_VALUES,
+    st.lists(MESSAGE, max_size=4),
+    st.lists(WORDS | TEXT, max_size=4),
+    st.lists(LABEL, max_size=4),
     LABEL,
 )
 
@@ -96,8 +100,11 @@ def good_pair(draw: st.DrawFn) -> dict[str, Any]:
 def good_steps(draw: st.DrawFn) -> dict[str, Any]:
     steps = draw(st.lists(WORDS | LONG_WORDS, min_size=1, max_size=4))
     labels = st.booleans() | st.sampled_from([0, 1, 0.25, "+", "-", "\u2212"])
-    return {"prompt": draw(WORDS | LONG_WORDS), "steps": steps,
-            "labels": draw(st.lists(labels, min_size=len(steps), max_size=len(steps)))}
+    return {
+        "prompt": draw(WORDS | LONG_WORDS),
+        "steps": steps,
+        "labels": draw(st.lists(labels, min_size=len(steps), max_size=len(steps))),
+    }
 
 
 PROMPT_COMPLETION = st.fixed_dictionaries(
@@ -107,8 +114,9 @@ PROMPT_COMPLETION = st.fixed_dictionaries(
 GOOD_ROWS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "sft": PROMPT_COMPLETION | st.fixed_dictionaries({"messages": CONVERSATION}),
     "kto": st.builds(lambda row, label: row | {"label": label}, PROMPT_COMPLETION, st.booleans()),
-    "pairs": st.builds(lambda row, margin: row | {"margin": margin}, good_pair(),
-                       st.floats(-5, 5, allow_subnormal=False)),
+    "pairs": st.builds(
+        lambda row, margin: row | {"margin": margin}, good_pair(), st.floats(-5, 5, allow_subnormal=False)
+    ),
     "prm": good_steps(),
 }
 ROW_KEYS = {
@@ -137,14 +145,25 @@ def rows(draw: st.DrawFn, kind: str) -> Any:
     return row | draw(st.dictionaries(st.text(max_size=6).filter(lambda k: k not in keys), JSON_VALUES, max_size=2))
 
 
-def data_configs(path: Path, formats: tuple[str, ...] = ("chat", "plain"), losses: tuple[str, ...] = ("prompt_masked",)):
+def data_configs(
+    path: Path, formats: tuple[str, ...] = ("chat", "plain"), losses: tuple[str, ...] = ("prompt_masked",)
+):
     return st.builds(
         lambda fmt, truncation, loss, add_eos, template: DataConfig(
-            train=[str(path)], format=fmt, truncation=truncation, loss=loss, add_eos=add_eos,
-            prompt_template=template, max_length=MAX_LENGTH, min_response_tokens=4,
+            train=[str(path)],
+            format=fmt,
+            truncation=truncation,
+            loss=loss,
+            add_eos=add_eos,
+            prompt_template=template,
+            max_length=MAX_LENGTH,
+            min_response_tokens=4,
         ),
-        st.sampled_from(formats), st.sampled_from(["error", "truncate", "drop"]), st.sampled_from(losses),
-        st.booleans(), st.sampled_from(["{input}\n", "{input}", "Q: {input} A:"]),
+        st.sampled_from(formats),
+        st.sampled_from(["error", "truncate", "drop"]),
+        st.sampled_from(losses),
+        st.booleans(),
+        st.sampled_from(["{input}\n", "{input}", "Q: {input} A:"]),
     )
 
 
@@ -285,8 +304,11 @@ GOOD_LINE = json.dumps(GOOD_ROW)
 @st.composite
 def broken_lines(draw: st.DrawFn) -> tuple[str, bytes]:
     """(kind, line without its newline): a good row, a blank line, or one of the ways a line goes bad."""
-    kind = draw(st.sampled_from(["good", "good", "blank", "cut_json", "junk", "not_object", "bad_row", "huge_int",
-                                 "deep", "not_utf8"]))
+    kind = draw(
+        st.sampled_from(
+            ["good", "good", "blank", "cut_json", "junk", "not_object", "bad_row", "huge_int", "deep", "not_utf8"]
+        )
+    )
     if kind == "good":
         text = GOOD_LINE
     elif kind == "blank":
@@ -319,8 +341,9 @@ def first_problem_line(kinds: list[str]) -> tuple[int, str] | None:
 
 
 def sft_config(path: Path, skip_bad_rows: bool) -> DataConfig:
-    return DataConfig(train=[str(path)], format="plain", max_length=MAX_LENGTH, min_response_tokens=4,
-                      skip_bad_rows=skip_bad_rows)
+    return DataConfig(
+        train=[str(path)], format="plain", max_length=MAX_LENGTH, min_response_tokens=4, skip_bad_rows=skip_bad_rows
+    )
 
 
 @settings(FUZZ, max_examples=60)
@@ -379,7 +402,10 @@ def test_lone_surrogate_in_a_text_names_the_key_instead_of_failing_in_the_tokeni
     cfg = sft_config(path, skip_bad_rows=False)
     with pytest.raises(RowError) as caught:
         load_sft_samples(cfg.train[0], cfg, tokenizer, DataStats())
-    assert str(caught.value) == f"{path}, row 1, key 'prompt': not valid Unicode text: lone surrogate U+D800 at character 3"
+    assert (
+        str(caught.value)
+        == f"{path}, row 1, key 'prompt': not valid Unicode text: lone surrogate U+D800 at character 3"
+    )
     assert caught.value.reason == "bad_unicode"
 
 
@@ -425,10 +451,13 @@ def test_jsonl_byte_that_is_not_utf8_is_reported_on_its_own_line_after_the_rows_
     assert rows_read == [(1, {"a": 1}), (2, {"a": 2}), (3, {"a": 3})]
 
 
-@pytest.mark.parametrize(("text", "problem"), [
-    ("[" + "9" * 5000 + "]", "not usable JSON: Exceeds the limit (4300 digits)"),
-    ("[" * 5000 + "]" * 5000, "not usable JSON: nested too deeply"),
-])
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[" + "9" * 5000 + "]", "not usable JSON: Exceeds the limit (4300 digits)"),
+        ("[" * 5000 + "]" * 5000, "not usable JSON: nested too deeply"),
+    ],
+)
 def test_json_file_that_python_cannot_load_names_the_file(tmp_path, tokenizer, text, problem):
     path = tmp_path / "data.json"
     path.write_text(text)
@@ -460,12 +489,21 @@ def test_soft_step_label_beyond_the_float_range_names_the_label(write_dataset, p
 def test_single_token_document_is_refused_rather_than_kept_without_targets(write_dataset, tokenizer):
     assert len(tokenizer("a", add_special_tokens=True)["input_ids"]) == 1
     path = write_dataset([{"prompt": "a"}])
-    cfg = DataConfig(train=[str(path)], format="plain", loss="full", add_eos=False, prompt_template="{input}",
-                     max_length=MAX_LENGTH, min_response_tokens=4)
+    cfg = DataConfig(
+        train=[str(path)],
+        format="plain",
+        loss="full",
+        add_eos=False,
+        prompt_template="{input}",
+        max_length=MAX_LENGTH,
+        min_response_tokens=4,
+    )
     with pytest.raises(RowError) as caught:
         load_sft_samples(cfg.train[0], cfg, tokenizer, DataStats())
-    assert str(caught.value) == (f"{path}, row 1, key 'completion': no tokens to train on: the only target is the "
-                                 "first token, which nothing predicts")
+    assert str(caught.value) == (
+        f"{path}, row 1, key 'completion': no tokens to train on: the only target is the "
+        "first token, which nothing predicts"
+    )
 
 
 def test_reply_that_starts_with_a_tool_message_names_the_key(write_dataset, tokenizer):
@@ -474,5 +512,6 @@ def test_reply_that_starts_with_a_tool_message_names_the_key(write_dataset, toke
     cfg = DataConfig(train=[str(path)], max_length=MAX_LENGTH, min_response_tokens=4)
     with pytest.raises(RowError) as caught:
         load_pair_samples(cfg.train[0], cfg, tokenizer, DataStats())
-    assert str(caught.value) == (f"{path}, row 1, key 'chosen': the reply starts with a 'tool' message; a reply "
-                                 "starts with an assistant message")
+    assert str(caught.value) == (
+        f"{path}, row 1, key 'chosen': the reply starts with a 'tool' message; a reply starts with an assistant message"
+    )

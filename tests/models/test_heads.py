@@ -70,9 +70,7 @@ def test_token_score_at_t_equals_pooled_score_of_the_prefix(score_model):
     ids = torch.randint(5, 500, (1, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got = token_scores(score_model, ids)
-        expected = torch.stack(
-            [score_model(input_ids=ids[:, : t + 1]).logits[0, 0] for t in range(ids.shape[1])]
-        )
+        expected = torch.stack([score_model(input_ids=ids[:, : t + 1]).logits[0, 0] for t in range(ids.shape[1])])
     assert got.shape == (1, 7)
     torch.testing.assert_close(got[0], expected, atol=1e-5, rtol=0)
 

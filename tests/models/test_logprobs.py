@@ -237,8 +237,9 @@ def test_sequence_logprobs_sum_the_marked_tokens_of_each_sample_packed_or_padded
     padded_ids, attention = pad(samples, "right")
     padded_mask = attention * (torch.arange(padded_ids.shape[1]) >= 2).long()
     with torch.no_grad():
-        packed = sequence_logprobs(model, packed_ids, packed_mask, position_ids=positions,
-                                   seq_lens=torch.tensor(LENGTHS))
+        packed = sequence_logprobs(
+            model, packed_ids, packed_mask, position_ids=positions, seq_lens=torch.tensor(LENGTHS)
+        )
         padded = sequence_logprobs(model, padded_ids, padded_mask, attention_mask=attention)
     torch.testing.assert_close(packed, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(padded, expected, atol=1e-4, rtol=0)

@@ -167,14 +167,20 @@ def test_float32_vllm_engine_starts_with_default_memory_settings(cache, ray_sess
     from raylign.rollout.pool import launch_engines, stop_engines
 
     tokenizer = load_tokenizer(str(cache["folder"]), padding_side="left")
-    (engine,) = launch_engines(cache["folder"], RolloutConfig(engine="vllm", dtype="float32"),
-                               env_vars={"OMP_NUM_THREADS": "1"}, startup_timeout_s=600)
+    (engine,) = launch_engines(
+        cache["folder"],
+        RolloutConfig(engine="vllm", dtype="float32"),
+        env_vars={"OMP_NUM_THREADS": "1"},
+        startup_timeout_s=600,
+    )
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
-                                             add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=False
+        )
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-        (completion,) = ray_session.get(engine.generate.remote(
-            [prompt], SamplingConfig(n=1, temperature=0.0, max_new_tokens=8)), timeout=300)
+        (completion,) = ray_session.get(
+            engine.generate.remote([prompt], SamplingConfig(n=1, temperature=0.0, max_new_tokens=8)), timeout=300
+        )
         assert len(completion.response_token_ids) >= 1
     finally:
         stop_engines([engine])

@@ -33,16 +33,19 @@ MAX_NEW_TOKENS = 6
 
 def generate_config(tmp_path, model_dir, engine: str, **overrides) -> GenerateConfig:
     data = {"prompts": [str(write_jsonl(tmp_path / "prompts.jsonl", PROMPT_ROWS))], **overrides.pop("data", {})}
-    return parse_config(GenerateConfig, {
-        "model": {"path": str(model_dir)},
-        "data": data,
-        "rollout": {"engine": engine, "dtype": "float32", "kv_cache_memory_bytes": 32 << 20, "max_model_len": 128},
-        "sampling": {"n": 3, "temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS},
-        "output_path": str(tmp_path / "out" / "generations.jsonl"),
-        "batch_size": 2,  # two requests: the second starts at prompt 2
-        "progress_bar": False,
-        **overrides,
-    })
+    return parse_config(
+        GenerateConfig,
+        {
+            "model": {"path": str(model_dir)},
+            "data": data,
+            "rollout": {"engine": engine, "dtype": "float32", "kv_cache_memory_bytes": 32 << 20, "max_model_len": 128},
+            "sampling": {"n": 3, "temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS},
+            "output_path": str(tmp_path / "out" / "generations.jsonl"),
+            "batch_size": 2,  # two requests: the second starts at prompt 2
+            "progress_bar": False,
+            **overrides,
+        },
+    )
 
 
 def greedy_reference(model_dir, prompt_text: str) -> tuple[str, str]:
@@ -84,14 +87,19 @@ def test_hf_generate_writes_n_greedy_responses_per_prompt_with_labels(tmp_path, 
 
 @pytest.mark.slow
 def test_hf_generate_plain_template_sampling_and_chosen_passthrough_keys(tmp_path, model_dir, ray_session):
-    rows = [{"prompt": "reverse: a b", "answer": "b a", "id": 7, "extra": "x"},
-            {"prompt": "copy: c d", "answer": "c d", "id": 8, "extra": "y"},
-            {"prompt": "copy: e", "answer": "e", "id": 9, "extra": "z"}]
+    rows = [
+        {"prompt": "reverse: a b", "answer": "b a", "id": 7, "extra": "x"},
+        {"prompt": "copy: c d", "answer": "c d", "id": 8, "extra": "y"},
+        {"prompt": "copy: e", "answer": "e", "id": 9, "extra": "z"},
+    ]
     spec = {"path": str(write_jsonl(tmp_path / "plain.jsonl", rows)), "label_key": "answer", "max_samples": 2}
-    cfg = generate_config(tmp_path, model_dir, "hf",
-                          data={"prompts": [spec], "format": "plain", "prompt_template": "Q: {input}\nA:",
-                                "passthrough_keys": ["id"]},
-                          sampling={"n": 4, "temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "seed": 1})
+    cfg = generate_config(
+        tmp_path,
+        model_dir,
+        "hf",
+        data={"prompts": [spec], "format": "plain", "prompt_template": "Q: {input}\nA:", "passthrough_keys": ["id"]},
+        sampling={"n": 4, "temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "seed": 1},
+    )
     run_generate(cfg)
     out = read_jsonl(cfg.output_path)
     assert [row["prompt_text"] for row in out] == ["Q: reverse: a b\nA:", "Q: copy: c d\nA:"]
@@ -103,16 +111,23 @@ def test_hf_generate_plain_template_sampling_and_chosen_passthrough_keys(tmp_pat
 
 @pytest.mark.slow
 def test_vllm_generate_writes_n_greedy_responses_per_prompt_with_labels(tmp_path, model_dir, ray_session):
-    cfg = generate_config(tmp_path, model_dir, "vllm", sampling={"n": 2, "temperature": 0.0,
-                                                                  "max_new_tokens": MAX_NEW_TOKENS})
+    cfg = generate_config(
+        tmp_path, model_dir, "vllm", sampling={"n": 2, "temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
+    )
     run_generate(cfg)
     check_greedy_file(cfg.output_path, model_dir, n=2)
 
 
 def test_bad_prompt_row_names_file_row_and_key_before_any_engine_starts(tmp_path, model_dir):
     path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "ok", "label": "a"}, {"question": "no prompt key"}])
-    cfg = parse_config(GenerateConfig, {"model": {"path": str(model_dir)}, "data": {"prompts": [str(path)]},
-                                        "output_path": str(tmp_path / "out.jsonl")})
+    cfg = parse_config(
+        GenerateConfig,
+        {
+            "model": {"path": str(model_dir)},
+            "data": {"prompts": [str(path)]},
+            "output_path": str(tmp_path / "out.jsonl"),
+        },
+    )
     with pytest.raises(RowError, match=r"prompts\.jsonl, row 2, key 'prompt': missing key"):
         run_generate(cfg)
     assert not (tmp_path / "out.jsonl").exists()

@@ -9,8 +9,7 @@ from raylign.config.base import ConfigError, describe_fields, parse_config
 from raylign.config.pipeline import GenerateConfig, ScoreConfig, SelectConfig
 
 
-@pytest.mark.parametrize("name, cls", [("generate", GenerateConfig), ("score", ScoreConfig),
-                                       ("select", SelectConfig)])
+@pytest.mark.parametrize("name, cls", [("generate", GenerateConfig), ("score", ScoreConfig), ("select", SelectConfig)])
 def test_help_describes_every_field(name, cls, capsys):
     assert main([name, "--help"]) == 0
     text = capsys.readouterr().out
@@ -29,14 +28,18 @@ def test_generate_defaults_to_vllm_with_four_samples_and_accepts_one_prompt_path
 
 def test_generate_rejects_passthrough_keys_it_writes_itself():
     with pytest.raises(ConfigError, match=r"data.passthrough_keys: .*\['responses'\] are written by raylign generate"):
-        parse_config(GenerateConfig, {"model": {"path": "m"},
-                                      "data": {"prompts": ["p.jsonl"], "passthrough_keys": ["id", "responses"]}})
+        parse_config(
+            GenerateConfig,
+            {"model": {"path": "m"}, "data": {"prompts": ["p.jsonl"], "passthrough_keys": ["id", "responses"]}},
+        )
 
 
 def test_generate_rejects_a_template_without_input():
     with pytest.raises(ConfigError, match=r"data.prompt_template: .*must contain the field \{input\}"):
-        parse_config(GenerateConfig, {"model": {"path": "m"},
-                                      "data": {"prompts": ["p.jsonl"], "prompt_template": "Q: {question}"}})
+        parse_config(
+            GenerateConfig,
+            {"model": {"path": "m"}, "data": {"prompts": ["p.jsonl"], "prompt_template": "Q: {question}"}},
+        )
 
 
 def test_score_needs_reward_sources():

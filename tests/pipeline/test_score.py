@@ -16,8 +16,14 @@ from raylign.rollout.rewards import RewardError
 from .helpers import read_jsonl, write_jsonl
 
 GENERATIONS = [
-    {"prompt": "reverse: a b", "prompt_text": "<user>reverse: a b</user>", "responses": ["b a", " b  a ", "a b"],
-     "finish_reasons": ["stop", "stop", "stop"], "label": "b a", "difficulty": 2},
+    {
+        "prompt": "reverse: a b",
+        "prompt_text": "<user>reverse: a b</user>",
+        "responses": ["b a", " b  a ", "a b"],
+        "finish_reasons": ["stop", "stop", "stop"],
+        "label": "b a",
+        "difficulty": 2,
+    },
     {"prompt": "copy: c", "responses": ["c", "C"], "label": "c", "difficulty": 3},
 ]
 
@@ -31,10 +37,16 @@ def reward_func(prompts, responses, labels, difficulty, **metadata):
 
 
 def score(tmp_path, rows, sources, **extra):
-    cfg = parse_config(ScoreConfig, {
-        "input_path": str(write_jsonl(tmp_path / "generations.jsonl", rows)),
-        "output_path": str(tmp_path / "scored.jsonl"), "reward": {"sources": sources}, "progress_bar": False,
-        **extra})
+    cfg = parse_config(
+        ScoreConfig,
+        {
+            "input_path": str(write_jsonl(tmp_path / "generations.jsonl", rows)),
+            "output_path": str(tmp_path / "scored.jsonl"),
+            "reward": {"sources": sources},
+            "progress_bar": False,
+            **extra,
+        },
+    )
     return run_score(cfg)
 
 
@@ -59,10 +71,16 @@ def test_python_file_and_exact_match_combine_by_weight(tmp_path):
     # length: len("b a")*2 = 6, len("b  a")*2 = 8, len("a b")*2 = 6; len("c")*3 = 3, len("C")*3 = 3.
     # combined = exact + 0.5 * length.
     assert [row["rewards"] for row in rows] == [[4.0, 5.0, 3.0], [2.5, 1.5]]
-    assert rows[0]["reward_metrics"] == {"exact_match": [1.0, 1.0, 0.0], "length": [6.0, 8.0, 6.0],
-                                         "length/prompt_chars": [25.0, 25.0, 25.0]}  # the rendered prompt_text
-    assert rows[1]["reward_metrics"] == {"exact_match": [1.0, 0.0], "length": [3.0, 3.0],
-                                         "length/prompt_chars": [7.0, 7.0]}  # no prompt_text: "copy: c"
+    assert rows[0]["reward_metrics"] == {
+        "exact_match": [1.0, 1.0, 0.0],
+        "length": [6.0, 8.0, 6.0],
+        "length/prompt_chars": [25.0, 25.0, 25.0],
+    }  # the rendered prompt_text
+    assert rows[1]["reward_metrics"] == {
+        "exact_match": [1.0, 0.0],
+        "length": [3.0, 3.0],
+        "length/prompt_chars": [7.0, 7.0],
+    }  # no prompt_text: "copy: c"
     assert metrics["reward/mean"] == pytest.approx(16 / 5)
     assert metrics["length/mean"] == pytest.approx(26 / 5)
     assert metrics["exact_match/mean"] == pytest.approx(3 / 5)
@@ -92,14 +110,19 @@ def test_a_failing_reward_source_names_the_file_and_rows(tmp_path):
 
 def test_conversation_prompts_reach_reward_functions_as_messages(tmp_path):
     reward_file = tmp_path / "turns.py"
-    reward_file.write_text(textwrap.dedent("""
+    reward_file.write_text(
+        textwrap.dedent("""
         def reward_func(prompts, responses, labels, prompt_messages, **metadata):
             return {"rewards": [float(len(m)) for m in prompt_messages],
                     "prompt_is_last_turn": [float(p == m[-1]["content"]) for p, m in zip(prompts, prompt_messages)]}
-    """))
+    """)
+    )
     conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    score(tmp_path, [{"prompt": conversation, "responses": ["hello"]}],
-          [{"kind": "function", "name": "turns", "path": str(reward_file)}])
+    score(
+        tmp_path,
+        [{"prompt": conversation, "responses": ["hello"]}],
+        [{"kind": "function", "name": "turns", "path": str(reward_file)}],
+    )
     (row,) = read_jsonl(tmp_path / "scored.jsonl")
     assert row["rewards"] == [2.0]
     assert row["reward_metrics"]["turns/prompt_is_last_turn"] == [1.0]

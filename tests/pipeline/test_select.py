@@ -40,12 +40,17 @@ def test_best_of_n_picks_the_highest_reward_response_of_each_prompt(tmp_path):
     out = tmp_path / "sft.jsonl"
     stats = select(tmp_path, best_of_n={"output_path": str(out)}, keep_keys=["id"])
     assert read_jsonl(out) == [
-        {"prompt": "p1", "completion": "b", "reward": 0.9, "id": 1},       # tie between b and c: the first
+        {"prompt": "p1", "completion": "b", "reward": 0.9, "id": 1},  # tie between b and c: the first
         {"prompt": "p2", "completion": "x", "reward": 0.5, "id": 2},
         {"prompt": "p3", "completion": "same", "reward": 1.0, "id": 3},
-        {"prompt": "p4", "completion": "high", "reward": 0.3, "id": 4},    # the blank answer is never picked
-        {"prompt": CONVERSATION, "completion": "hey there", "reward": 1.0, "id": 5,
-         "messages": CONVERSATION + [{"role": "assistant", "content": "hey there"}]},
+        {"prompt": "p4", "completion": "high", "reward": 0.3, "id": 4},  # the blank answer is never picked
+        {
+            "prompt": CONVERSATION,
+            "completion": "hey there",
+            "reward": 1.0,
+            "id": 5,
+            "messages": CONVERSATION + [{"role": "assistant", "content": "hey there"}],
+        },
     ]
     assert stats == {"rows_read": 5, "best_of_n/rows_written": 5}
 
@@ -64,12 +69,33 @@ def test_pairs_take_best_and_worst_and_skip_ties_and_identical_texts(tmp_path):
     for row in rows:
         row["margin"] = round(row["margin"], 12)
     assert rows == [
-        {"prompt": "p1", "chosen": "b", "rejected": "a", "chosen_reward": 0.9, "rejected_reward": 0.2,
-         "margin": 0.7, "id": 1},
-        {"prompt": "p4", "chosen": "high", "rejected": "low", "chosen_reward": 0.3, "rejected_reward": 0.1,
-         "margin": 0.2, "id": 4},
-        {"prompt": CONVERSATION, "chosen": "hey there", "rejected": "hello", "chosen_reward": 1.0,
-         "rejected_reward": 0.0, "margin": 1.0, "id": 5},
+        {
+            "prompt": "p1",
+            "chosen": "b",
+            "rejected": "a",
+            "chosen_reward": 0.9,
+            "rejected_reward": 0.2,
+            "margin": 0.7,
+            "id": 1,
+        },
+        {
+            "prompt": "p4",
+            "chosen": "high",
+            "rejected": "low",
+            "chosen_reward": 0.3,
+            "rejected_reward": 0.1,
+            "margin": 0.2,
+            "id": 4,
+        },
+        {
+            "prompt": CONVERSATION,
+            "chosen": "hey there",
+            "rejected": "hello",
+            "chosen_reward": 1.0,
+            "rejected_reward": 0.0,
+            "margin": 1.0,
+            "id": 5,
+        },
     ]
     assert stats["pairs/skipped/all_rewards_equal"] == 1  # p2
     assert stats["pairs/skipped/identical_texts"] == 1  # p3: best and worst are both "same"
@@ -97,12 +123,21 @@ def test_selected_rows_load_as_sft_and_dpo_data(tmp_path, model_dir):
     sft = build_sft_datasets(data_config(sft_path), tokenizer)
     # The tiny chat template trains on the reply and its end-of-turn token.
     assert [target_text(s.input_ids, s.loss_mask) for s in sft.train] == [
-        "b<|im_end|>", "x<|im_end|>", "same<|im_end|>", "high<|im_end|>", "hey there<|im_end|>"]
+        "b<|im_end|>",
+        "x<|im_end|>",
+        "same<|im_end|>",
+        "high<|im_end|>",
+        "hey there<|im_end|>",
+    ]
     assert "be brief" in tokenizer.decode(sft.train[4].input_ids)
     pairs = build_pair_datasets(data_config(pairs_path), tokenizer)
-    assert [(target_text(p.chosen_ids, p.chosen_mask), target_text(p.rejected_ids, p.rejected_mask))
-            for p in pairs.train] == [("b<|im_end|>", "a<|im_end|>"), ("high<|im_end|>", "low<|im_end|>"),
-                                      ("hey there<|im_end|>", "hello<|im_end|>")]
+    assert [
+        (target_text(p.chosen_ids, p.chosen_mask), target_text(p.rejected_ids, p.rejected_mask)) for p in pairs.train
+    ] == [
+        ("b<|im_end|>", "a<|im_end|>"),
+        ("high<|im_end|>", "low<|im_end|>"),
+        ("hey there<|im_end|>", "hello<|im_end|>"),
+    ]
 
 
 def test_reward_count_differing_from_responses_names_file_row_and_key(tmp_path):

@@ -15,8 +15,9 @@ from raylign.tasks.strings import make_string_rows
 def rl_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer Qwen2 with tied embeddings, fp32. Head size 32: the smallest vLLM's CPU
     attention supports, so the same folder serves the hf and the vllm engine."""
-    return build_tiny_model(tmp_path_factory.mktemp("rl") / "policy", hidden_size=64, num_layers=2, num_heads=2,
-                            num_kv_heads=1, seed=3)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("rl") / "policy", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=3
+    )
 
 
 @pytest.fixture(scope="session")

@@ -29,8 +29,13 @@ def rl_config_data(model_dir: Path, prompt_file: Path, output_dir: Path, preset:
         "data": {"train": [{"path": str(prompt_file)}]},
         "optim": {"lr": 1e-3},
         "critic": {"optim": {"lr": 1e-3}},
-        "train": {"output_dir": str(output_dir), "max_steps": 2, "prompts_per_step": 4, "log_samples": 2,
-                  "logging": {"progress_bar": False, "tensorboard": False}},
+        "train": {
+            "output_dir": str(output_dir),
+            "max_steps": 2,
+            "prompts_per_step": 4,
+            "log_samples": 2,
+            "logging": {"progress_bar": False, "tensorboard": False},
+        },
     }
 
 
@@ -75,9 +80,17 @@ def state_dict_of(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in fp32_model(model_dir).state_dict().items()}
 
 
-def worker_config(model_dir: Path, prompt_file: Path, output_dir: Path, backend: str, workers: int, *,
-                  zero_stage: int = 2, optim: dict[str, Any] | None = None,
-                  algorithm: dict[str, Any] | None = None) -> dict[str, Any]:
+def worker_config(
+    model_dir: Path,
+    prompt_file: Path,
+    output_dir: Path,
+    backend: str,
+    workers: int,
+    *,
+    zero_stage: int = 2,
+    optim: dict[str, Any] | None = None,
+    algorithm: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The config dump the controller hands its policy workers, for a policy on ``workers`` ranks."""
     data = rl_config_data(model_dir, prompt_file, output_dir)
     data["engine"] = {"backend": backend, "zero_stage": zero_stage, "dist_timeout_s": 120}
@@ -90,12 +103,21 @@ def worker_config(model_dir: Path, prompt_file: Path, output_dir: Path, backend:
     return resolve(tmp, data).model_dump(mode="json")
 
 
-def shard_for_ranks(samples: list[Sample], per_token: dict[str, torch.Tensor], world: int, max_tokens: int,
-                    behaviour: Behaviour = "trainer_recomputed") -> list[list[MicroBatch]]:
+def shard_for_ranks(
+    samples: list[Sample],
+    per_token: dict[str, torch.Tensor],
+    world: int,
+    max_tokens: int,
+    behaviour: Behaviour = "trainer_recomputed",
+) -> list[list[MicroBatch]]:
     """Packed micro-batches per rank, split as the controller splits a mini-batch."""
     from raylign.rl.experience import micro_batches_for_ranks, pack_samples
 
     plan = micro_batches_for_ranks(samples, world, max_tokens)
-    return [[pack_samples([samples[i] for i in micro], {k: v[micro] for k, v in per_token.items()},
-                          behaviour=behaviour)
-             for micro in rank_plan] for rank_plan in plan]
+    return [
+        [
+            pack_samples([samples[i] for i in micro], {k: v[micro] for k, v in per_token.items()}, behaviour=behaviour)
+            for micro in rank_plan
+        ]
+        for rank_plan in plan
+    ]

@@ -33,14 +33,18 @@ def _greedy_per_rank(group: WorkerGroup) -> list[list]:
     return group.call("generate", PROMPTS, sampling)
 
 
-@pytest.mark.parametrize(("engine", "backend", "workers"), [
-    pytest.param("hf", "local", 1, id="hf-local-1"),
-    pytest.param("hf", "fsdp2", 2, id="hf-fsdp2-2"),
-    pytest.param("vllm", "local", 1, id="vllm-local-1"),
-    pytest.param("vllm", "fsdp2", 2, id="vllm-fsdp2-2"),
-])
-def test_colocated_engines_follow_the_trained_policy(engine, backend, workers, ray_session, rl_model_dir,
-                                                     prompt_file, tmp_path):
+@pytest.mark.parametrize(
+    ("engine", "backend", "workers"),
+    [
+        pytest.param("hf", "local", 1, id="hf-local-1"),
+        pytest.param("hf", "fsdp2", 2, id="hf-fsdp2-2"),
+        pytest.param("vllm", "local", 1, id="vllm-local-1"),
+        pytest.param("vllm", "fsdp2", 2, id="vllm-fsdp2-2"),
+    ],
+)
+def test_colocated_engines_follow_the_trained_policy(
+    engine, backend, workers, ray_session, rl_model_dir, prompt_file, tmp_path
+):
     cfg = worker_config(rl_model_dir, prompt_file, tmp_path / "run", backend, workers, optim={"lr": 1e-2})
     cfg["placement"]["colocate"] = True
     cfg["rollout"].update(VLLM_ROLLOUT if engine == "vllm" else {"engine": "hf", "dtype": "float32"})
@@ -62,8 +66,7 @@ def test_colocated_engines_follow_the_trained_policy(engine, backend, workers, r
 
         # The controller's pool spreads one request over the ranks' engines and keeps prompt order.
         pool = RolloutPool(group.workers)
-        completions = pool.generate_blocking(PROMPTS + PROMPTS, SamplingConfig(n=2, temperature=1.0,
-                                                                                max_new_tokens=4))
+        completions = pool.generate_blocking(PROMPTS + PROMPTS, SamplingConfig(n=2, temperature=1.0, max_new_tokens=4))
         assert [(c.prompt_index, c.sample_index) for c in completions] == [(i, s) for i in range(6) for s in range(2)]
         assert [c.prompt_token_ids for c in completions[::2]] == PROMPTS + PROMPTS
     finally:

@@ -17,23 +17,82 @@ from .rl_helpers import resolve, rl_config_data, write_yaml
 # What each preset stands for, from its paper (see raylign/rl/presets.py for the references):
 # estimator, policy loss, KL to the reference (where and which estimator), loss aggregation.
 EXPECTED_PRESETS = {
-    "ppo": {"advantage": "gae", "policy_loss": "ppo", "kl_mode": "reward", "kl_estimator": "k1", "kl_coef": 0.01,
-            "aggregation": "token_mean", "n": 1},
-    "grpo": {"advantage": "grpo", "normalize_std": True, "policy_loss": "ppo", "kl_mode": "loss",
-             "kl_estimator": "k3", "kl_coef": 0.001, "aggregation": "seq_mean_token_mean", "n": 4},
-    "dr_grpo": {"advantage": "dr_grpo", "policy_loss": "ppo", "kl_mode": "none", "kl_coef": 0.0,
-                "aggregation": "constant_normalizer", "n": 4},
-    "reinforce_pp": {"advantage": "reinforce_plus_plus", "policy_loss": "ppo", "kl_mode": "reward",
-                     "kl_estimator": "k2", "kl_coef": 0.01, "aggregation": "token_mean", "n": 1},
-    "reinforce_pp_baseline": {"advantage": "reinforce_plus_plus_baseline", "policy_loss": "ppo", "kl_mode": "loss",
-                              "kl_estimator": "k3", "kl_coef": 0.001, "aggregation": "token_mean", "n": 4},
-    "rloo": {"advantage": "rloo", "policy_loss": "ppo", "kl_mode": "reward", "kl_estimator": "k1", "kl_coef": 0.01,
-             "aggregation": "token_mean", "n": 4},
-    "gspo": {"advantage": "grpo", "policy_loss": "gspo", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4,
-             "kl_mode": "none", "kl_coef": 0.0, "aggregation": "seq_mean_token_mean", "n": 4},
-    "dapo": {"advantage": "grpo", "policy_loss": "ppo", "clip_eps_low": 0.2, "clip_eps_high": 0.28,
-             "kl_mode": "none", "kl_coef": 0.0, "aggregation": "token_mean", "dynamic_sampling": True,
-             "overlong_buffer": 16, "n": 4},
+    "ppo": {
+        "advantage": "gae",
+        "policy_loss": "ppo",
+        "kl_mode": "reward",
+        "kl_estimator": "k1",
+        "kl_coef": 0.01,
+        "aggregation": "token_mean",
+        "n": 1,
+    },
+    "grpo": {
+        "advantage": "grpo",
+        "normalize_std": True,
+        "policy_loss": "ppo",
+        "kl_mode": "loss",
+        "kl_estimator": "k3",
+        "kl_coef": 0.001,
+        "aggregation": "seq_mean_token_mean",
+        "n": 4,
+    },
+    "dr_grpo": {
+        "advantage": "dr_grpo",
+        "policy_loss": "ppo",
+        "kl_mode": "none",
+        "kl_coef": 0.0,
+        "aggregation": "constant_normalizer",
+        "n": 4,
+    },
+    "reinforce_pp": {
+        "advantage": "reinforce_plus_plus",
+        "policy_loss": "ppo",
+        "kl_mode": "reward",
+        "kl_estimator": "k2",
+        "kl_coef": 0.01,
+        "aggregation": "token_mean",
+        "n": 1,
+    },
+    "reinforce_pp_baseline": {
+        "advantage": "reinforce_plus_plus_baseline",
+        "policy_loss": "ppo",
+        "kl_mode": "loss",
+        "kl_estimator": "k3",
+        "kl_coef": 0.001,
+        "aggregation": "token_mean",
+        "n": 4,
+    },
+    "rloo": {
+        "advantage": "rloo",
+        "policy_loss": "ppo",
+        "kl_mode": "reward",
+        "kl_estimator": "k1",
+        "kl_coef": 0.01,
+        "aggregation": "token_mean",
+        "n": 4,
+    },
+    "gspo": {
+        "advantage": "grpo",
+        "policy_loss": "gspo",
+        "clip_eps_low": 3e-4,
+        "clip_eps_high": 4e-4,
+        "kl_mode": "none",
+        "kl_coef": 0.0,
+        "aggregation": "seq_mean_token_mean",
+        "n": 4,
+    },
+    "dapo": {
+        "advantage": "grpo",
+        "policy_loss": "ppo",
+        "clip_eps_low": 0.2,
+        "clip_eps_high": 0.28,
+        "kl_mode": "none",
+        "kl_coef": 0.0,
+        "aggregation": "token_mean",
+        "dynamic_sampling": True,
+        "overlong_buffer": 16,
+        "n": 4,
+    },
 }
 USES_CRITIC = {"ppo"}
 USES_REFERENCE = {"ppo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"}
@@ -183,18 +242,30 @@ def test_ray_cpu_slots_leave_out_roles_that_do_not_run(base, tmp_path):
 def test_ray_cpu_slots_when_colocated(base, tmp_path):
     base["engine"] = {"backend": "fsdp2"}  # several training ranks
     base["preset"] = "ppo"  # policy, reference and critic
-    base["placement"] = {"colocate": True, "policy_workers": 2, "reference_workers": 1, "critic_workers": 2,
-                         "cpus_per_worker": 0.5}
+    base["placement"] = {
+        "colocate": True,
+        "policy_workers": 2,
+        "reference_workers": 1,
+        "critic_workers": 2,
+        "cpus_per_worker": 0.5,
+    }
     base["rollout"].update(num_engines=2, num_cpus_per_engine=4.0)
     # 2 bundles (one per policy rank), each with room for one worker of 3 roles; engines live in the policy
     assert resolve(tmp_path, base).ray_cpus_needed == 2 * 3 * 0.5
 
 
-@pytest.mark.parametrize(("placement", "rollout", "fields"), [
-    ({"colocate": True, "policy_workers": 2}, {"num_engines": 3}, ["rollout.num_engines (3)", "policy_workers (2)"]),
-    ({"colocate": True}, {"engine": "vllm", "tensor_parallel_size": 2}, ["rollout.tensor_parallel_size"]),
-    ({"colocate": True, "reference_workers": 2}, {}, ["placement.reference_workers", "policy_workers (1)"]),
-])
+@pytest.mark.parametrize(
+    ("placement", "rollout", "fields"),
+    [
+        (
+            {"colocate": True, "policy_workers": 2},
+            {"num_engines": 3},
+            ["rollout.num_engines (3)", "policy_workers (2)"],
+        ),
+        ({"colocate": True}, {"engine": "vllm", "tensor_parallel_size": 2}, ["rollout.tensor_parallel_size"]),
+        ({"colocate": True, "reference_workers": 2}, {}, ["placement.reference_workers", "policy_workers (1)"]),
+    ],
+)
 def test_impossible_colocation_is_refused(base, tmp_path, placement, rollout, fields):
     base["engine"] = {"backend": "fsdp2"}
     base["placement"] = placement
@@ -209,12 +280,15 @@ def test_the_old_async_rollout_key_names_its_replacement(base, tmp_path):
     assert "train.async_rollout" in message and "rollout.max_staleness: 1" in message, message
 
 
-@pytest.mark.parametrize(("rollout", "extra", "fields"), [
-    ({"max_staleness": 1}, {"placement": {"colocate": True}}, ["rollout.max_staleness", "placement.colocate"]),
-    # Beyond one update the engine's log-probs are not trusted as the ratio's policy without a correction.
-    ({"max_staleness": 2}, {}, ["rollout.max_staleness 2", "algorithm.off_policy", "truncated_is"]),
-    ({"partial_rollouts": True}, {}, ["rollout.partial_rollouts", "rollout.max_staleness >= 1"]),
-])
+@pytest.mark.parametrize(
+    ("rollout", "extra", "fields"),
+    [
+        ({"max_staleness": 1}, {"placement": {"colocate": True}}, ["rollout.max_staleness", "placement.colocate"]),
+        # Beyond one update the engine's log-probs are not trusted as the ratio's policy without a correction.
+        ({"max_staleness": 2}, {}, ["rollout.max_staleness 2", "algorithm.off_policy", "truncated_is"]),
+        ({"partial_rollouts": True}, {}, ["rollout.partial_rollouts", "rollout.max_staleness >= 1"]),
+    ],
+)
 def test_impossible_asynchronous_settings_are_refused(base, tmp_path, rollout, extra, fields):
     base["rollout"].update(rollout)
     for section, values in extra.items():
@@ -280,7 +354,6 @@ def test_cli_prints_the_resolved_preset(base, tmp_path, capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["algorithm"]["advantage"] == "dr_grpo"
     assert printed["algorithm"]["aggregation"] == "constant_normalizer"
-
 
 
 @pytest.mark.parametrize("preset", sorted(EXPECTED_PRESETS))

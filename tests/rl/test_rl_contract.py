@@ -31,8 +31,10 @@ ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.75]
 
 def _samples() -> list:
     rng = random.Random(0)
-    return [make_sample([rng.randrange(10, 500) for _ in range(p)], [rng.randrange(10, 500) for _ in range(r)])
-            for p, r in LENGTHS]
+    return [
+        make_sample([rng.randrange(10, 500) for _ in range(p)], [rng.randrange(10, 500) for _ in range(r)])
+        for p, r in LENGTHS
+    ]
 
 
 def _config_data(model_dir, prompt_file, tmp_path, preset: str = "grpo", **algorithm) -> dict:
@@ -52,20 +54,30 @@ def test_a_per_token_tensor_of_the_wrong_shape_is_an_error_naming_the_field():
         pack_samples(samples, {"advantages": torch.zeros(3, 3)})  # three rows for two samples
     mask = torch.ones(2, 3)
     with pytest.raises(ValueError, match="Experience.values"):
-        Experience(mask, torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long),
-                   "this_policy", values=torch.zeros(2, 4))
+        Experience(
+            mask,
+            torch.zeros(2, 3),
+            torch.zeros(2, 3),
+            torch.zeros(2, 3),
+            torch.zeros(2, 3, dtype=torch.long),
+            "this_policy",
+            values=torch.zeros(2, 4),
+        )
     with pytest.raises(ValueError, match="old_logprobs"):  # the behaviour names a field that is not there
         pack_samples(samples, {"advantages": torch.zeros(2, 3)}, behaviour="trainer_recomputed")
 
 
-@pytest.mark.parametrize(("overrides", "expected"), [
-    ({}, "this_policy"),
-    ({"train.ppo_epochs": 2}, "trainer_recomputed"),
-    ({"train.mini_batches": 2}, "trainer_recomputed"),
-    ({"algorithm.off_policy": "truncated_is"}, "trainer_recomputed"),
-    ({"rollout.max_staleness": 1}, "engine"),  # asynchronous: the weights that sampled are gone
-    ({"rollout.max_staleness": 2, "algorithm.off_policy": "truncated_is"}, "trainer_recomputed"),  # decoupled PPO
-])
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({}, "this_policy"),
+        ({"train.ppo_epochs": 2}, "trainer_recomputed"),
+        ({"train.mini_batches": 2}, "trainer_recomputed"),
+        ({"algorithm.off_policy": "truncated_is"}, "trainer_recomputed"),
+        ({"rollout.max_staleness": 1}, "engine"),  # asynchronous: the weights that sampled are gone
+        ({"rollout.max_staleness": 2, "algorithm.off_policy": "truncated_is"}, "trainer_recomputed"),  # decoupled PPO
+    ],
+)
 def test_behaviour_is_fixed_by_the_config(rl_model_dir, prompt_file, tmp_path, overrides, expected):
     cfg = resolve(tmp_path, _config_data(rl_model_dir, prompt_file, tmp_path), overrides)
     assert behaviour_for(cfg) == expected
@@ -88,8 +100,9 @@ def test_on_policy_and_async_experience_carry_no_recomputed_logprobs(rl_model_di
 
 def test_a_micro_batch_moves_to_a_device_whole():
     samples = [make_sample([1, 2], [3, 4, 5]), make_sample([6], [7])]
-    batch = pack_samples(samples, {"advantages": torch.ones(2, 4), "rollout_logprobs": torch.zeros(2, 4)},
-                         behaviour="engine").to("meta")
+    batch = pack_samples(
+        samples, {"advantages": torch.ones(2, 4), "rollout_logprobs": torch.zeros(2, 4)}, behaviour="engine"
+    ).to("meta")
     assert batch.behaviour == "engine" and batch.advantages.shape == (2, 3)  # cut to the micro-batch's width
     assert all(t.device.type == "meta" for t in (batch.input_ids, batch.mask, batch.advantages))
 
@@ -99,8 +112,10 @@ def test_a_micro_batch_moves_to_a_device_whole():
 
 def test_metrics_combine_as_they_say():
     # Token means of 2 and 6 tokens: (0.5 * 2 + 0.1 * 6) / 8 = 0.2; maxima the largest; shares add.
-    parts = [{"clip": Metric(0.5, "mean", 2), "ratio_max": Metric(1.5, "max"), "loss": Metric(0.25, "sum")},
-             {"clip": Metric(0.1, "mean", 6), "ratio_max": Metric(1.2, "max"), "loss": Metric(0.5, "sum")}]
+    parts = [
+        {"clip": Metric(0.5, "mean", 2), "ratio_max": Metric(1.5, "max"), "loss": Metric(0.25, "sum")},
+        {"clip": Metric(0.1, "mean", 6), "ratio_max": Metric(1.2, "max"), "loss": Metric(0.5, "sum")},
+    ]
     one = combine(parts)
     assert one["clip"] == Metric(pytest.approx(0.2), "mean", 8)
     assert one["ratio_max"].value == 1.5 and one["loss"].value == 0.75
@@ -119,8 +134,10 @@ def _perturbed_logprobs(model, samples) -> list[list[float]]:
     """The model's own log-probs shifted by up to +-0.3, so ratios reach past the clip range 1 +- 0.2."""
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        return [(lp + (torch.rand(lp.shape, generator=generator) - 0.5) * 0.6).tolist()
-                for lp in (response_logprobs(model, s.prompt_ids, s.response_ids) for s in samples)]
+        return [
+            (lp + (torch.rand(lp.shape, generator=generator) - 0.5) * 0.6).tolist()
+            for lp in (response_logprobs(model, s.prompt_ids, s.response_ids) for s in samples)
+        ]
 
 
 def _reference_policy_loss(model_dir, samples, old) -> float:
@@ -137,17 +154,22 @@ def _reference_policy_loss(model_dir, samples, old) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("micro_batch_tokens", "workers", "micro_batches"), [
-    pytest.param(24, 1, 4, id="4-micro-batches"),
-    pytest.param(4096, 1, 1, id="1-micro-batch"),
-    pytest.param(24, 2, 2, id="2-ranks-2-micro-batches"),
-])
+@pytest.mark.parametrize(
+    ("micro_batch_tokens", "workers", "micro_batches"),
+    [
+        pytest.param(24, 1, 4, id="4-micro-batches"),
+        pytest.param(4096, 1, 1, id="1-micro-batch"),
+        pytest.param(24, 2, 2, id="2-ranks-2-micro-batches"),
+    ],
+)
 def test_logged_losses_are_the_whole_batch_losses_whatever_the_micro_batches(
-        micro_batch_tokens, workers, micro_batches, ray_session, rl_model_dir, prompt_file, tmp_path):
+    micro_batch_tokens, workers, micro_batches, ray_session, rl_model_dir, prompt_file, tmp_path
+):
     """One update of a PPO policy and critic through the controller's ``update``, on a hand-made
     experience whose behaviour log-probs differ from the policy's (the ratio is not 1)."""
-    data = _config_data(rl_model_dir, prompt_file, tmp_path, "ppo", aggregation="token_mean", clip_eps_low=CLIP,
-                        value_clip=0.2)
+    data = _config_data(
+        rl_model_dir, prompt_file, tmp_path, "ppo", aggregation="token_mean", clip_eps_low=CLIP, value_clip=0.2
+    )
     data["train"].update(prompts_per_step=8, micro_batch_tokens=micro_batch_tokens)
     data["placement"] = {"policy_workers": workers, "critic_workers": workers}
     data["engine"] = {"backend": "fsdp2" if workers > 1 else "local", "dist_timeout_s": 120}
@@ -165,8 +187,16 @@ def test_logged_losses_are_the_whole_batch_losses_whatever_the_micro_batches(
         delta = torch.linspace(-1.0, 1.0, mask.numel()).reshape(mask.shape) * mask
         advantages = torch.tensor(ADVANTAGES).unsqueeze(-1) * mask
         versions = torch.zeros_like(mask, dtype=torch.long)
-        exp = Experience(mask, advantages, values + delta, response_tensor(old), versions, "trainer_recomputed",
-                         old_logprobs=response_tensor(old), values=values)
+        exp = Experience(
+            mask,
+            advantages,
+            values + delta,
+            response_tensor(old),
+            versions,
+            "trainer_recomputed",
+            old_logprobs=response_tensor(old),
+            values=values,
+        )
         shards = trainer._shard(samples, list(range(8)), exp, workers)
         assert [len(rank) for rank in shards] == [micro_batches] * workers
         metrics = trainer.update(samples, exp)
@@ -180,8 +210,9 @@ def test_logged_losses_are_the_whole_batch_losses_whatever_the_micro_batches(
 
 
 @pytest.mark.slow
-def test_engine_behaviour_takes_the_ratio_against_the_rollout_logprobs(ray_session, rl_model_dir, prompt_file,
-                                                                       tmp_path):
+def test_engine_behaviour_takes_the_ratio_against_the_rollout_logprobs(
+    ray_session, rl_model_dir, prompt_file, tmp_path
+):
     """rollout = logp - d_t, old = logp: the ratio is exp(d_t) from the engine's log-probs (1 from old's)."""
     data = _config_data(rl_model_dir, prompt_file, tmp_path, aggregation="token_mean")
     group = WorkerGroup("policy", resolve(tmp_path, data).model_dump(mode="json"), 1, 1, None, env=ENV)
@@ -221,13 +252,24 @@ def test_an_update_with_a_non_finite_loss_is_skipped_on_every_rank(ray_session, 
         mask = response_tensor([[1.0] * len(s.response_ids) for s in samples])
         advantages = torch.tensor(ADVANTAGES).unsqueeze(-1) * mask
         advantages[5, 0] = float("nan")
-        exp = Experience(mask, advantages, advantages.clone(), before, torch.zeros_like(mask, dtype=torch.long),
-                         "trainer_recomputed", old_logprobs=before)
+        exp = Experience(
+            mask,
+            advantages,
+            advantages.clone(),
+            before,
+            torch.zeros_like(mask, dtype=torch.long),
+            "trainer_recomputed",
+            old_logprobs=before,
+        )
         metrics = trainer.update(samples, exp)
         after = trainer._forward_all("policy", "compute_logprobs", samples)
         advantages[5, 0] = -2.0
-        finite = trainer.update(samples, Experience(mask, advantages, advantages.clone(), before, exp.versions,
-                                                    "trainer_recomputed", old_logprobs=before))
+        finite = trainer.update(
+            samples,
+            Experience(
+                mask, advantages, advantages.clone(), before, exp.versions, "trainer_recomputed", old_logprobs=before
+            ),
+        )
         moved = trainer._forward_all("policy", "compute_logprobs", samples)
     finally:
         trainer.groups["policy"].kill()

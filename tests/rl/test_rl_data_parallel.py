@@ -39,8 +39,9 @@ MAX_TOKENS = 24  # micro-batch budget: 2-3 micro-batches per rank
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 BACKENDS = [
     pytest.param("fsdp2", 2, id="fsdp2"),
-    pytest.param("deepspeed", 2, id="zero2",
-                 marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")),
+    pytest.param(
+        "deepspeed", 2, id="zero2", marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
+    ),
 ]
 
 
@@ -48,8 +49,10 @@ def _samples() -> list:
     """Eight samples; the first four (rank 0 of two) hold more response tokens than the last four."""
     rng = random.Random(0)
     lengths = [(3, 9), (5, 7), (2, 8), (4, 6), (6, 2), (3, 3), (5, 4), (2, 1)]
-    return [make_sample([rng.randrange(10, 500) for _ in range(p)], [rng.randrange(10, 500) for _ in range(r)])
-            for p, r in lengths]
+    return [
+        make_sample([rng.randrange(10, 500) for _ in range(p)], [rng.randrange(10, 500) for _ in range(r)])
+        for p, r in lengths
+    ]
 
 
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.75]
@@ -103,22 +106,31 @@ def _max_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize(("backend", "zero_stage"), BACKENDS)
-def test_two_workers_make_the_same_first_update_as_one(backend, zero_stage, ray_session, rl_model_dir,
-                                                       prompt_file, tmp_path):
+def test_two_workers_make_the_same_first_update_as_one(
+    backend, zero_stage, ray_session, rl_model_dir, prompt_file, tmp_path
+):
     samples = _samples()
     old = _old_logprobs(fp32_model(rl_model_dir), samples)
-    per_token = {"old_logprobs": response_tensor(old),
-                 "advantages": response_tensor([[a] * len(s.response_ids) for a, s in zip(ADVANTAGES, samples)])}
+    per_token = {
+        "old_logprobs": response_tensor(old),
+        "advantages": response_tensor([[a] * len(s.response_ids) for a, s in zip(ADVANTAGES, samples)]),
+    }
     expected, expected_norm = _reference_update(rl_model_dir, samples, old)
     initial = state_dict_of(rl_model_dir)
     assert _max_gap(expected, initial) > 1e-4  # the step is large enough for the comparison to mean something
 
     results = {}
     for workers in (1, 2):
-        cfg = worker_config(rl_model_dir, prompt_file, tmp_path / f"run{workers}" / "run", backend, workers,
-                            zero_stage=zero_stage,
-                            optim={"lr": LR, "eps": ADAM_EPS, "max_grad_norm": 0.0, "scheduler": "constant"},
-                            algorithm={"aggregation": "token_mean", "clip_eps_low": CLIP})
+        cfg = worker_config(
+            rl_model_dir,
+            prompt_file,
+            tmp_path / f"run{workers}" / "run",
+            backend,
+            workers,
+            zero_stage=zero_stage,
+            optim={"lr": LR, "eps": ADAM_EPS, "max_grad_norm": 0.0, "scheduler": "constant"},
+            algorithm={"aggregation": "token_mean", "clip_eps_low": CLIP},
+        )
         results[workers] = _train_and_export(cfg, workers, samples, per_token, tmp_path / f"export{workers}")
 
     (one, one_stats), (two, two_stats) = results[1], results[2]

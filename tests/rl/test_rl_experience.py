@@ -56,7 +56,7 @@ def test_packed_forward_equals_unpacked_forward(rl_model_dir, row_tokens):
         for i, s in enumerate(samples):
             expected = response_logprobs(model, s.prompt_ids, s.response_ids)
             torch.testing.assert_close(got[i, : len(s.response_ids)], expected, atol=1e-5, rtol=0)
-            assert got[i, len(s.response_ids):].abs().sum() == 0
+            assert got[i, len(s.response_ids) :].abs().sum() == 0
 
 
 def test_logits_at_response_positions_only_give_the_same_logprobs_and_entropies(rl_model_dir):
@@ -70,11 +70,17 @@ def test_logits_at_response_positions_only_give_the_same_logprobs_and_entropies(
         samples.append(make_sample(ids[:prompt_len], ids[prompt_len:]))
     batch = pack_samples(samples)
     with torch.no_grad():
-        lp, entropy = selected_token_logprobs(model, batch.input_ids, batch.resp_index,
-                                              position_ids=batch.position_ids, temperature=0.7, with_entropy=True)
+        lp, entropy = selected_token_logprobs(
+            model,
+            batch.input_ids,
+            batch.resp_index,
+            position_ids=batch.position_ids,
+            temperature=0.7,
+            with_entropy=True,
+        )
         for i, s in enumerate(samples):
             logits = model(torch.tensor([s.prompt_ids + s.response_ids])).logits[0].float() / 0.7
-            rows = torch.log_softmax(logits[len(s.prompt_ids) - 1: -1], dim=-1)
+            rows = torch.log_softmax(logits[len(s.prompt_ids) - 1 : -1], dim=-1)
             expected_lp = rows.gather(-1, torch.tensor(s.response_ids).unsqueeze(-1)).squeeze(-1)
             expected_entropy = -(rows.exp() * rows).sum(-1)
             n = len(s.response_ids)

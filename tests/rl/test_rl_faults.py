@@ -16,7 +16,6 @@ import torch
 
 from raylign.cluster import ActorDied
 from raylign.rl.trainer import RLTrainer
-
 from raylign.trainers.metrics import read_metrics
 
 from .rl_helpers import resolve, rl_config_data, state_dict_of
@@ -56,8 +55,9 @@ class EngineKiller(RLTrainer):
         return metrics
 
 
-def test_dead_engines_are_replaced_and_the_run_ends_as_an_uninterrupted_one(ray_session, rl_model_dir, prompt_file,
-                                                                            tmp_path):
+def test_dead_engines_are_replaced_and_the_run_ends_as_an_uninterrupted_one(
+    ray_session, rl_model_dir, prompt_file, tmp_path
+):
     RLTrainer(resolve(tmp_path, _two_engine_config(rl_model_dir, prompt_file, tmp_path / "straight"))).run()
     EngineKiller(resolve(tmp_path, _two_engine_config(rl_model_dir, prompt_file, tmp_path / "killed"))).run()
 

@@ -21,7 +21,7 @@ from .rl_helpers import rl_config_data, write_yaml
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, sys
     import ray
     from raylign.config.base import resolve_config
@@ -44,18 +44,24 @@ SCRIPT = textwrap.dedent('''
 
         start_ray(num_cpus=8, num_gpus=int(gpus))
         print("RESULT " + json.dumps([placement(p) for p in paths]))
-''')
+""")
 
 
 def _placements(tmp_path: Path, gpus: int, configs: list[dict]) -> list[dict]:
     script = tmp_path / "placement.py"
     script.write_text(SCRIPT)
     paths = [str(write_yaml(tmp_path / f"run{i}.yaml", c)) for i, c in enumerate(configs)]
-    out = subprocess.run([sys.executable, str(script), str(gpus), *paths], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, str(script), str(gpus), *paths],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _config(model_dir, prompt_file, out: Path, placement: dict) -> dict:
@@ -66,22 +72,34 @@ def _config(model_dir, prompt_file, out: Path, placement: dict) -> dict:
 
 
 def test_colocated_ranks_share_one_gpu_per_policy_rank(rl_model_dir, prompt_file, tmp_path):
-    (info,) = _placements(tmp_path, 2, [
-        _config(rl_model_dir, prompt_file, tmp_path / "a", {"colocate": True, "policy_workers": 2,
-                                                            "reference_workers": 2})])
+    (info,) = _placements(
+        tmp_path,
+        2,
+        [
+            _config(
+                rl_model_dir,
+                prompt_file,
+                tmp_path / "a",
+                {"colocate": True, "policy_workers": 2, "reference_workers": 2},
+            )
+        ],
+    )
     policy, reference = ([w["gpus"] for w in info[role]] for role in ("policy", "reference"))
     assert all(len(g) == 1 for g in policy + reference)
     assert policy[0] != policy[1]  # data-parallel ranks on different GPUs
     assert reference == policy  # rank r of the reference beside policy rank r (and its engine)
 
 
-def test_separate_placement_gives_each_worker_its_own_gpu_or_fails_before_starting(rl_model_dir, prompt_file,
-                                                                                   tmp_path):
-    fits, too_big = _placements(tmp_path, 3, [
-        # 1 policy + 1 reference + 1 engine = 3 GPUs; then 4 + 1 + 1 = 6 > 3
-        _config(rl_model_dir, prompt_file, tmp_path / "a", {"policy_workers": 1}),
-        _config(rl_model_dir, prompt_file, tmp_path / "b", {"policy_workers": 4}),
-    ])
+def test_separate_placement_gives_each_worker_its_own_gpu_or_fails_before_starting(rl_model_dir, prompt_file, tmp_path):
+    fits, too_big = _placements(
+        tmp_path,
+        3,
+        [
+            # 1 policy + 1 reference + 1 engine = 3 GPUs; then 4 + 1 + 1 = 6 > 3
+            _config(rl_model_dir, prompt_file, tmp_path / "a", {"policy_workers": 1}),
+            _config(rl_model_dir, prompt_file, tmp_path / "b", {"policy_workers": 4}),
+        ],
+    )
     assert "error" not in fits, fits
     gpus = [w["gpus"] for role in ("policy", "reference") for w in fits[role]]
     assert [len(g) for g in gpus] == [1, 1] and gpus[0] != gpus[1]

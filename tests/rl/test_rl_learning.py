@@ -41,15 +41,25 @@ def warm_model_and_prompts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl_learning")
     rows = make_string_rows("reverse", 2200, seed=0, alphabet="abcdefgh", min_len=3, max_len=4)
     write_jsonl(tmp / "sft.jsonl", rows[:2000])
-    prompts = write_jsonl(tmp / "prompts.jsonl", [{"prompt": r["prompt"], "label": r["completion"]} for r in rows[2000:]])
+    prompts = write_jsonl(
+        tmp / "prompts.jsonl", [{"prompt": r["prompt"], "label": r["completion"]} for r in rows[2000:]]
+    )
     base = build_tiny_model(tmp / "base", hidden_size=64, num_heads=4, num_kv_heads=2)
-    sft = parse_config(SFTConfig, {
-        "model": {"path": str(base), "dtype": "float32"},
-        "data": {"train": [str(tmp / "sft.jsonl")], "max_length": 64, "min_response_tokens": 8},
-        "optim": {"lr": 3e-3, "warmup_steps": 5},
-        "train": {"output_dir": str(tmp / "sft"), "max_steps": 150, "global_batch_size": 32, "micro_batch_size": 32,
-                  "logging": {"progress_bar": False}},
-    })
+    sft = parse_config(
+        SFTConfig,
+        {
+            "model": {"path": str(base), "dtype": "float32"},
+            "data": {"train": [str(tmp / "sft.jsonl")], "max_length": 64, "min_response_tokens": 8},
+            "optim": {"lr": 3e-3, "warmup_steps": 5},
+            "train": {
+                "output_dir": str(tmp / "sft"),
+                "max_steps": 150,
+                "global_batch_size": 32,
+                "micro_batch_size": 32,
+                "logging": {"progress_bar": False},
+            },
+        },
+    )
     SFTTrainer(sft).run()
     return tmp / "sft" / "final", prompts
 
@@ -70,25 +80,46 @@ def reward_func(prompts, responses, labels, **metadata):
 """
 
 
-def run_rl(preset: str, model: Path, prompts: Path, out: Path, prompts_per_step: int, n: int,
-           max_staleness: int = 0, off_policy: str = "none", reward_file: Path = REWARD_FILE,
-           reproducible: bool = False) -> list[float]:
+def run_rl(
+    preset: str,
+    model: Path,
+    prompts: Path,
+    out: Path,
+    prompts_per_step: int,
+    n: int,
+    max_staleness: int = 0,
+    off_policy: str = "none",
+    reward_file: Path = REWARD_FILE,
+    reproducible: bool = False,
+) -> list[float]:
     defaults = RLConfig.preset_defaults({"preset": preset})
     defaults["algorithm"] = {**defaults.get("algorithm", {}), "off_policy": off_policy}
-    cfg = parse_config(RLConfig, {
-        **defaults,
-        "preset": preset,
-        "model": {"path": str(model), "dtype": "float32"},
-        "reward": {"sources": [{"kind": "function", "path": str(reward_file)}]},
-        "rollout": {"engine": "hf", "dtype": "float32", "max_staleness": max_staleness,
-                    "reproducible": reproducible},
-        "sampling": {"n": n, "max_new_tokens": 10, "temperature": 1.0},
-        "data": {"train": [str(prompts)]},
-        "optim": {"lr": 1e-3, "scheduler": "constant"},
-        "critic": {"optim": {"lr": 1e-3, "scheduler": "constant"}},
-        "train": {"output_dir": str(out), "max_steps": 40, "prompts_per_step": prompts_per_step, "export": False,
-                  "logging": {"progress_bar": False, "tensorboard": False}},
-    })
+    cfg = parse_config(
+        RLConfig,
+        {
+            **defaults,
+            "preset": preset,
+            "model": {"path": str(model), "dtype": "float32"},
+            "reward": {"sources": [{"kind": "function", "path": str(reward_file)}]},
+            "rollout": {
+                "engine": "hf",
+                "dtype": "float32",
+                "max_staleness": max_staleness,
+                "reproducible": reproducible,
+            },
+            "sampling": {"n": n, "max_new_tokens": 10, "temperature": 1.0},
+            "data": {"train": [str(prompts)]},
+            "optim": {"lr": 1e-3, "scheduler": "constant"},
+            "critic": {"optim": {"lr": 1e-3, "scheduler": "constant"}},
+            "train": {
+                "output_dir": str(out),
+                "max_steps": 40,
+                "prompts_per_step": prompts_per_step,
+                "export": False,
+                "logging": {"progress_bar": False, "tensorboard": False},
+            },
+        },
+    )
     RLTrainer(cfg).run()
     return [r["reward/mean"] for r in read_metrics(out) if "reward/mean" in r]
 
@@ -103,8 +134,7 @@ def test_grpo_raises_the_reward_through_a_reward_worker_that_dies(warm_model_and
     model, prompts = warm_model_and_prompts
     reward_file = tmp_path / "dies_once.py"
     reward_file.write_text(DIES_ONCE)
-    assert_learned(run_rl("grpo", model, prompts, tmp_path / "grpo", prompts_per_step=32, n=8,
-                          reward_file=reward_file))
+    assert_learned(run_rl("grpo", model, prompts, tmp_path / "grpo", prompts_per_step=32, n=8, reward_file=reward_file))
     restarts = [r["reward/worker_restarts"] for r in read_metrics(tmp_path / "grpo") if "reward/mean" in r]
     assert restarts[0] == 1 and restarts[-1] == 1
 
@@ -120,8 +150,17 @@ def test_async_grpo_raises_the_reward(warm_model_and_prompts, tmp_path, ray_sess
     behaviour (engine) weights truncated. In reproducible mode, so that how old each group is
     does not depend on how busy the machine is: every run of this test is the same run."""
     model, prompts = warm_model_and_prompts
-    rewards = run_rl("grpo", model, prompts, tmp_path / "grpo_async", prompts_per_step=32, n=8, max_staleness=2,
-                     off_policy="truncated_is", reproducible=True)
+    rewards = run_rl(
+        "grpo",
+        model,
+        prompts,
+        tmp_path / "grpo_async",
+        prompts_per_step=32,
+        n=8,
+        max_staleness=2,
+        off_policy="truncated_is",
+        reproducible=True,
+    )
     assert_learned(rewards)
     lags = [r["staleness/token_lag_max"] for r in read_metrics(tmp_path / "grpo_async") if "reward/mean" in r]
     assert max(lags) <= 2 and lags[0] == 0

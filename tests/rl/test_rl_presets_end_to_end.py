@@ -71,15 +71,21 @@ def runs(request, ray_session, rl_model_dir, prompt_file, tmp_path_factory) -> P
     checkpoints = _checkpoint_names(out)
     rerun = ResumeRecordingTrainer(resolve(tmp, set_dotted(data, "train.max_steps", 3)))
     rerun.run()
-    return PresetRuns(preset, out, rl_model_dir, first, read_metrics(out)[len(first):], checkpoints,
-                      rerun.resumed_at)
+    return PresetRuns(preset, out, rl_model_dir, first, read_metrics(out)[len(first) :], checkpoints, rerun.resumed_at)
 
 
 def test_each_step_logs_finite_training_metrics(runs):
     assert [r["step"] for r in runs.first_records] == [1, 2]
     kl_key = "kl/reference" if runs.preset in USES_REFERENCE else "policy/approx_kl"
-    wanted = ["reward/mean", kl_key, "policy/entropy", "policy/clip_fraction", "policy/grad_norm",
-              "time/step_s", *TIMING_PARTS]
+    wanted = [
+        "reward/mean",
+        kl_key,
+        "policy/entropy",
+        "policy/clip_fraction",
+        "policy/grad_norm",
+        "time/step_s",
+        *TIMING_PARTS,
+    ]
     if runs.preset == "ppo":
         wanted += ["critic/value_loss", "critic/grad_norm"]
     for record in runs.first_records + runs.second_records:
@@ -148,9 +154,17 @@ def test_resumed_run_repeats_the_step_an_uninterrupted_run_takes(ray_session, rl
     resumed_samples, resumed = _step_records(tmp_path / "resumed", 3)
     straight_samples, uninterrupted = _step_records(tmp_path / "straight", 3)
     assert len(resumed_samples) == 16
-    assert [(s["prompt"], s["response"], s["reward"]) for s in resumed_samples] == \
-        [(s["prompt"], s["response"], s["reward"]) for s in straight_samples]
+    assert [(s["prompt"], s["response"], s["reward"]) for s in resumed_samples] == [
+        (s["prompt"], s["response"], s["reward"]) for s in straight_samples
+    ]
     assert resumed["reward/running_mean"] != 0.0 and resumed["reward/length_penalty"] < 0.0
-    for key in ("reward/mean", "reward/running_mean", "reward/running_std", "policy/policy_loss",
-                "policy/grad_norm", "kl/reference", "policy/lr"):
+    for key in (
+        "reward/mean",
+        "reward/running_mean",
+        "reward/running_std",
+        "policy/policy_loss",
+        "policy/grad_norm",
+        "kl/reference",
+        "policy/lr",
+    ):
         assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-5, abs=1e-7), key

@@ -65,12 +65,22 @@ def test_running_normalisation_uses_every_reward_seen_and_survives_a_checkpoint(
 
 
 def test_normalisation_then_penalties_then_clipping(config):
-    cfg = config(normalize_rewards=True, length_penalty="linear", length_penalty_coef=1.0,
-                 overlong_buffer=4, overlong_penalty=1.0, reward_clip=1.0)
+    cfg = config(
+        normalize_rewards=True,
+        length_penalty="linear",
+        length_penalty_coef=1.0,
+        overlong_buffer=4,
+        overlong_penalty=1.0,
+        reward_clip=1.0,
+    )
     rewards, metrics = RewardShaping(cfg)(torch.tensor([0.0, 2.0, 0.0, 2.0]), torch.tensor([0, 0, 1, 8]))
     # Normalised: -1, 1, -1, 1. Linear: 0, 0, -1, -8. Overlong (max 10, buffer 4: free up to 6): 0, 0, 0,
     # -2/4. Then clipped to [-1, 1].
     assert rewards.tolist() == pytest.approx([-1.0, 1.0, -1.0, -1.0])
     assert metrics["reward/overlong_penalty"] == pytest.approx(-0.5 / 4)
-    assert set(metrics) == {"reward/running_mean", "reward/running_std", "reward/length_penalty",
-                            "reward/overlong_penalty"}
+    assert set(metrics) == {
+        "reward/running_mean",
+        "reward/running_std",
+        "reward/length_penalty",
+        "reward/overlong_penalty",
+    }

@@ -49,12 +49,16 @@ def _engine_pids() -> list[int]:
     """The processes of the engine actors alive in this session's Ray (the killed run joined it)."""
     import ray
 
-    return sorted(info["Pid"] for info in ray._private.state.actors().values()
-                  if info["ActorClassName"] == "HFEngine" and info["State"] == "ALIVE")
+    return sorted(
+        info["Pid"]
+        for info in ray._private.state.actors().values()
+        if info["ActorClassName"] == "HFEngine" and info["State"] == "ALIVE"
+    )
 
 
-def test_a_run_killed_again_and_again_ends_with_the_weights_of_an_uninterrupted_one(ray_session, rl_model_dir,
-                                                                                   prompt_file, tmp_path):
+def test_a_run_killed_again_and_again_ends_with_the_weights_of_an_uninterrupted_one(
+    ray_session, rl_model_dir, prompt_file, tmp_path
+):
     started = time.monotonic()
     RLTrainer(resolve(tmp_path, _config(rl_model_dir, prompt_file, tmp_path / "straight"))).run()
     straight_s = time.monotonic() - started
@@ -67,8 +71,12 @@ def test_a_run_killed_again_and_again_ends_with_the_weights_of_an_uninterrupted_
     kills = {"driver": 0, "engine": 0}
     deadline = time.monotonic() + 20 * straight_s + 600
     while not (out / "final").exists():
-        proc = subprocess.Popen([sys.executable, "-m", "raylign.cli.main", "rl", "--config", str(spec)],
-                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "raylign.cli.main", "rl", "--config", str(spec)],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         try:
             while proc.poll() is None:
                 # The next kill: some steps past where this run started, the driver or one engine.
@@ -98,5 +106,8 @@ def test_a_run_killed_again_and_again_ends_with_the_weights_of_an_uninterrupted_
     expected, got = state_dict_of(tmp_path / "straight" / "final"), state_dict_of(out / "final")
     for name, tensor in expected.items():
         assert torch.allclose(tensor, got[name], atol=1e-6), name
-    print(f"soak: {STEPS} steps, {kills['driver']} driver kills and {kills['engine']} engine kills survived, "
-          f"same final weights; uninterrupted run {straight_s:.0f} s, killed run {time.monotonic() - started - straight_s:.0f} s")
+    killed_s = time.monotonic() - started - straight_s
+    print(
+        f"soak: {STEPS} steps, {kills['driver']} driver kills and {kills['engine']} engine kills survived, "
+        f"same final weights; uninterrupted run {straight_s:.0f} s, killed run {killed_s:.0f} s"
+    )

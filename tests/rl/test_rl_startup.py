@@ -4,7 +4,6 @@ that names them, within the configured time."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
@@ -64,14 +63,16 @@ def test_engine_whose_model_cannot_load_fails_naming_the_engine(ray_session, tmp
     (broken / "config.json").write_text("{not json")
     start = time.monotonic()
     with pytest.raises(StartupError, match=r"rollout engine 0 \(hf, model .*broken-model\) failed to start"):
-        launch_engines(broken, RolloutConfig(engine="hf", dtype="float32", num_cpus_per_engine=0),
-                       startup_timeout_s=120)
+        launch_engines(
+            broken, RolloutConfig(engine="hf", dtype="float32", num_cpus_per_engine=0), startup_timeout_s=120
+        )
     assert time.monotonic() - start < 120
 
 
 @pytest.mark.slow
-def test_run_with_a_reward_file_that_raises_at_import_stops_naming_the_file(ray_session, rl_model_dir, prompt_file,
-                                                                            tmp_path):
+def test_run_with_a_reward_file_that_raises_at_import_stops_naming_the_file(
+    ray_session, rl_model_dir, prompt_file, tmp_path
+):
     reward_file = tmp_path / "bad_reward.py"
     reward_file.write_text("raise RuntimeError('broken on purpose')\n\ndef reward_func(*a, **k):\n    return []\n")
     data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "run")
@@ -85,8 +86,9 @@ def test_run_with_a_reward_file_that_raises_at_import_stops_naming_the_file(ray_
     assert str(reward_file) in str(err.value) and "broken on purpose" in str(err.value)
 
 
-def test_run_whose_policy_worker_cannot_load_its_model_names_the_worker(ray_session, rl_model_dir, prompt_file,
-                                                                        tmp_path):
+def test_run_whose_policy_worker_cannot_load_its_model_names_the_worker(
+    ray_session, rl_model_dir, prompt_file, tmp_path
+):
     """The controller reads the tokenizer; the worker then fails to load the weights."""
     import shutil
 
@@ -94,7 +96,8 @@ def test_run_whose_policy_worker_cannot_load_its_model_names_the_worker(ray_sess
     shutil.copytree(rl_model_dir, model)
     for weights in model.glob("*.safetensors"):
         weights.unlink()
-    cfg = resolve(tmp_path, {**rl_config_data(model, prompt_file, tmp_path / "run"),
-                             "placement": {"startup_timeout_s": 120}})
+    cfg = resolve(
+        tmp_path, {**rl_config_data(model, prompt_file, tmp_path / "run"), "placement": {"startup_timeout_s": 120}}
+    )
     with pytest.raises(StartupError, match=r"policy worker rank 0 failed to start: .*"):
         RLTrainer(cfg).run()

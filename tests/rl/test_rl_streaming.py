@@ -57,9 +57,17 @@ def _prompts(n: int = 8) -> list[Prompt]:
 
 
 def _feed(engines, max_staleness: int, stale: str = "drop", max_new_tokens: int = 6) -> RolloutFeed:
-    return RolloutFeed(GroupStream(RolloutPool(engines), timeout_s=120), _prompts(), itertools.cycle(range(8)),
-                       SamplingConfig(n=2, temperature=1.0, max_new_tokens=max_new_tokens, seed=11), PER_STEP,
-                       max_staleness, stale, RLTrainer._group_samples, score=lambda samples: None)
+    return RolloutFeed(
+        GroupStream(RolloutPool(engines), timeout_s=120),
+        _prompts(),
+        itertools.cycle(range(8)),
+        SamplingConfig(n=2, temperature=1.0, max_new_tokens=max_new_tokens, seed=11),
+        PER_STEP,
+        max_staleness,
+        stale,
+        RLTrainer._group_samples,
+        score=lambda samples: None,
+    )
 
 
 def _run_steps(feed: RolloutFeed, engines, steps: int, weights, start_version: int = 0, partial: bool = False):
@@ -82,8 +90,9 @@ def weights(rl_model_dir):
 
 @pytest.fixture(scope="module")
 def hf_engines(ray_session, rl_model_dir):
-    engines = launch_engines(rl_model_dir, RolloutConfig(engine="hf", dtype="float32", num_engines=2,
-                                                         num_cpus_per_engine=0), env_vars=ENV)
+    engines = launch_engines(
+        rl_model_dir, RolloutConfig(engine="hf", dtype="float32", num_engines=2, num_cpus_per_engine=0), env_vars=ENV
+    )
     yield engines
     stop_engines(engines)
 
@@ -130,6 +139,7 @@ def test_a_group_past_the_bound_is_dropped_or_generated_again(ray_session, rl_mo
 
 # ---- vLLM's asynchronous engine: partial rollouts ----------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def vllm_engine(ray_session, rl_model_dir):
     if not HAS_VLLM:
@@ -144,8 +154,14 @@ def vllm_engine(ray_session, rl_model_dir):
 @pytest.mark.parametrize("max_staleness", [1, 2, 4])
 def test_no_admitted_token_is_older_than_the_bound_vllm(vllm_engine, weights, max_staleness, partial):
     start = ray.get(vllm_engine.weight_version_now.remote())
-    taken = _run_steps(_feed([vllm_engine], max_staleness, max_new_tokens=40), [vllm_engine], 5, weights,
-                       start_version=start, partial=partial)
+    taken = _run_steps(
+        _feed([vllm_engine], max_staleness, max_new_tokens=40),
+        [vllm_engine],
+        5,
+        weights,
+        start_version=start,
+        partial=partial,
+    )
     for version, step in taken:
         assert len(step.groups) == PER_STEP
         assert all(version - v <= max_staleness for g in step.groups for s in g.samples for v in s.token_versions)
@@ -199,6 +215,7 @@ def test_a_sequence_paused_by_a_weight_update_continues_under_the_new_weights(vl
 
 # ---- max_staleness 0 is the synchronous loop ---------------------------------------------------
 
+
 class BatchSyncTrainer(RLTrainer):
     """The plain synchronous loop, as a reference: each step generates its whole batch in one call
     (same prompts, same per-request seeds as the stream gives them), then trains."""
@@ -214,10 +231,10 @@ class BatchSyncTrainer(RLTrainer):
         per_step = self.cfg.train.prompts_per_step
         positions = [next(self.positions) for _ in range(per_step)]
         seqs = list(range(self.step * per_step, (self.step + 1) * per_step))
-        completions = self.pool.generate_blocking([self.train_prompts[p].token_ids for p in positions],
-                                                  self.cfg.sampling, prompt_indices=seqs)
-        samples = [sample_from(c, self.train_prompts[positions[c.prompt_index - seqs[0]]])
-                   for c in completions]
+        completions = self.pool.generate_blocking(
+            [self.train_prompts[p].token_ids for p in positions], self.cfg.sampling, prompt_indices=seqs
+        )
+        samples = [sample_from(c, self.train_prompts[positions[c.prompt_index - seqs[0]]]) for c in completions]
         self.score(samples)
         return samples, reward_metrics(samples)
 
@@ -254,9 +271,19 @@ def test_dynamic_sampling_drops_uniform_groups_as_they_arrive(hf_engines, weight
             s.reward = 1.0 if s.prompt_text in {"p0", "p2", "p4", "p6"} else float(i % 2)
 
     start = ray.get(hf_engines[0].weight_version_now.remote())
-    feed = RolloutFeed(GroupStream(RolloutPool(hf_engines), timeout_s=120), _prompts(), itertools.cycle(range(8)),
-                       SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3), PER_STEP, 1, "drop",
-                       RLTrainer._group_samples, score, uniform=uniform_rewards, max_uniform_per_step=30)
+    feed = RolloutFeed(
+        GroupStream(RolloutPool(hf_engines), timeout_s=120),
+        _prompts(),
+        itertools.cycle(range(8)),
+        SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3),
+        PER_STEP,
+        1,
+        "drop",
+        RLTrainer._group_samples,
+        score,
+        uniform=uniform_rewards,
+        max_uniform_per_step=30,
+    )
     taken = _run_steps(feed, hf_engines, 4, weights, start_version=start)
     admitted = [g for _, step in taken for g in step.groups]
     assert len(admitted) == 4 * PER_STEP
@@ -271,14 +298,23 @@ def test_dynamic_sampling_drops_uniform_groups_as_they_arrive(hf_engines, weight
 def test_groups_with_non_finite_rewards_are_dropped_and_replaced(hf_engines, weights):
     """``reward.non_finite: drop``: a group holding a NaN or infinite reward never enters a step;
     it is counted and another group takes its place. Prompts p1 and p3 score NaN and inf here."""
+
     def score(samples):
         for i, s in enumerate(samples):
             s.reward = {"p1": math.nan, "p3": math.inf}.get(s.prompt_text, float(i % 2))
 
     start = ray.get(hf_engines[0].weight_version_now.remote())
-    feed = RolloutFeed(GroupStream(RolloutPool(hf_engines), timeout_s=120), _prompts(), itertools.cycle(range(8)),
-                       SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3), PER_STEP, 0, "drop",
-                       RLTrainer._group_samples, score)
+    feed = RolloutFeed(
+        GroupStream(RolloutPool(hf_engines), timeout_s=120),
+        _prompts(),
+        itertools.cycle(range(8)),
+        SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3),
+        PER_STEP,
+        0,
+        "drop",
+        RLTrainer._group_samples,
+        score,
+    )
     taken = _run_steps(feed, hf_engines, 4, weights, start_version=start)
     admitted = [g.prompt_position for _, step in taken for g in step.groups]
     # Positions cycle 0..7; 1 and 3 are dropped, so the 12 admitted are the others in order.
@@ -293,12 +329,23 @@ def test_a_reward_that_is_never_finite_stops_the_run_naming_a_prompt(hf_engines,
         for s in samples:
             s.reward = math.nan
 
-    feed = RolloutFeed(GroupStream(RolloutPool(hf_engines), timeout_s=120), _prompts(), itertools.cycle(range(8)),
-                       SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3), PER_STEP, 0, "drop",
-                       RLTrainer._group_samples, score)
+    feed = RolloutFeed(
+        GroupStream(RolloutPool(hf_engines), timeout_s=120),
+        _prompts(),
+        itertools.cycle(range(8)),
+        SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3),
+        PER_STEP,
+        0,
+        "drop",
+        RLTrainer._group_samples,
+        score,
+    )
     feed.top_up(0)
     # The limit: 4 steps' worth (12 groups) dropped while gathering one step; the 13th stops the run.
-    with pytest.raises(RuntimeError, match=r"13 prompt groups in a row had a NaN or infinite reward .* training "
-                                           r"prompt (\d), 'p\1'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"13 prompt groups in a row had a NaN or infinite reward .* training "
+        r"prompt (\d), 'p\1'",
+    ):
         feed.take_step(0)
     feed.drain(0)

@@ -18,8 +18,10 @@ from raylign.trainers.metrics import read_metrics
 
 from .rl_helpers import fp32_model, resolve, response_logprobs, rl_config_data
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+]
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41], [100, 7, 300, 12]]
 # vLLM's CPU kernels (repacked GEMMs, paged attention) and torch both compute in fp32 but round
@@ -49,8 +51,14 @@ def grpo_vllm_run(ray_session, rl_model_dir, prompt_file, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl_vllm")
     data = rl_config_data(rl_model_dir, prompt_file, tmp / "run", "grpo")
     data["optim"]["lr"] = 5e-3
-    data["rollout"] = {"engine": "vllm", "dtype": "float32", "kv_cache_memory_bytes": 32 << 20,
-                       "max_model_len": 256, "bucket_mb": 0.05, "sync_timeout_s": 60}
+    data["rollout"] = {
+        "engine": "vllm",
+        "dtype": "float32",
+        "kv_cache_memory_bytes": 32 << 20,
+        "max_model_len": 256,
+        "bucket_mb": 0.05,
+        "sync_timeout_s": 60,
+    }
     trainer = ProbingTrainer(resolve(tmp, data))
     trainer.run()
     return trainer

@@ -37,8 +37,14 @@ BACKENDS = [
     pytest.param("local", 1, 2, 0, id="local-1"),
     pytest.param("local", 1, 2, 4, id="local-1-lora"),  # adapters merged into plain weights before the sync
     pytest.param("fsdp2", 2, 2, 0, id="fsdp2-2"),
-    pytest.param("deepspeed", 2, 3, 0, id="zero3-2",
-                 marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")),
+    pytest.param(
+        "deepspeed",
+        2,
+        3,
+        0,
+        id="zero3-2",
+        marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed"),
+    ),
 ]
 
 
@@ -52,14 +58,21 @@ def engine(ray_session, rl_model_dir):
 
 def _training_batch(model_dir) -> tuple[list, dict[str, torch.Tensor]]:
     """Four samples with opposite advantages; old log-probs from a plain fp32 forward (ratio 1)."""
-    samples = [make_sample([11, 12, 13], [20, 21, 22, 23]), make_sample([30, 31], [40, 41, 42]),
-               make_sample([50, 51, 52, 53], [60, 61]), make_sample([70], [80, 81, 82, 83, 84])]
+    samples = [
+        make_sample([11, 12, 13], [20, 21, 22, 23]),
+        make_sample([30, 31], [40, 41, 42]),
+        make_sample([50, 51, 52, 53], [60, 61]),
+        make_sample([70], [80, 81, 82, 83, 84]),
+    ]
     model = fp32_model(model_dir)
     with torch.no_grad():
         old = [response_logprobs(model, s.prompt_ids, s.response_ids).tolist() for s in samples]
     advantages = response_tensor([[a] * len(s.response_ids) for a, s in zip([1.0, -1.0, 0.5, -0.5], samples)])
-    return samples, {"old_logprobs": response_tensor(old), "rollout_logprobs": response_tensor(old),
-                     "advantages": advantages}
+    return samples, {
+        "old_logprobs": response_tensor(old),
+        "rollout_logprobs": response_tensor(old),
+        "advantages": advantages,
+    }
 
 
 def _greedy(ray, engine) -> list:
@@ -80,10 +93,12 @@ def _gap(completions: list, trainer: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(("backend", "workers", "zero_stage", "lora_rank"), BACKENDS)
-def test_engine_matches_the_trained_policy_after_sync(backend, workers, zero_stage, lora_rank, engine, ray_session,
-                                                      rl_model_dir, prompt_file, tmp_path):
-    cfg = worker_config(rl_model_dir, prompt_file, tmp_path / "run", backend, workers, zero_stage=zero_stage,
-                        optim={"lr": 1e-2})
+def test_engine_matches_the_trained_policy_after_sync(
+    backend, workers, zero_stage, lora_rank, engine, ray_session, rl_model_dir, prompt_file, tmp_path
+):
+    cfg = worker_config(
+        rl_model_dir, prompt_file, tmp_path / "run", backend, workers, zero_stage=zero_stage, optim={"lr": 1e-2}
+    )
     cfg["model"]["lora"]["rank"] = lora_rank
     group = WorkerGroup("policy", cfg, workers, 1, None, env=ENV)
     try:

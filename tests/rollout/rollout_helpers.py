@@ -37,8 +37,9 @@ def keep_mask(logits: torch.Tensor, top_k: int, top_p: float) -> list[bool]:
     return mask
 
 
-def reference_logprobs(model, prompt: list[int], response: list[int], temperature: float = 0.0,
-                       top_k: int = -1, top_p: float = 1.0) -> list[float]:
+def reference_logprobs(
+    model, prompt: list[int], response: list[int], temperature: float = 0.0, top_k: int = -1, top_p: float = 1.0
+) -> list[float]:
     """log_softmax(filter_{k,p}(logits / T))[token] from one fp32 forward over prompt + response."""
     if not response:
         return []

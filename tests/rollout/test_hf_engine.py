@@ -81,8 +81,11 @@ def test_sampled_logprobs_are_those_of_the_filtered_tempered_distribution(engine
 
 def test_seeded_samples_do_not_depend_on_which_prompts_share_the_call(engine):
     together = generate(engine, PROMPTS, n=2, temperature=1.0, max_new_tokens=5, seed=5)
-    alone = asyncio.run(engine.generate([PROMPTS[2]], SamplingConfig(n=2, temperature=1.0, max_new_tokens=5, seed=5),
-                                        prompt_indices=[2]))
+    alone = asyncio.run(
+        engine.generate(
+            [PROMPTS[2]], SamplingConfig(n=2, temperature=1.0, max_new_tokens=5, seed=5), prompt_indices=[2]
+        )
+    )
     assert [c.response_token_ids for c in alone] == [c.response_token_ids for c in together if c.prompt_index == 2]
 
 

@@ -31,8 +31,9 @@ def test_order_completions_reports_missing_samples():
     def c(p, s):
         return Completion(p, s, [1], [2], [0.0], "length", "")
 
-    assert [(x.prompt_index, x.sample_index) for x in order_completions([c(1, 0), c(0, 1), c(0, 0), c(1, 1)], [0, 1], 2)] \
-        == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [
+        (x.prompt_index, x.sample_index) for x in order_completions([c(1, 0), c(0, 1), c(0, 0), c(1, 1)], [0, 1], 2)
+    ] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     with pytest.raises(RuntimeError, match="missing"):
         order_completions([c(0, 0)], [0], 2)
 

@@ -28,8 +28,15 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def _config(**overrides):
-    return RolloutConfig(engine="vllm", dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=512,
-                         bucket_mb=0.05, sync_timeout_s=60, **overrides)
+    return RolloutConfig(
+        engine="vllm",
+        dtype="float32",
+        kv_cache_memory_bytes=32 << 20,
+        max_model_len=512,
+        bucket_mb=0.05,
+        sync_timeout_s=60,
+        **overrides,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +96,9 @@ def test_stop_string_ends_the_response_after_the_completing_token(ray_session, t
     free = generate(ray_session, tied_engine, [PROMPTS[0]], temperature=1.0, max_new_tokens=24, seed=3)[0]
     stop = pick_stop_string(tokenizer, free.response_token_ids)
     expected_tokens, expected_text = prefix_until_stop(tokenizer, free.response_token_ids, stop)
-    stopped = generate(ray_session, tied_engine, [PROMPTS[0]], temperature=1.0, max_new_tokens=24, seed=3,
-                       stop=[stop])[0]
+    stopped = generate(ray_session, tied_engine, [PROMPTS[0]], temperature=1.0, max_new_tokens=24, seed=3, stop=[stop])[
+        0
+    ]
     assert stopped.response_token_ids == expected_tokens
     assert stopped.text == expected_text
     assert stopped.finish_reason == "stop"
@@ -110,8 +118,9 @@ def test_sampled_logprobs_are_those_of_the_filtered_tempered_distribution(ray_se
 
 def test_seeded_samples_do_not_depend_on_which_prompts_share_the_call(ray_session, tied_engine):
     together = generate(ray_session, tied_engine, PROMPTS, n=2, temperature=1.0, max_new_tokens=5, seed=5)
-    alone = generate(ray_session, tied_engine, [PROMPTS[2]], prompt_indices=[2], n=2, temperature=1.0,
-                     max_new_tokens=5, seed=5)
+    alone = generate(
+        ray_session, tied_engine, [PROMPTS[2]], prompt_indices=[2], n=2, temperature=1.0, max_new_tokens=5, seed=5
+    )
     assert [c.response_token_ids for c in alone] == [c.response_token_ids for c in together if c.prompt_index == 2]
 
 

@@ -46,18 +46,31 @@ def all_a_pairs(num_rows: int, seed: int, exclude: set[str] = frozenset()) -> li
 
 
 def dpo_config(model_dir, train_file, out, dpo=None, eval_file=None, data=None, **train) -> DPOConfig:
-    data_section = {"train": [str(train_file)], "format": "chat", "max_length": 64, "min_response_tokens": 8,
-                    **(data or {})}
+    data_section = {
+        "train": [str(train_file)],
+        "format": "chat",
+        "max_length": 64,
+        "min_response_tokens": 8,
+        **(data or {}),
+    }
     if eval_file is not None:
         data_section["eval"] = [str(eval_file)]
-    return parse_config(DPOConfig, {
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "data": data_section,
-        "dpo": dpo or {},
-        "optim": {"lr": 1e-3, "warmup_steps": 0, "weight_decay": 0.0},
-        "train": {"output_dir": str(out), "global_batch_size": 8, "micro_batch_size": 4,
-                  "logging": {"progress_bar": False}, **train},
-    })
+    return parse_config(
+        DPOConfig,
+        {
+            "model": {"path": str(model_dir), "dtype": "float32"},
+            "data": data_section,
+            "dpo": dpo or {},
+            "optim": {"lr": 1e-3, "warmup_steps": 0, "weight_decay": 0.0},
+            "train": {
+                "output_dir": str(out),
+                "global_batch_size": 8,
+                "micro_batch_size": 4,
+                "logging": {"progress_bar": False},
+                **train,
+            },
+        },
+    )
 
 
 def train_losses(out: Path) -> list[float]:
@@ -73,8 +86,9 @@ def reply_logps(model_dir: Path, rows: list[dict], side: str) -> tuple[np.ndarra
     for row in rows:
         user = [{"role": "user", "content": row["prompt"]}]
         prompt = tokenizer.apply_chat_template(user, tokenize=True, add_generation_prompt=True, return_dict=True)
-        whole = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": row[side]}], tokenize=True,
-                                              return_dict=True)["input_ids"]
+        whole = tokenizer.apply_chat_template(
+            user + [{"role": "assistant", "content": row[side]}], tokenize=True, return_dict=True
+        )["input_ids"]
         end = len(whole) - 1 - whole[::-1].index(tokenizer.eos_token_id)  # the reply's <|im_end|>
         targets = torch.tensor(whole[len(prompt["input_ids"]) : end + 1])
         logits = model(input_ids=torch.tensor([whole])).logits[0, len(prompt["input_ids"]) - 1 : end]
@@ -89,8 +103,9 @@ def reply_logps(model_dir: Path, rows: list[dict], side: str) -> tuple[np.ndarra
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("dpo_short")
-    cfg = dpo_config(tiny_model_dir, write_jsonl(tmp / "train.jsonl", all_a_pairs(64, seed=0)), tmp / "run",
-                     max_steps=8)
+    cfg = dpo_config(
+        tiny_model_dir, write_jsonl(tmp / "train.jsonl", all_a_pairs(64, seed=0)), tmp / "run", max_steps=8
+    )
     DPOTrainer(cfg).run()
     return tmp / "run"
 
@@ -137,8 +152,7 @@ def other_reference_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_precomputed_reference_gives_the_live_reference_first_step_loss(tmp_path, tiny_model_dir, eight_pairs,
-                                                                          packing):
+def test_precomputed_reference_gives_the_live_reference_first_step_loss(tmp_path, tiny_model_dir, eight_pairs, packing):
     _, train_file = eight_pairs
     data = {"packing": packing}
     live, live_trainer = first_step(tiny_model_dir, train_file, tmp_path / "live", {}, data)
@@ -149,8 +163,9 @@ def test_precomputed_reference_gives_the_live_reference_first_step_loss(tmp_path
     assert live == pytest.approx(LN2, abs=1e-5)  # policy == reference at the first step
 
 
-def test_precomputed_and_live_losses_agree_with_a_different_reference_model(tmp_path, tiny_model_dir, eight_pairs,
-                                                                              other_reference_dir):
+def test_precomputed_and_live_losses_agree_with_a_different_reference_model(
+    tmp_path, tiny_model_dir, eight_pairs, other_reference_dir
+):
     _, train_file = eight_pairs
     ref = {"reference_path": str(other_reference_dir)}
     live, _ = first_step(tiny_model_dir, train_file, tmp_path / "live", ref)
@@ -174,19 +189,18 @@ def test_dpo_nll_first_step_adds_the_chosen_per_token_nll(tmp_path, tiny_model_d
     assert loss == pytest.approx(LN2 + 0.5 * float(np.mean(-sums / counts)), abs=1e-4)
 
 
-def test_simpo_first_step_matches_an_independent_computation_without_a_reference(tmp_path, tiny_model_dir,
-                                                                                  eight_pairs):
+def test_simpo_first_step_matches_an_independent_computation_without_a_reference(tmp_path, tiny_model_dir, eight_pairs):
     rows, train_file = eight_pairs
-    loss, trainer = first_step(tiny_model_dir, train_file, tmp_path / "run",
-                               {"loss": "simpo", "beta": 2.0, "simpo_gamma": 0.3})
+    loss, trainer = first_step(
+        tiny_model_dir, train_file, tmp_path / "run", {"loss": "simpo", "beta": 2.0, "simpo_gamma": 0.3}
+    )
     assert trainer.reference is None
     (c_sum, c_n), (r_sum, r_n) = (reply_logps(tiny_model_dir, rows, side) for side in ("chosen", "rejected"))
     logits = torch.tensor(2.0 * (c_sum / c_n - r_sum / r_n) - 0.3)
     assert loss == pytest.approx(float(-F.logsigmoid(logits).mean()), abs=1e-4)
 
 
-def test_orpo_first_step_matches_an_independent_computation_without_a_reference(tmp_path, tiny_model_dir,
-                                                                                 eight_pairs):
+def test_orpo_first_step_matches_an_independent_computation_without_a_reference(tmp_path, tiny_model_dir, eight_pairs):
     rows, train_file = eight_pairs
     loss, trainer = first_step(tiny_model_dir, train_file, tmp_path / "run", {"loss": "orpo", "orpo_lambda": 0.5})
     assert trainer.reference is None
@@ -203,11 +217,14 @@ def test_config_reference_free_losses_match_the_loss_registry():
         assert uses_reference == (name not in REFERENCE_FREE_LOSSES), name
 
 
-@pytest.mark.parametrize("dpo, message", [
-    ({"loss": "dpo", "simpo_gamma": 0.5}, "simpo_gamma does not apply to loss 'dpo'"),
-    ({"loss": "orpo", "beta": 0.1}, "beta does not apply to loss 'orpo'"),
-    ({"loss": "simpo", "precompute_reference": True}, "precompute_reference does not apply to loss 'simpo'"),
-])
+@pytest.mark.parametrize(
+    "dpo, message",
+    [
+        ({"loss": "dpo", "simpo_gamma": 0.5}, "simpo_gamma does not apply to loss 'dpo'"),
+        ({"loss": "orpo", "beta": 0.1}, "beta does not apply to loss 'orpo'"),
+        ({"loss": "simpo", "precompute_reference": True}, "precompute_reference does not apply to loss 'simpo'"),
+    ],
+)
 def test_options_of_another_loss_are_config_errors(tiny_model_dir, dpo, message):
     with pytest.raises(ConfigError, match=message):
         dpo_config(tiny_model_dir, "train.jsonl", "out", dpo=dpo)
@@ -227,10 +244,18 @@ def test_dpo_raises_the_held_out_margin_and_moves_greedy_replies_to_the_preferre
     train = all_a_pairs(600, seed=0, exclude={r["prompt"] for r in held_out})
     prompts = [r["prompt"] for r in held_out]
     base_rate = all_a_rate(greedy_chat_answers(tiny_model_dir, prompts, max_new_tokens=8))
-    margin_before = reply_logps(tiny_model_dir, held_out, "chosen")[0] - reply_logps(tiny_model_dir, held_out,
-                                                                                       "rejected")[0]
-    cfg = dpo_config(tiny_model_dir, write_jsonl(tmp_path / "train.jsonl", train), tmp_path / "run",
-                     dpo={"precompute_reference": True}, max_steps=40, global_batch_size=16, micro_batch_size=16)
+    margin_before = (
+        reply_logps(tiny_model_dir, held_out, "chosen")[0] - reply_logps(tiny_model_dir, held_out, "rejected")[0]
+    )
+    cfg = dpo_config(
+        tiny_model_dir,
+        write_jsonl(tmp_path / "train.jsonl", train),
+        tmp_path / "run",
+        dpo={"precompute_reference": True},
+        max_steps=40,
+        global_batch_size=16,
+        micro_batch_size=16,
+    )
     DPOTrainer(cfg).run()
     final = tmp_path / "run" / "final"
     margin_after = reply_logps(final, held_out, "chosen")[0] - reply_logps(final, held_out, "rejected")[0]
@@ -242,11 +267,16 @@ def test_dpo_raises_the_held_out_margin_and_moves_greedy_replies_to_the_preferre
 # --- bad input, the command line, several ranks -------------------------------------------
 
 
-@pytest.mark.parametrize("bad_row, message", [
-    ({"prompt": "p", "chosen": "same", "rejected": "same"},
-     "row 2, key 'rejected': 'chosen' and 'rejected' are identical"),
-    ({"chosen": "x", "rejected": "y"}, "row 2, key 'prompt': missing key"),
-])
+@pytest.mark.parametrize(
+    "bad_row, message",
+    [
+        (
+            {"prompt": "p", "chosen": "same", "rejected": "same"},
+            "row 2, key 'rejected': 'chosen' and 'rejected' are identical",
+        ),
+        ({"chosen": "x", "rejected": "y"}, "row 2, key 'prompt': missing key"),
+    ],
+)
 def test_bad_pair_stops_the_run_naming_the_row(tmp_path, tiny_model_dir, bad_row, message):
     rows = all_a_pairs(1, seed=0) + [bad_row]
     cfg = dpo_config(tiny_model_dir, write_jsonl(tmp_path / "train.jsonl", rows), tmp_path / "run", max_steps=1)
@@ -256,9 +286,21 @@ def test_bad_pair_stops_the_run_naming_the_row(tmp_path, tiny_model_dir, bad_row
 
 def test_dpo_example_config_runs(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.chdir(REPO)
-    code = main(["dpo", "--config", "examples/dpo_tiny.yaml", "--model.path", str(tiny_model_dir),
-                 "--train.output_dir", str(tmp_path / "run"), "--train.max_steps", "3",
-                 "--train.logging.progress_bar", "false"])
+    code = main(
+        [
+            "dpo",
+            "--config",
+            "examples/dpo_tiny.yaml",
+            "--model.path",
+            str(tiny_model_dir),
+            "--train.output_dir",
+            str(tmp_path / "run"),
+            "--train.max_steps",
+            "3",
+            "--train.logging.progress_bar",
+            "false",
+        ]
+    )
     assert code == 0
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
 
@@ -266,8 +308,16 @@ def test_dpo_example_config_runs(tmp_path, tiny_model_dir, monkeypatch):
 def test_dpo_help_describes_every_field(capsys):
     assert main(["dpo", "--help"]) == 0
     text = capsys.readouterr().out
-    for field in ("--dpo.loss", "--dpo.beta", "--dpo.label_smoothing", "--dpo.simpo_gamma", "--dpo.nll_coef",
-                  "--dpo.orpo_lambda", "--dpo.reference_path", "--dpo.precompute_reference"):
+    for field in (
+        "--dpo.loss",
+        "--dpo.beta",
+        "--dpo.label_smoothing",
+        "--dpo.simpo_gamma",
+        "--dpo.nll_coef",
+        "--dpo.orpo_lambda",
+        "--dpo.reference_path",
+        "--dpo.precompute_reference",
+    ):
         assert field in text
     blocks = text.split("\n  --")[1:]
     assert all("\n        " in block for block in blocks), "a field has no description"
@@ -282,12 +332,43 @@ def test_two_ranks_share_precomputed_reference_log_probs(tmp_path, tiny_model_di
     ref = {"reference_path": str(other_reference_dir)}
     single, _ = first_step(tiny_model_dir, train_file, tmp_path / "single", ref)
     out = tmp_path / "run"
-    code = main(["dpo", "--model.path", str(tiny_model_dir), "--model.dtype", "float32",
-                 "--data.train", str(train_file), "--data.max_length", "64", "--data.min_response_tokens", "8",
-                 "--dpo.reference_path", str(other_reference_dir), "--dpo.precompute_reference", "true",
-                 "--train.output_dir", str(out), "--train.max_steps", "2", "--optim.lr", "1e-3",
-                 "--train.global_batch_size", "8", "--train.micro_batch_size", "2", "--train.eval_batch_size", "2",
-                 "--train.logging.progress_bar", "false", "--engine.backend", "fsdp2", "--engine.num_processes", "2"])
+    code = main(
+        [
+            "dpo",
+            "--model.path",
+            str(tiny_model_dir),
+            "--model.dtype",
+            "float32",
+            "--data.train",
+            str(train_file),
+            "--data.max_length",
+            "64",
+            "--data.min_response_tokens",
+            "8",
+            "--dpo.reference_path",
+            str(other_reference_dir),
+            "--dpo.precompute_reference",
+            "true",
+            "--train.output_dir",
+            str(out),
+            "--train.max_steps",
+            "2",
+            "--optim.lr",
+            "1e-3",
+            "--train.global_batch_size",
+            "8",
+            "--train.micro_batch_size",
+            "2",
+            "--train.eval_batch_size",
+            "2",
+            "--train.logging.progress_bar",
+            "false",
+            "--engine.backend",
+            "fsdp2",
+            "--engine.num_processes",
+            "2",
+        ]
+    )
     assert code == 0
     losses = train_losses(out)
     assert losses[0] == pytest.approx(single, abs=1e-5)

@@ -14,9 +14,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_sft_example_config_runs(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.chdir(ROOT)
-    code = main(["sft", "--config", "examples/sft_tiny.yaml", "--model.path", str(tiny_model_dir),
-                 "--train.output_dir", str(tmp_path / "sft"), "--train.max_steps", "3", "--train.save_every", "0",
-                 "--train.logging.progress_bar", "false"])
+    code = main(
+        [
+            "sft",
+            "--config",
+            "examples/sft_tiny.yaml",
+            "--model.path",
+            str(tiny_model_dir),
+            "--train.output_dir",
+            str(tmp_path / "sft"),
+            "--train.max_steps",
+            "3",
+            "--train.save_every",
+            "0",
+            "--train.logging.progress_bar",
+            "false",
+        ]
+    )
     assert code == 0
     assert [r["step"] for r in read_metrics(tmp_path / "sft") if "train/loss" in r] == [1, 2, 3]
 
@@ -24,9 +38,25 @@ def test_sft_example_config_runs(tmp_path, tiny_model_dir, monkeypatch):
 @pytest.mark.slow
 def test_rl_example_config_runs(tmp_path, tiny_model_dir, monkeypatch, ray_session):
     monkeypatch.chdir(ROOT)
-    code = main(["rl", "--config", "examples/rl_grpo_tiny.yaml", "--model.path", str(tiny_model_dir),
-                 "--train.output_dir", str(tmp_path / "rl"), "--train.max_steps", "2", "--train.prompts_per_step", "4",
-                 "--train.save_every", "0", "--train.logging.progress_bar", "false"])
+    code = main(
+        [
+            "rl",
+            "--config",
+            "examples/rl_grpo_tiny.yaml",
+            "--model.path",
+            str(tiny_model_dir),
+            "--train.output_dir",
+            str(tmp_path / "rl"),
+            "--train.max_steps",
+            "2",
+            "--train.prompts_per_step",
+            "4",
+            "--train.save_every",
+            "0",
+            "--train.logging.progress_bar",
+            "false",
+        ]
+    )
     assert code == 0
     assert [r["step"] for r in read_metrics(tmp_path / "rl") if "reward/mean" in r] == [1, 2]
 
@@ -37,13 +67,39 @@ def test_math_example_config_runs_with_its_data_and_reward(tmp_path, tiny_model_
     real model takes ~11 minutes; examples/README.md has those numbers). Eval completions are cut
     at train.eval_max_new_tokens, training ones at sampling.max_new_tokens."""
     monkeypatch.chdir(ROOT)
-    code = main(["rl", "--config", "examples/rl_grpo_smollm2_math.yaml", "--model.path", str(tiny_model_dir),
-                 "--model.dtype", "float32", "--rollout.engine", "hf", "--rollout.dtype", "float32",
-                 "--train.output_dir", str(tmp_path / "rl"), "--train.max_steps", "1",
-                 "--train.prompts_per_step", "2", "--sampling.max_new_tokens", "6",
-                 "--data.max_prompt_length", "512",  # the tiny tokenizer needs more tokens than SmolLM2's
-                 "--train.eval_max_new_tokens", "3", "--train.eval_every", "0", "--train.export", "false",
-                 "--train.logging.progress_bar", "false"])
+    code = main(
+        [
+            "rl",
+            "--config",
+            "examples/rl_grpo_smollm2_math.yaml",
+            "--model.path",
+            str(tiny_model_dir),
+            "--model.dtype",
+            "float32",
+            "--rollout.engine",
+            "hf",
+            "--rollout.dtype",
+            "float32",
+            "--train.output_dir",
+            str(tmp_path / "rl"),
+            "--train.max_steps",
+            "1",
+            "--train.prompts_per_step",
+            "2",
+            "--sampling.max_new_tokens",
+            "6",
+            "--data.max_prompt_length",
+            "512",  # the tiny tokenizer needs more tokens than SmolLM2's
+            "--train.eval_max_new_tokens",
+            "3",
+            "--train.eval_every",
+            "0",
+            "--train.export",
+            "false",
+            "--train.logging.progress_bar",
+            "false",
+        ]
+    )
     assert code == 0
     records = read_metrics(tmp_path / "rl")
     evals = [r for r in records if "eval/all/pass@1" in r]

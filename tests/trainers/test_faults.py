@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
-import re
 import textwrap
 import time
 import uuid
@@ -52,8 +52,7 @@ def straight(tmp_path, tiny_model_dir, train_file):
     return out
 
 
-def test_an_output_folder_that_cannot_be_written_stops_the_run_before_it_trains(tmp_path, tiny_model_dir,
-                                                                               train_file):
+def test_an_output_folder_that_cannot_be_written_stops_the_run_before_it_trains(tmp_path, tiny_model_dir, train_file):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
 
@@ -85,13 +84,19 @@ KILL_MID_SAVE = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_a_kill_between_two_files_of_a_checkpoint_resumes_from_the_one_before(tmp_path, tiny_model_dir, train_file,
-                                                                               straight):
+def test_a_kill_between_two_files_of_a_checkpoint_resumes_from_the_one_before(
+    tmp_path, tiny_model_dir, train_file, straight
+):
     cfg = sft_config(tiny_model_dir, train_file, tmp_path / "killed", max_steps=6, save_every=3, keep_last=1)
     (tmp_path / "killed.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     (tmp_path / "dies.py").write_text(KILL_MID_SAVE)
-    proc = subprocess.run([sys.executable, str(tmp_path / "dies.py"), str(tmp_path / "killed.yaml"), "6"],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "dies.py"), str(tmp_path / "killed.yaml"), "6"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 17, proc.stderr[-2000:]
     checkpoints = tmp_path / "killed" / "checkpoints"
     assert (checkpoints / ".step_6.tmp" / "engine_state.pt").exists()  # half a checkpoint was left
@@ -104,8 +109,12 @@ def test_a_kill_between_two_files_of_a_checkpoint_resumes_from_the_one_before(tm
 
 def _mount_tmpfs(folder: Path, size_bytes: int) -> None:
     folder.mkdir(parents=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", f"raylign-{uuid.uuid4().hex[:8]}",
-                           str(folder)], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", f"raylign-{uuid.uuid4().hex[:8]}", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if proc.returncode:
         pytest.skip(f"a small filesystem to fill is a tmpfs mount, which this machine refuses: {proc.stderr.strip()}")
 
@@ -115,8 +124,9 @@ def _size(folder: Path) -> int:
 
 
 @pytest.mark.slow
-def test_a_disk_that_fills_during_a_save_stops_the_run_and_loses_nothing(tmp_path, tiny_model_dir, train_file,
-                                                                        straight):
+def test_a_disk_that_fills_during_a_save_stops_the_run_and_loses_nothing(
+    tmp_path, tiny_model_dir, train_file, straight
+):
     """The output folder is a filesystem with room for one checkpoint and a half: the checkpoint of
     step 3 fits, the one of step 6 (written beside it before step 3's is pruned) does not."""
     one_checkpoint = _size(straight / "checkpoints" / "step_6")
@@ -172,8 +182,13 @@ def test_a_dpo_driver_killed_after_a_checkpoint_resumes_to_identical_weights(tmp
     cfg = dpo_config(tiny_model_dir, pairs, tmp_path / "killed", max_steps=4, save_every=2)
     (tmp_path / "killed.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     (tmp_path / "dies.py").write_text(SIGKILL_AFTER_LOGGING)
-    proc = subprocess.run([sys.executable, str(tmp_path / "dies.py"), str(tmp_path / "killed.yaml"), "3"],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "dies.py"), str(tmp_path / "killed.yaml"), "3"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     killed = tmp_path / "killed"
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step_2"]
@@ -196,21 +211,56 @@ def test_one_rank_of_two_killed_ends_the_run_at_once_naming_it(tmp_path, tiny_mo
     import psutil
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "raylign.cli.main", "sft", "--model.path", str(tiny_model_dir),
-           "--model.dtype", "float32", "--data.train", str(train_file), "--data.format", "chat",
-           "--data.max_length", "64", "--data.min_response_tokens", "8", "--train.output_dir", str(out),
-           "--train.max_steps", "1000", "--train.global_batch_size", "8", "--train.micro_batch_size", "4",
-           "--train.logging.progress_bar", "false", "--engine.backend", "fsdp2", "--engine.num_processes", "2"]
-    process = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "raylign.cli.main",
+        "sft",
+        "--model.path",
+        str(tiny_model_dir),
+        "--model.dtype",
+        "float32",
+        "--data.train",
+        str(train_file),
+        "--data.format",
+        "chat",
+        "--data.max_length",
+        "64",
+        "--data.min_response_tokens",
+        "8",
+        "--train.output_dir",
+        str(out),
+        "--train.max_steps",
+        "1000",
+        "--train.global_batch_size",
+        "8",
+        "--train.micro_batch_size",
+        "4",
+        "--train.logging.progress_bar",
+        "false",
+        "--engine.backend",
+        "fsdp2",
+        "--engine.num_processes",
+        "2",
+    ]
+    process = subprocess.Popen(
+        cmd,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not any(r.get("step", 0) >= 1 for r in _records(out / "metrics.jsonl")):
             assert process.poll() is None, process.stdout.read().decode()[-3000:]
             assert time.monotonic() < deadline, "step 1 was not logged within 240 s"
             time.sleep(0.1)
-        rank_1 = [p for p in psutil.Process(process.pid).children(recursive=True)
-                  if p.environ().get("RANK") == "1" and "raylign.cli.main" in " ".join(p.cmdline())]
+        rank_1 = [
+            p
+            for p in psutil.Process(process.pid).children(recursive=True)
+            if p.environ().get("RANK") == "1" and "raylign.cli.main" in " ".join(p.cmdline())
+        ]
         assert len(rank_1) == 1, rank_1
         killed_at = time.monotonic()
         rank_1[0].send_signal(signal.SIGKILL)

@@ -35,15 +35,23 @@ def student_dir(tmp_path_factory) -> Path:
 
 
 def kd_config(student, teacher, train_file, out, kd=None, **train) -> KDConfig:
-    return parse_config(KDConfig, {
-        "model": {"path": str(student), "dtype": "float32"},
-        "teacher": {"path": str(teacher), "dtype": "float32"},
-        "data": {"train": [str(train_file)], "max_length": 64, "min_response_tokens": 8},
-        "kd": kd or {},
-        "optim": {"lr": 3e-3, "weight_decay": 0.0},
-        "train": {"output_dir": str(out), "global_batch_size": 8, "micro_batch_size": 4,
-                  "logging": {"progress_bar": False}, **train},
-    })
+    return parse_config(
+        KDConfig,
+        {
+            "model": {"path": str(student), "dtype": "float32"},
+            "teacher": {"path": str(teacher), "dtype": "float32"},
+            "data": {"train": [str(train_file)], "max_length": 64, "min_response_tokens": 8},
+            "kd": kd or {},
+            "optim": {"lr": 3e-3, "weight_decay": 0.0},
+            "train": {
+                "output_dir": str(out),
+                "global_batch_size": 8,
+                "micro_batch_size": 4,
+                "logging": {"progress_bar": False},
+                **train,
+            },
+        },
+    )
 
 
 # ---- an independent reference: full softmaxes at the reply tokens of chat-formatted rows ----
@@ -51,8 +59,9 @@ def kd_config(student, teacher, train_file, out, kd=None, **train) -> KDConfig:
 
 def _reply_positions_and_ids(tokenizer, row: dict) -> tuple[list[int], torch.Tensor]:
     """Ids of the rendered exchange and the positions whose logits predict reply tokens (reply + end of turn)."""
-    prefix = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
-                                           add_generation_prompt=True)
+    prefix = tokenizer.apply_chat_template(
+        [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
+    )
     prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
     reply_ids = tokenizer(row["completion"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
     positions = list(range(len(prefix_ids) - 1, len(prefix_ids) + len(reply_ids) - 1))
@@ -90,18 +99,31 @@ def mean_divergence(teacher_dir, student_dir, rows, kind="forward_kl", temperatu
 # ---- tests ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kind", "options"), [
-    ("forward_kl", {}), ("reverse_kl", {"temperature": 2.0}), ("generalized_jsd", {"beta": 0.3}),
-])
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("forward_kl", {}),
+        ("reverse_kl", {"temperature": 2.0}),
+        ("generalized_jsd", {"beta": 0.3}),
+    ],
+)
 def test_first_step_loss_is_the_divergence_over_reply_tokens(tmp_path, tiny_model_dir, student_dir, kind, options):
     rows = make_string_rows("copy", 8, seed=0)
     out = tmp_path / "run"
-    cfg = kd_config(student_dir, tiny_model_dir, write_jsonl(tmp_path / "t.jsonl", rows), out,
-                    kd={"loss": kind, **options}, max_steps=1, export=False)
+    cfg = kd_config(
+        student_dir,
+        tiny_model_dir,
+        write_jsonl(tmp_path / "t.jsonl", rows),
+        out,
+        kd={"loss": kind, **options},
+        max_steps=1,
+        export=False,
+    )
     KDTrainer(cfg).run()
     first = next(r for r in read_metrics(out) if "train/loss" in r)
-    expected = mean_divergence(tiny_model_dir, student_dir, rows, kind, options.get("temperature", 1.0),
-                               options.get("beta", 0.5))
+    expected = mean_divergence(
+        tiny_model_dir, student_dir, rows, kind, options.get("temperature", 1.0), options.get("beta", 0.5)
+    )
     assert first["train/loss"] == pytest.approx(expected, rel=1e-4)
     assert first["train/divergence"] == pytest.approx(expected, rel=1e-4)
 
@@ -109,8 +131,9 @@ def test_first_step_loss_is_the_divergence_over_reply_tokens(tmp_path, tiny_mode
 def test_kd_trains_the_student_and_exports_a_generating_model(tmp_path, tiny_model_dir, student_dir):
     rows = make_string_rows("copy", 8, seed=0)
     out = tmp_path / "run"
-    cfg = kd_config(student_dir, tiny_model_dir, write_jsonl(tmp_path / "t.jsonl", rows), out,
-                    kd={"nll_coef": 0.1}, max_steps=6)
+    cfg = kd_config(
+        student_dir, tiny_model_dir, write_jsonl(tmp_path / "t.jsonl", rows), out, kd={"nll_coef": 0.1}, max_steps=6
+    )
     KDTrainer(cfg).run()
     train = [r for r in read_metrics(out) if "train/loss" in r]
     losses = [r["train/loss"] for r in train]
@@ -144,9 +167,21 @@ def test_help_describes_every_field(capsys):
 
 def test_example_config_runs(tmp_path, tiny_model_dir, student_dir, monkeypatch):
     monkeypatch.chdir(REPO)
-    argv = ["kd", "--config", "examples/kd_tiny.yaml", "--model.path", str(student_dir),
-            "--teacher.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "run"),
-            "--train.max_steps", "3", "--train.logging.progress_bar", "false"]
+    argv = [
+        "kd",
+        "--config",
+        "examples/kd_tiny.yaml",
+        "--model.path",
+        str(student_dir),
+        "--teacher.path",
+        str(tiny_model_dir),
+        "--train.output_dir",
+        str(tmp_path / "run"),
+        "--train.max_steps",
+        "3",
+        "--train.logging.progress_bar",
+        "false",
+    ]
     assert main(argv) == 0
     assert (tmp_path / "run" / "final" / "config.json").is_file()
 
@@ -157,19 +192,28 @@ def test_kd_lowers_the_student_teacher_divergence_on_held_out_rows(tmp_path, tin
     train = make_string_rows("reverse", 600, seed=0, exclude={r["prompt"] for r in held_out})
     train_file = write_jsonl(tmp_path / "train.jsonl", train)
     # The teacher: the tiny model after a short SFT on the task, so its predictions are sharp.
-    sft = parse_config(SFTConfig, {
-        "model": {"path": str(tiny_model_dir), "dtype": "float32"},
-        "data": {"train": [str(train_file)], "max_length": 64, "min_response_tokens": 8},
-        "optim": {"lr": 3e-3, "warmup_steps": 5},
-        "train": {"output_dir": str(tmp_path / "teacher"), "max_steps": 60, "global_batch_size": 32,
-                  "micro_batch_size": 32, "logging": {"progress_bar": False}},
-    })
+    sft = parse_config(
+        SFTConfig,
+        {
+            "model": {"path": str(tiny_model_dir), "dtype": "float32"},
+            "data": {"train": [str(train_file)], "max_length": 64, "min_response_tokens": 8},
+            "optim": {"lr": 3e-3, "warmup_steps": 5},
+            "train": {
+                "output_dir": str(tmp_path / "teacher"),
+                "max_steps": 60,
+                "global_batch_size": 32,
+                "micro_batch_size": 32,
+                "logging": {"progress_bar": False},
+            },
+        },
+    )
     SFTTrainer(sft).run()
     teacher = tmp_path / "teacher" / "final"
     before = mean_divergence(teacher, student_dir, held_out)
 
     out = tmp_path / "kd"
-    KDTrainer(kd_config(student_dir, teacher, train_file, out, max_steps=60, global_batch_size=32,
-                        micro_batch_size=32)).run()
+    KDTrainer(
+        kd_config(student_dir, teacher, train_file, out, max_steps=60, global_batch_size=32, micro_batch_size=32)
+    ).run()
     after = mean_divergence(teacher, out / "final", held_out)
     assert after < 0.5 * before, (before, after)

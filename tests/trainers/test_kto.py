@@ -16,8 +16,8 @@ from raylign.config.commands import SFTConfig
 from raylign.config.kto import KTOConfig
 from raylign.data import RowError
 from raylign.tasks.evaluate import greedy_chat_answers
-from raylign.trainers.metrics import read_metrics
 from raylign.trainers.kto import KTOTrainer
+from raylign.trainers.metrics import read_metrics
 from raylign.trainers.sft import SFTTrainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,21 +42,30 @@ def is_desirable(reply: str) -> bool:
 
 
 def kto_config(model_dir, train_file, out, kto=None, **train) -> KTOConfig:
-    return parse_config(KTOConfig, {
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "data": {"train": [str(train_file)], "max_length": 64, "min_response_tokens": 8},
-        "kto": {"beta": 0.1, **(kto or {})},
-        "optim": {"lr": 1e-3, "weight_decay": 0.0},
-        "train": {"output_dir": str(out), "global_batch_size": 16, "micro_batch_size": 8,
-                  "logging": {"progress_bar": False}, **train},
-    })
+    return parse_config(
+        KTOConfig,
+        {
+            "model": {"path": str(model_dir), "dtype": "float32"},
+            "data": {"train": [str(train_file)], "max_length": 64, "min_response_tokens": 8},
+            "kto": {"beta": 0.1, **(kto or {})},
+            "optim": {"lr": 1e-3, "weight_decay": 0.0},
+            "train": {
+                "output_dir": str(out),
+                "global_batch_size": 16,
+                "micro_batch_size": 8,
+                "logging": {"progress_bar": False},
+                **train,
+            },
+        },
+    )
 
 
 @torch.no_grad()
 def completion_logprob(model, tokenizer, prompt: str, completion: str) -> float:
     """log p(completion + end of turn | chat prompt), summed over the completion's tokens."""
-    prefix = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True)
+    prefix = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
     prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
     reply_ids = tokenizer(completion + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([prefix_ids + reply_ids])
@@ -68,8 +77,10 @@ def preference_gap(model_dir: Path, rows: list[tuple[str, str, str]]) -> float:
     """Mean over held-out prompts of log p(desirable reply) - log p(undesirable reply)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    gaps = [completion_logprob(model, tokenizer, p, good) - completion_logprob(model, tokenizer, p, bad)
-            for p, good, bad in rows]
+    gaps = [
+        completion_logprob(model, tokenizer, p, good) - completion_logprob(model, tokenizer, p, bad)
+        for p, good, bad in rows
+    ]
     return sum(gaps) / len(gaps)
 
 
@@ -100,8 +111,16 @@ def test_without_the_kl_estimate_the_reference_point_is_zero(tmp_path, tiny_mode
     rng = random.Random(1)
     rows = [letters_row(rng, desirable=i % 2 == 0) for i in range(8)]
     out = tmp_path / "run"
-    cfg = kto_config(tiny_model_dir, write_jsonl(tmp_path / "train.jsonl", rows), out,
-                     kto={"estimate_kl": False}, max_steps=2, global_batch_size=8, micro_batch_size=1, export=False)
+    cfg = kto_config(
+        tiny_model_dir,
+        write_jsonl(tmp_path / "train.jsonl", rows),
+        out,
+        kto={"estimate_kl": False},
+        max_steps=2,
+        global_batch_size=8,
+        micro_batch_size=1,
+        export=False,
+    )
     cfg.data.packing = False
     KTOTrainer(cfg).run()
     assert all(r["train/kl"] == 0 for r in read_metrics(out) if "train/kl" in r)
@@ -111,9 +130,16 @@ def test_desirable_and_undesirable_weights_scale_their_examples_losses(tmp_path,
     rng = random.Random(5)
     rows = [letters_row(rng, desirable=i < 2) for i in range(8)]  # 2 desirable, 6 undesirable
     out = tmp_path / "run"
-    cfg = kto_config(tiny_model_dir, write_jsonl(tmp_path / "train.jsonl", rows), out,
-                     kto={"desirable_weight": 3.0, "undesirable_weight": 0.5}, max_steps=1, global_batch_size=8,
-                     micro_batch_size=4, export=False)
+    cfg = kto_config(
+        tiny_model_dir,
+        write_jsonl(tmp_path / "train.jsonl", rows),
+        out,
+        kto={"desirable_weight": 3.0, "undesirable_weight": 0.5},
+        max_steps=1,
+        global_batch_size=8,
+        micro_batch_size=4,
+        export=False,
+    )
     KTOTrainer(cfg).run()
     first = next(r for r in read_metrics(out) if "train/loss" in r)
     # Policy = reference at step 1: every example's loss is its weight times 1 - sigma(0) = 1/2.
@@ -122,8 +148,14 @@ def test_desirable_and_undesirable_weights_scale_their_examples_losses(tmp_path,
 
 def test_kl_pairs_need_two_examples_per_micro_batch():
     with pytest.raises(ConfigError, match="train.micro_batch_size must be >= 2"):
-        parse_config(KTOConfig, {"model": {"path": "m"}, "data": {"train": ["t.jsonl"]},
-                                 "train": {"global_batch_size": 4, "micro_batch_size": 1}})
+        parse_config(
+            KTOConfig,
+            {
+                "model": {"path": "m"},
+                "data": {"train": ["t.jsonl"]},
+                "train": {"global_batch_size": 4, "micro_batch_size": 1},
+            },
+        )
 
 
 def test_a_non_boolean_label_stops_the_run_naming_the_row(tmp_path, tiny_model_dir):
@@ -143,9 +175,19 @@ def test_help_describes_every_field(capsys):
 
 def test_example_config_runs(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.chdir(REPO)
-    argv = ["kto", "--config", "examples/kto_tiny.yaml", "--model.path", str(tiny_model_dir),
-            "--train.output_dir", str(tmp_path / "run"), "--train.max_steps", "3",
-            "--train.logging.progress_bar", "false"]
+    argv = [
+        "kto",
+        "--config",
+        "examples/kto_tiny.yaml",
+        "--model.path",
+        str(tiny_model_dir),
+        "--train.output_dir",
+        str(tmp_path / "run"),
+        "--train.max_steps",
+        "3",
+        "--train.logging.progress_bar",
+        "false",
+    ]
     assert main(argv) == 0
     assert (tmp_path / "run" / "final" / "config.json").is_file()
 
@@ -160,14 +202,49 @@ def test_two_ranks_average_the_reference_point_like_one_rank_with_their_joint_ba
     # micro-batches of 8 once the two halves end with the same completion.
     second[-1] = {**second[-1], "completion": first[-1]["completion"]}
     train_file = write_jsonl(tmp_path / "train.jsonl", first + second)
-    common = ["kto", "--model.path", str(tiny_model_dir), "--model.dtype", "float32",
-              "--data.train", str(train_file), "--data.shuffle", "false", "--data.max_length", "64",
-              "--data.min_response_tokens", "8", "--optim.lr", "1e-3", "--train.max_steps", "3",
-              "--train.global_batch_size", "16", "--train.export", "false", "--train.logging.progress_bar", "false"]
+    common = [
+        "kto",
+        "--model.path",
+        str(tiny_model_dir),
+        "--model.dtype",
+        "float32",
+        "--data.train",
+        str(train_file),
+        "--data.shuffle",
+        "false",
+        "--data.max_length",
+        "64",
+        "--data.min_response_tokens",
+        "8",
+        "--optim.lr",
+        "1e-3",
+        "--train.max_steps",
+        "3",
+        "--train.global_batch_size",
+        "16",
+        "--train.export",
+        "false",
+        "--train.logging.progress_bar",
+        "false",
+    ]
     # One rank with one micro-batch of 16 vs two ranks with 8 each: z0 is the mean over the same 16 pairs.
     assert main([*common, "--train.output_dir", str(tmp_path / "one"), "--train.micro_batch_size", "16"]) == 0
-    assert main([*common, "--train.output_dir", str(tmp_path / "two"), "--train.micro_batch_size", "8",
-                 "--engine.backend", "fsdp2", "--engine.num_processes", "2"]) == 0
+    assert (
+        main(
+            [
+                *common,
+                "--train.output_dir",
+                str(tmp_path / "two"),
+                "--train.micro_batch_size",
+                "8",
+                "--engine.backend",
+                "fsdp2",
+                "--engine.num_processes",
+                "2",
+            ]
+        )
+        == 0
+    )
     one = [r for r in read_metrics(tmp_path / "one") if "train/loss" in r]
     two = [r for r in read_metrics(tmp_path / "two") if "train/loss" in r]
     assert len(one) == len(two) == 3
@@ -181,14 +258,25 @@ def _sft_base(tmp_path: Path, model_dir: Path) -> Path:
     """A policy that answers with three letters, mostly undesirable ones (70% of its training replies)."""
     rng = random.Random(2)
     rows = [letters_row(rng, desirable=rng.random() < 0.3) for _ in range(1500)]
-    cfg = parse_config(SFTConfig, {
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "data": {"train": [str(write_jsonl(tmp_path / "sft.jsonl", rows))], "max_length": 64,
-                 "min_response_tokens": 8},
-        "optim": {"lr": 3e-3, "warmup_steps": 5, "min_lr_ratio": 0.1},
-        "train": {"output_dir": str(tmp_path / "sft"), "max_steps": 80, "global_batch_size": 32,
-                  "micro_batch_size": 32, "logging": {"progress_bar": False}},
-    })
+    cfg = parse_config(
+        SFTConfig,
+        {
+            "model": {"path": str(model_dir), "dtype": "float32"},
+            "data": {
+                "train": [str(write_jsonl(tmp_path / "sft.jsonl", rows))],
+                "max_length": 64,
+                "min_response_tokens": 8,
+            },
+            "optim": {"lr": 3e-3, "warmup_steps": 5, "min_lr_ratio": 0.1},
+            "train": {
+                "output_dir": str(tmp_path / "sft"),
+                "max_steps": 80,
+                "global_batch_size": 32,
+                "micro_batch_size": 32,
+                "logging": {"progress_bar": False},
+            },
+        },
+    )
     SFTTrainer(cfg).run()
     return tmp_path / "sft" / "final"
 

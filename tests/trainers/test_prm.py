@@ -55,15 +55,28 @@ def first_wrong(correct: list[bool]) -> int | None:
 
 
 def prm_config(model_dir, train_file, out, data=None, prm=None, **train) -> PRMConfig:
-    return parse_config(PRMConfig, {
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "data": {"train": [str(train_file)], "format": "plain", "max_length": 64, "min_response_tokens": 8,
-                 **(data or {})},
-        "prm": {"step_separator": SEP, **(prm or {})},
-        "optim": {"lr": 2e-3, "weight_decay": 0.0},
-        "train": {"output_dir": str(out), "global_batch_size": 16, "micro_batch_size": 8,
-                  "logging": {"progress_bar": False}, **train},
-    })
+    return parse_config(
+        PRMConfig,
+        {
+            "model": {"path": str(model_dir), "dtype": "float32"},
+            "data": {
+                "train": [str(train_file)],
+                "format": "plain",
+                "max_length": 64,
+                "min_response_tokens": 8,
+                **(data or {}),
+            },
+            "prm": {"step_separator": SEP, **(prm or {})},
+            "optim": {"lr": 2e-3, "weight_decay": 0.0},
+            "train": {
+                "output_dir": str(out),
+                "global_batch_size": 16,
+                "micro_batch_size": 8,
+                "logging": {"progress_bar": False},
+                **train,
+            },
+        },
+    )
 
 
 def test_prm_trains_and_saves_a_scorer_that_reloads(tmp_path, tiny_model_dir):
@@ -102,9 +115,17 @@ def test_prm_trains_and_saves_a_scorer_that_reloads(tmp_path, tiny_model_dir):
 def test_soft_labels_and_padded_batches_train(tmp_path, tiny_model_dir):
     rows = [{"prompt": "p", "steps": ["1+1=2", "2+2=5"], "labels": [0.9, 0.2]}] * 8
     out = tmp_path / "run"
-    cfg = prm_config(tiny_model_dir, write_jsonl(tmp_path / "soft.jsonl", rows), out,
-                     data={"packing": False}, prm={"label_type": "soft"}, max_steps=6, global_batch_size=8,
-                     micro_batch_size=4, export=False)
+    cfg = prm_config(
+        tiny_model_dir,
+        write_jsonl(tmp_path / "soft.jsonl", rows),
+        out,
+        data={"packing": False},
+        prm={"label_type": "soft"},
+        max_steps=6,
+        global_batch_size=8,
+        micro_batch_size=4,
+        export=False,
+    )
     cfg.optim.lr = 1e-4
     PRMTrainer(cfg).run()
     losses = [r["train/loss"] for r in read_metrics(out) if "train/loss" in r]
@@ -115,8 +136,10 @@ def test_soft_labels_and_padded_batches_train(tmp_path, tiny_model_dir):
 
 
 def test_a_row_with_more_steps_than_labels_stops_the_run_naming_it(tmp_path, tiny_model_dir):
-    rows = [{"prompt": "p", "steps": ["1+1=2"], "labels": [True]},
-            {"prompt": "p", "steps": ["1+1=2", "2+2=4"], "labels": [True]}]
+    rows = [
+        {"prompt": "p", "steps": ["1+1=2"], "labels": [True]},
+        {"prompt": "p", "steps": ["1+1=2", "2+2=4"], "labels": [True]},
+    ]
     train_file = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(RowError, match=rf"{train_file}, row 2, key 'labels': 1 labels for 2 steps"):
         PRMTrainer(prm_config(tiny_model_dir, train_file, tmp_path / "run", max_steps=1)).run()
@@ -137,9 +160,19 @@ def test_help_describes_every_field(capsys):
 
 def test_example_config_runs(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.chdir(REPO)
-    argv = ["prm", "--config", "examples/prm_tiny.yaml", "--model.path", str(tiny_model_dir),
-            "--train.output_dir", str(tmp_path / "run"), "--train.max_steps", "3",
-            "--train.logging.progress_bar", "false"]
+    argv = [
+        "prm",
+        "--config",
+        "examples/prm_tiny.yaml",
+        "--model.path",
+        str(tiny_model_dir),
+        "--train.output_dir",
+        str(tmp_path / "run"),
+        "--train.max_steps",
+        "3",
+        "--train.logging.progress_bar",
+        "false",
+    ]
     assert main(argv) == 0
     assert (tmp_path / "run" / "final" / "config.json").is_file()
 
@@ -156,15 +189,24 @@ def test_prm_finds_the_first_wrong_step_of_held_out_chains(tmp_path):
     # Every chain is 29 tokens long, so padded batches hold no padding, while one packed row of 32
     # chains (928 tokens) makes attention quadratic in its length: twice the time per step. Packed
     # PRM batches are covered by the tests above and by tests/models/test_heads.py.
-    cfg = prm_config(model_dir, write_jsonl(tmp_path / "train.jsonl", train), out, data={"packing": False},
-                     max_steps=500, global_batch_size=32, micro_batch_size=32, seed=0)
+    cfg = prm_config(
+        model_dir,
+        write_jsonl(tmp_path / "train.jsonl", train),
+        out,
+        data={"packing": False},
+        max_steps=500,
+        global_batch_size=32,
+        micro_batch_size=32,
+        seed=0,
+    )
     cfg.optim.warmup_steps = 20
     cfg.optim.min_lr_ratio = 0.1
     PRMTrainer(cfg).run()
 
     model, tokenizer = load_prm(out / "final")
-    predicted = [first_wrong([s >= 0.5 for s in score_steps(model, tokenizer, r["prompt"], r["steps"])])
-                 for r in held_out]
+    predicted = [
+        first_wrong([s >= 0.5 for s in score_steps(model, tokenizer, r["prompt"], r["steps"])]) for r in held_out
+    ]
     truth = [first_wrong(r["labels"]) for r in held_out]
     accuracy = sum(p == t for p, t in zip(predicted, truth)) / len(held_out)
     # Chance: the best constant guess of the first wrong step (index or None), from the training labels.

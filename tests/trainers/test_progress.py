@@ -177,11 +177,32 @@ def test_sft_cli_without_a_terminal_logs_progress_lines(tmp_path, tiny_model_dir
     command = [str(script)] if script.exists() else [shutil.which("raylign") or "raylign"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RAYLIGN_PROGRESS", None)
-    proc = subprocess.run(command + ["sft", "--config", "examples/sft_tiny.yaml", "--model.path", str(tiny_model_dir),
-                                     "--train.output_dir", str(tmp_path / "sft"), "--train.max_steps", "4",
-                                     "--train.save_every", "0", "--train.eval_every", "0", "--train.export", "false"],
-                          cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        command
+        + [
+            "sft",
+            "--config",
+            "examples/sft_tiny.yaml",
+            "--model.path",
+            str(tiny_model_dir),
+            "--train.output_dir",
+            str(tmp_path / "sft"),
+            "--train.max_steps",
+            "4",
+            "--train.save_every",
+            "0",
+            "--train.eval_every",
+            "0",
+            "--train.export",
+            "false",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
     # The CLI's log handler may wrap a long line, but each line starts with the position.

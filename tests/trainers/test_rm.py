@@ -38,8 +38,11 @@ def ends_with_a_pairs(num_rows: int, seed: int, with_margin: bool = False) -> li
         n = rng.randint(2, 4)
         body = [rng.choice("abcdefgh") for _ in range(n)]
         rejected = [rng.choice("abcdefgh") for _ in range(n)] + [rng.choice("bcdefgh")]
-        row = {"prompt": "letters: " + " ".join(rng.choice("bcdefgh") for _ in range(3)),
-               "chosen": " ".join(body + ["a"]), "rejected": " ".join(rejected)}
+        row = {
+            "prompt": "letters: " + " ".join(rng.choice("bcdefgh") for _ in range(3)),
+            "chosen": " ".join(body + ["a"]),
+            "rejected": " ".join(rejected),
+        }
         if with_margin:
             row["margin"] = round(rng.uniform(0, 2), 2)
         rows.append(row)
@@ -50,14 +53,22 @@ def rm_config(model_dir, train_file, out, eval_file=None, rm=None, **train) -> R
     data = {"train": [str(train_file)], "format": "chat", "max_length": 64, "min_response_tokens": 8}
     if eval_file is not None:
         data["eval"] = [str(eval_file)]
-    return parse_config(RMConfig, {
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "data": data,
-        "rm": rm or {},
-        "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0},
-        "train": {"output_dir": str(out), "global_batch_size": 8, "micro_batch_size": 4,
-                  "logging": {"progress_bar": False}, **train},
-    })
+    return parse_config(
+        RMConfig,
+        {
+            "model": {"path": str(model_dir), "dtype": "float32"},
+            "data": data,
+            "rm": rm or {},
+            "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0},
+            "train": {
+                "output_dir": str(out),
+                "global_batch_size": 8,
+                "micro_batch_size": 4,
+                "logging": {"progress_bar": False},
+                **train,
+            },
+        },
+    )
 
 
 @torch.no_grad()
@@ -81,8 +92,14 @@ def short_run(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("rm_short")
     train_rows = ends_with_a_pairs(64, seed=0, with_margin=True)
     eval_rows = ends_with_a_pairs(12, seed=1, with_margin=True)
-    cfg = rm_config(tiny_model_dir, write_jsonl(tmp / "train.jsonl", train_rows), tmp / "run",
-                    eval_file=write_jsonl(tmp / "eval.jsonl", eval_rows), rm={"margin_key": "margin"}, max_steps=8)
+    cfg = rm_config(
+        tiny_model_dir,
+        write_jsonl(tmp / "train.jsonl", train_rows),
+        tmp / "run",
+        eval_file=write_jsonl(tmp / "eval.jsonl", eval_rows),
+        rm={"margin_key": "margin"},
+        max_steps=8,
+    )
     final_metrics = RMTrainer(cfg).run()
     return {"out": tmp / "run", "train": train_rows, "eval": eval_rows, "final": final_metrics}
 
@@ -127,8 +144,11 @@ def test_rm_stores_the_mean_and_std_of_its_scores_on_the_train_set(short_run):
 def test_stored_statistics_use_the_keys_the_rl_reward_source_reads():
     from raylign.rollout.rewards import reward_model
 
-    assert (MEAN_KEY, STD_KEY) == (reward_model.MEAN_KEY, reward_model.STD_KEY) == (
-        "raylign_reward_mean", "raylign_reward_std")
+    assert (
+        (MEAN_KEY, STD_KEY)
+        == (reward_model.MEAN_KEY, reward_model.STD_KEY)
+        == ("raylign_reward_mean", "raylign_reward_std")
+    )
 
 
 # --- scoring layout -------------------------------------------------------------------
@@ -145,8 +165,12 @@ def test_last_token_scores_of_padded_and_packed_batches_equal_each_sequence_alon
     pairs = build_pair_datasets(data, tokenizer).train
     model = load_score_model(ModelConfig(path=str(tiny_model_dir), dtype="float32")).eval()
     with torch.no_grad():
-        alone = [float(model(input_ids=torch.tensor([p.prompt_ids + ids])).logits[0, 0])
-                 for side in ("chosen_ids", "rejected_ids") for p in pairs for ids in [getattr(p, side)]]
+        alone = [
+            float(model(input_ids=torch.tensor([p.prompt_ids + ids])).logits[0, 0])
+            for side in ("chosen_ids", "rejected_ids")
+            for p in pairs
+            for ids in [getattr(p, side)]
+        ]
         for packed in (False, True):
             batch = collate_pairs(pairs, tokenizer.pad_token_id, packed=packed)
             got = last_token_scores(model, score_head(model), batch)
@@ -159,8 +183,14 @@ def test_last_token_scores_of_padded_and_packed_batches_equal_each_sequence_alon
 @pytest.mark.slow
 def test_rm_learns_to_prefer_replies_ending_with_a_on_held_out_pairs(tmp_path, tiny_model_dir):
     train_rows, held_out = ends_with_a_pairs(600, seed=0), ends_with_a_pairs(100, seed=1)
-    cfg = rm_config(tiny_model_dir, write_jsonl(tmp_path / "train.jsonl", train_rows), tmp_path / "run",
-                    max_steps=80, global_batch_size=16, micro_batch_size=16)
+    cfg = rm_config(
+        tiny_model_dir,
+        write_jsonl(tmp_path / "train.jsonl", train_rows),
+        tmp_path / "run",
+        max_steps=80,
+        global_batch_size=16,
+        micro_batch_size=16,
+    )
     RMTrainer(cfg).run()
     final = tmp_path / "run" / "final"
     accuracy = float(np.mean(hf_scores(final, held_out, "chosen") > hf_scores(final, held_out, "rejected")))
@@ -170,11 +200,16 @@ def test_rm_learns_to_prefer_replies_ending_with_a_on_held_out_pairs(tmp_path, t
 # --- bad input and the command line ------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad_row, message", [
-    ({"prompt": "p", "chosen": "same", "rejected": "same"},
-     "row 3, key 'rejected': 'chosen' and 'rejected' are identical"),
-    ({"prompt": "p", "chosen": "x"}, "row 3, key 'rejected': missing key"),
-])
+@pytest.mark.parametrize(
+    "bad_row, message",
+    [
+        (
+            {"prompt": "p", "chosen": "same", "rejected": "same"},
+            "row 3, key 'rejected': 'chosen' and 'rejected' are identical",
+        ),
+        ({"prompt": "p", "chosen": "x"}, "row 3, key 'rejected': missing key"),
+    ],
+)
 def test_bad_pair_stops_the_run_naming_the_row(tmp_path, tiny_model_dir, bad_row, message):
     rows = ends_with_a_pairs(2, seed=0) + [bad_row]
     cfg = rm_config(tiny_model_dir, write_jsonl(tmp_path / "train.jsonl", rows), tmp_path / "run", max_steps=1)
@@ -185,17 +220,34 @@ def test_bad_pair_stops_the_run_naming_the_row(tmp_path, tiny_model_dir, bad_row
 def test_missing_margin_key_is_an_error_naming_the_row(tmp_path, tiny_model_dir):
     rows = ends_with_a_pairs(3, seed=0, with_margin=True)
     del rows[1]["margin"]
-    cfg = rm_config(tiny_model_dir, write_jsonl(tmp_path / "train.jsonl", rows), tmp_path / "run",
-                    rm={"margin_key": "margin"}, max_steps=1)
+    cfg = rm_config(
+        tiny_model_dir,
+        write_jsonl(tmp_path / "train.jsonl", rows),
+        tmp_path / "run",
+        rm={"margin_key": "margin"},
+        max_steps=1,
+    )
     with pytest.raises(RowError, match="row 2, key 'margin': missing key"):
         RMTrainer(cfg).run()
 
 
 def test_rm_example_config_runs(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.chdir(REPO)
-    code = main(["rm", "--config", "examples/rm_tiny.yaml", "--model.path", str(tiny_model_dir),
-                 "--train.output_dir", str(tmp_path / "run"), "--train.max_steps", "3",
-                 "--train.logging.progress_bar", "false"])
+    code = main(
+        [
+            "rm",
+            "--config",
+            "examples/rm_tiny.yaml",
+            "--model.path",
+            str(tiny_model_dir),
+            "--train.output_dir",
+            str(tmp_path / "run"),
+            "--train.max_steps",
+            "3",
+            "--train.logging.progress_bar",
+            "false",
+        ]
+    )
     assert code == 0
     assert (tmp_path / "run" / "final" / "config.json").is_file()
 
@@ -216,11 +268,39 @@ def test_two_rank_fsdp2_run_stores_statistics_of_all_train_pairs(tmp_path, tiny_
     train_rows, eval_rows = ends_with_a_pairs(17, seed=0), ends_with_a_pairs(8, seed=1)
     train_file, eval_file = write_jsonl(tmp_path / "t.jsonl", train_rows), write_jsonl(tmp_path / "e.jsonl", eval_rows)
     out = tmp_path / "run"
-    code = main(["rm", "--model.path", str(tiny_model_dir), "--model.dtype", "float32", "--data.train", str(train_file),
-                 "--data.eval", str(eval_file), "--data.max_length", "64", "--data.min_response_tokens", "8",
-                 "--train.output_dir", str(out), "--train.max_steps", "2", "--train.global_batch_size", "8",
-                 "--train.micro_batch_size", "4", "--train.eval_batch_size", "4", "--train.logging.progress_bar",
-                 "false", "--engine.backend", "fsdp2", "--engine.num_processes", "2"])
+    code = main(
+        [
+            "rm",
+            "--model.path",
+            str(tiny_model_dir),
+            "--model.dtype",
+            "float32",
+            "--data.train",
+            str(train_file),
+            "--data.eval",
+            str(eval_file),
+            "--data.max_length",
+            "64",
+            "--data.min_response_tokens",
+            "8",
+            "--train.output_dir",
+            str(out),
+            "--train.max_steps",
+            "2",
+            "--train.global_batch_size",
+            "8",
+            "--train.micro_batch_size",
+            "4",
+            "--train.eval_batch_size",
+            "4",
+            "--train.logging.progress_bar",
+            "false",
+            "--engine.backend",
+            "fsdp2",
+            "--engine.num_processes",
+            "2",
+        ]
+    )
     assert code == 0
     scores = np.concatenate([hf_scores(out / "final", train_rows, side) for side in ("chosen", "rejected")])
     config = json.loads((out / "final" / "config.json").read_text())

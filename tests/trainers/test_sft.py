@@ -23,29 +23,44 @@ from raylign.trainers.metrics import read_metrics
 from raylign.trainers.sft import SFTTrainer
 
 
-
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 def sft_config(model_dir, train_file, out, **train) -> SFTConfig:
-    return parse_config(SFTConfig, {
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "data": {"train": [str(train_file)], "format": "chat", "max_length": 64, "min_response_tokens": 8},
-        "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0},
-        "train": {"output_dir": str(out), "global_batch_size": 8, "micro_batch_size": 4,
-                  "logging": {"progress_bar": False}, **train},
-    })
+    return parse_config(
+        SFTConfig,
+        {
+            "model": {"path": str(model_dir), "dtype": "float32"},
+            "data": {"train": [str(train_file)], "format": "chat", "max_length": 64, "min_response_tokens": 8},
+            "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0},
+            "train": {
+                "output_dir": str(out),
+                "global_batch_size": 8,
+                "micro_batch_size": 4,
+                "logging": {"progress_bar": False},
+                **train,
+            },
+        },
+    )
 
 
 @pytest.mark.slow
 def test_sft_learns_to_reverse_letters(tmp_path, tiny_model_dir):
     held_out = make_string_rows("reverse", 100, seed=1, alphabet="abcdefgh", min_len=3, max_len=4)
-    train = make_string_rows("reverse", 2000, seed=0, alphabet="abcdefgh", min_len=3, max_len=4,
-                             exclude={r["prompt"] for r in held_out})
-    cfg = sft_config(tiny_model_dir, write_jsonl(tmp_path / "train.jsonl", train), tmp_path / "run",
-                     max_steps=300, global_batch_size=32, micro_batch_size=32, seed=0)
+    train = make_string_rows(
+        "reverse", 2000, seed=0, alphabet="abcdefgh", min_len=3, max_len=4, exclude={r["prompt"] for r in held_out}
+    )
+    cfg = sft_config(
+        tiny_model_dir,
+        write_jsonl(tmp_path / "train.jsonl", train),
+        tmp_path / "run",
+        max_steps=300,
+        global_batch_size=32,
+        micro_batch_size=32,
+        seed=0,
+    )
     cfg.optim.min_lr_ratio = 0.1
     cfg.optim.warmup_steps = 10
     SFTTrainer(cfg).run()
@@ -144,7 +159,9 @@ def test_run_killed_after_checkpoint_resumes_to_identical_weights(tmp_path, tiny
     resumed_steps = [r["step"] for r in records if "train/loss" in r]
     assert resumed_steps == [1, 2, 3, 4, 5, 6]  # each step once: the first step 4 was superseded
     assert [r["step"] for r in records if any(k.startswith("data/") for k in r)] == [0]
-    superseded = [json.loads(line) for line in (tmp_path / "crashed" / "metrics.superseded.jsonl").read_text().splitlines()]
+    superseded = [
+        json.loads(line) for line in (tmp_path / "crashed" / "metrics.superseded.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in superseded] == [4]
     assert tensorboard_steps(tmp_path / "crashed", "train/loss") == [1, 2, 3, 4, 5, 6]
 

@@ -11,8 +11,8 @@ from raylign.rollout.rewards.base import RewardError, RewardResult, RewardSource
 from raylign.rollout.rewards.builtin import ExactMatchReward, FormatReward, MathReward
 from raylign.rollout.rewards.combined import CombinedReward, WeightedSource, build_reward, build_source
 from raylign.rollout.rewards.function import PythonFileReward
-from raylign.rollout.rewards.rendering import PROMPT_MESSAGES_KEY
 from raylign.rollout.rewards.remote import HttpRewardSource
+from raylign.rollout.rewards.rendering import PROMPT_MESSAGES_KEY
 from raylign.rollout.rewards.reward_model import LocalRewardModel, RewardModelScorer, RewardModelSource
 
 __all__ = [

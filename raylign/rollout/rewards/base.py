@@ -46,8 +46,9 @@ def describe_batch(prompts: Sequence[str], offset: int = 0) -> str:
     return f"{count} {noun} starting at {describe_sample(prompts, 0, offset)}"
 
 
-def check_batch(prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any],
-                metadata: Sequence[dict]) -> None:
+def check_batch(
+    prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any], metadata: Sequence[dict]
+) -> None:
     """Equal lengths, string prompts and responses, dict metadata; else ValueError naming the sample."""
     lengths = {"prompts": len(prompts), "responses": len(responses), "labels": len(labels), "metadata": len(metadata)}
     if len(set(lengths.values())) != 1:
@@ -97,8 +98,9 @@ def _as_number(value: Any) -> float | None:
         return math.inf
 
 
-def to_float_list(values: Any, expected_len: int, what: str, prompts: Sequence[str], offset: int = 0,
-                  finite: bool = True) -> list[float]:
+def to_float_list(
+    values: Any, expected_len: int, what: str, prompts: Sequence[str], offset: int = 0, finite: bool = True
+) -> list[float]:
     """``values`` as a list of finite floats of length ``expected_len``; else RewardError saying ``what`` was wrong.
     ``finite=False`` lets NaN and infinities through (``reward.non_finite: drop``).
 
@@ -172,14 +174,13 @@ class RewardSource(ABC):
         return RewardResult(rewards=rewards, metrics=metrics)
 
     @abstractmethod
-    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
-               metadata: list[dict]) -> RewardResult:
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         """Score a checked, non-empty batch."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook
         """Release worker processes, actors or connections; the source cannot score afterwards."""
 
-    def __enter__(self) -> "RewardSource":
+    def __enter__(self) -> RewardSource:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -92,8 +92,7 @@ class MathReward(RewardSource):
 
     description = "math reward"
 
-    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
-               metadata: list[dict]) -> RewardResult:
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         rewards, found = [], []
         for i, (response, label) in enumerate(zip(responses, labels)):
             if label is None:
@@ -124,8 +123,7 @@ class ExactMatchReward(RewardSource):
         text = normalize_whitespace(text)
         return text if self.case_sensitive else text.casefold()
 
-    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
-               metadata: list[dict]) -> RewardResult:
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         rewards = []
         for i, (response, label) in enumerate(zip(responses, labels)):
             if label is None:
@@ -145,6 +143,5 @@ class FormatReward(RewardSource):
         except re.error as err:
             raise ValueError(f"format reward: invalid regex {pattern!r}: {err}") from None
 
-    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
-               metadata: list[dict]) -> RewardResult:
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         return RewardResult(rewards=[1.0 if self.regex.fullmatch(r) else 0.0 for r in responses])

@@ -33,8 +33,7 @@ class CombinedReward(RewardSource):
             raise ValueError(f"reward source names must be unique, got {names}")
         self.sources = sources
 
-    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
-               metadata: list[dict]) -> RewardResult:
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         total = [0.0] * len(prompts)
         metrics: dict[str, list[float]] = {}
         for item in self.sources:
@@ -62,19 +61,38 @@ def build_source(cfg: RewardSourceConfig, startup_timeout_s: float = 600.0) -> R
     if cfg.kind == "function":
         from raylign.rollout.rewards.function import PythonFileReward
 
-        return PythonFileReward(cfg.path, cfg.function_name, num_workers=cfg.num_workers, timeout_s=cfg.timeout_s,
-                                startup_timeout_s=startup_timeout_s)
+        return PythonFileReward(
+            cfg.path,
+            cfg.function_name,
+            num_workers=cfg.num_workers,
+            timeout_s=cfg.timeout_s,
+            startup_timeout_s=startup_timeout_s,
+        )
     if cfg.kind == "reward_model":
         from raylign.rollout.rewards.reward_model import RewardModelSource
 
-        return RewardModelSource(cfg.model_path, batch_size=cfg.batch_size, normalize=cfg.normalize,
-                                 max_length=cfg.max_length, dtype=cfg.dtype, num_cpus=cfg.num_cpus,
-                                 num_gpus=cfg.num_gpus, startup_timeout_s=startup_timeout_s, timeout_s=cfg.timeout_s)
+        return RewardModelSource(
+            cfg.model_path,
+            batch_size=cfg.batch_size,
+            normalize=cfg.normalize,
+            max_length=cfg.max_length,
+            dtype=cfg.dtype,
+            num_cpus=cfg.num_cpus,
+            num_gpus=cfg.num_gpus,
+            startup_timeout_s=startup_timeout_s,
+            timeout_s=cfg.timeout_s,
+        )
     if cfg.kind == "http":
         from raylign.rollout.rewards.remote import HttpRewardSource
 
-        return HttpRewardSource(cfg.url, api_key=cfg.resolved_api_key(), timeout_s=cfg.timeout_s,
-                                max_retries=cfg.max_retries, backoff_s=cfg.backoff_s, batch_size=cfg.batch_size)
+        return HttpRewardSource(
+            cfg.url,
+            api_key=cfg.resolved_api_key(),
+            timeout_s=cfg.timeout_s,
+            max_retries=cfg.max_retries,
+            backoff_s=cfg.backoff_s,
+            batch_size=cfg.batch_size,
+        )
     from raylign.rollout.rewards.builtin import ExactMatchReward, FormatReward, MathReward
 
     if cfg.kind == "math":

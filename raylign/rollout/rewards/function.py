@@ -113,8 +113,9 @@ class PythonFileReward(RewardSource):
 
     def _start_pool(self) -> None:
         """Spawn the workers and import the file in each, so start-up never counts against ``timeout_s``."""
-        executor = ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=ignore_interrupts)
+        executor = ProcessPoolExecutor(
+            self.num_workers, mp_context=multiprocessing.get_context("spawn"), initializer=ignore_interrupts
+        )
         self._executor = executor
         self._finalizer = weakref.finalize(self, _stop_pool, executor)
         probes = [executor.submit(check_loadable, str(self.path), self.function_name) for _ in range(self.num_workers)]
@@ -146,14 +147,18 @@ class PythonFileReward(RewardSource):
         for start, end in split_evenly(len(prompts), self.num_workers):
             chunk_columns = {k: v[start:end] for k, v in columns.items()}
             future = self._executor.submit(
-                call_reward_function, str(self.path), self.function_name,
-                prompts[start:end], responses[start:end], labels[start:end], chunk_columns,
+                call_reward_function,
+                str(self.path),
+                self.function_name,
+                prompts[start:end],
+                responses[start:end],
+                labels[start:end],
+                chunk_columns,
             )
             chunks.append((start, end, future))
         return chunks
 
-    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
-               metadata: list[dict]) -> RewardResult:
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         """Scores the batch; a worker that dies (killed, out of memory) is restarted and the batch
         scored again, once: a batch that kills a worker twice is an error."""
         for attempt in (1, 2):
@@ -163,15 +168,23 @@ class PythonFileReward(RewardSource):
                 return self._score_once(prompts, responses, labels, metadata)
             except _WorkerDied as died:
                 if attempt == 2:
-                    raise RewardError(f"{self.description}: a worker process died (killed, out of memory or "
-                                      f"os._exit) on {died.where}, again after a restart") from None
+                    raise RewardError(
+                        f"{self.description}: a worker process died (killed, out of memory or "
+                        f"os._exit) on {died.where}, again after a restart"
+                    ) from None
                 self.restarts += 1
-                log.warning("%s: a worker process died on %s; restarting the workers and scoring the batch again "
-                            "(%d restart(s) so far)", self.description, died.where, self.restarts)
+                log.warning(
+                    "%s: a worker process died on %s; restarting the workers and scoring the batch again "
+                    "(%d restart(s) so far)",
+                    self.description,
+                    died.where,
+                    self.restarts,
+                )
         raise AssertionError("unreachable")
 
-    def _score_once(self, prompts: list[str], responses: list[str], labels: list[Any],
-                    metadata: list[dict]) -> RewardResult:
+    def _score_once(
+        self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]
+    ) -> RewardResult:
         chunks = self._submit_chunks(prompts, responses, labels, metadata)
         deadline = time.monotonic() + self.timeout_s
         results = []
@@ -210,9 +223,8 @@ class PythonFileReward(RewardSource):
                 raise RewardError(f"{what}: a dict result needs a 'rewards' key (got keys {keys})")
             metrics = {
                 str(name): to_float_list(values, len(prompts), f"{what} (metric '{name}')", prompts, offset, finite)
-                for name, values in payload.items() if name != "rewards"
+                for name, values in payload.items()
+                if name != "rewards"
             }
-            return RewardResult(to_float_list(payload["rewards"], len(prompts), what, prompts, offset, finite),
-                                metrics)
+            return RewardResult(to_float_list(payload["rewards"], len(prompts), what, prompts, offset, finite), metrics)
         return RewardResult(to_float_list(payload, len(prompts), what, prompts, offset, finite))
-

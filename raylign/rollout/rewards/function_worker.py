@@ -12,8 +12,9 @@ import inspect
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 _LOADED: dict[tuple[str, str], Callable[..., Any]] = {}
 
@@ -44,7 +45,7 @@ def load_reward_function(path: str, function_name: str) -> Callable[..., Any]:
     sys.modules[module_name] = module  # so pickling and dataclasses inside the file find it
     try:
         spec.loader.exec_module(module)
-    except BaseException as err:  # noqa: BLE001 - any failure of user code is reported, with its traceback
+    except BaseException as err:
         del sys.modules[module_name]
         raise RewardFileError(f"importing reward file {path} failed:\n{_format(err)}") from None
     function = getattr(module, function_name, None)
@@ -107,5 +108,5 @@ def call_reward_function(
     keywords = {k: metadata_columns[k] for k in accepted_keywords(function, list(metadata_columns))}
     try:
         return "ok", function(prompts, responses, labels, **keywords)
-    except BaseException as err:  # noqa: BLE001 - SystemExit from user code is reported, not propagated
+    except BaseException as err:
         return "error", (summarize(err), _format(err, skip_frames=1))

@@ -88,8 +88,10 @@ def _numbers(values: Any, expected: int, what: str, finite: bool = True) -> list
         raise _Retryable(f"the answer has {len(values)} {what} for {expected} samples")
     bad = [i for i, v in enumerate(values) if not (_is_finite_number(v) if finite else _is_number(v))]
     if bad:
-        raise _Retryable(f"{what} value {short_repr(values[bad[0]])} (position {bad[0]}) in the answer is not a "
-                         + ("finite number" if finite else "number"))
+        raise _Retryable(
+            f"{what} value {short_repr(values[bad[0]])} (position {bad[0]}) in the answer is not a "
+            + ("finite number" if finite else "number")
+        )
     return [_as_float(v) for v in values]
 
 
@@ -123,8 +125,15 @@ def _plain_value(value: Any) -> Any:
 class HttpRewardSource(RewardSource):
     """Rewards from ``POST url``; batches of ``batch_size`` samples, each retried as described above."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 60.0, max_retries: int = 3,
-                 backoff_s: float = 1.0, batch_size: int = 64):
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        backoff_s: float = 1.0,
+        batch_size: int = 64,
+    ):
         import httpx
 
         if max_retries < 0 or timeout_s <= 0 or backoff_s < 0 or batch_size < 1:
@@ -137,26 +146,29 @@ class HttpRewardSource(RewardSource):
     def close(self) -> None:
         self._client.close()
 
-    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
-               metadata: list[dict]) -> RewardResult:
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         parts = []
         for start in range(0, len(prompts), self.batch_size):
             end = start + self.batch_size
-            body = self._request_body(prompts[start:end], responses[start:end], labels[start:end],
-                                      metadata[start:end], start)
+            body = self._request_body(
+                prompts[start:end], responses[start:end], labels[start:end], metadata[start:end], start
+            )
             parts.append(self._post_with_retries(body, prompts[start:end], start))
         return concatenate_results(parts, self.description)
 
-    def _request_body(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict],
-                      offset: int) -> bytes:
+    def _request_body(
+        self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict], offset: int
+    ) -> bytes:
         body: dict[str, Any] = {"prompts": prompts, "responses": responses, "labels": labels}
         if any(metadata):  # left out when empty, so servers that know only the three lists accept it
             body["metadata"] = metadata
         try:
             return json.dumps(body, allow_nan=False, default=_plain_value).encode()
         except (TypeError, ValueError) as err:
-            raise RewardError(f"{self.description}: labels or metadata of {describe_batch(prompts, offset)} "
-                              f"cannot be sent as JSON: {err}") from None
+            raise RewardError(
+                f"{self.description}: labels or metadata of {describe_batch(prompts, offset)} "
+                f"cannot be sent as JSON: {err}"
+            ) from None
 
     def _post_once(self, body: bytes, expected: int) -> RewardResult:
         import httpx

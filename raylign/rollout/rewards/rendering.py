@@ -46,8 +46,8 @@ def assistant_turn(tokenizer: Any) -> AssistantTurn | None:
     full = _render(tokenizer, user + [{"role": "assistant", "content": _PROBE_REPLY}])
     if not with_prompt.startswith(without_prompt) or not full.startswith(with_prompt):
         return None
-    generation_prompt = with_prompt[len(without_prompt):]
-    before, found, after = full[len(with_prompt):].partition(_PROBE_REPLY)
+    generation_prompt = with_prompt[len(without_prompt) :]
+    before, found, after = full[len(with_prompt) :].partition(_PROBE_REPLY)
     if not generation_prompt or not found:
         return None
     return AssistantTurn(generation_prompt, before, after)
@@ -62,8 +62,9 @@ def _checked_messages(value: Any) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def encode_sample(tokenizer: Any, turn: AssistantTurn | None, prompt: str, response: str,
-                  prompt_messages: Any = None) -> list[int]:
+def encode_sample(
+    tokenizer: Any, turn: AssistantTurn | None, prompt: str, response: str, prompt_messages: Any = None
+) -> list[int]:
     """Token ids of one sample by the rules in the module docstring (``turn`` from :func:`assistant_turn`)."""
     if prompt_messages is not None:
         if not tokenizer.chat_template:

@@ -35,8 +35,9 @@ def read_normalization(model_dir: str | Path) -> tuple[float, float]:
         )
     mean, std = config[MEAN_KEY], config[STD_KEY]
     if not isinstance(mean, (int, float)) or not isinstance(std, (int, float)) or not std > 0:
-        raise ValueError(f"{config_file}: {MEAN_KEY} must be a number and {STD_KEY} a positive number, "
-                         f"got {mean!r} and {std!r}")
+        raise ValueError(
+            f"{config_file}: {MEAN_KEY} must be a number and {STD_KEY} a positive number, got {mean!r} and {std!r}"
+        )
     return float(mean), float(std)
 
 
@@ -68,8 +69,14 @@ def _load_sequence_classifier(folder: Path, dtype: str, device: Any) -> Any:
 class RewardModelScorer:
     """A reward model held in this process. ``score_texts`` returns one float per (prompt, response)."""
 
-    def __init__(self, model_path: str, batch_size: int = 16, normalize: bool = True,
-                 max_length: int | None = None, dtype: str = "float32"):
+    def __init__(
+        self,
+        model_path: str,
+        batch_size: int = 16,
+        normalize: bool = True,
+        max_length: int | None = None,
+        dtype: str = "float32",
+    ):
         import torch
 
         from raylign.models.heads import HEAD_NAME
@@ -102,7 +109,7 @@ class RewardModelScorer:
             except Exception as err:  # a template that rejects the conversation, malformed messages
                 raise ValueError(f"{describe_sample(prompts, i)}: {type(err).__name__}: {err}") from None
             # The score is read at the last token, so an over-long sample keeps its end.
-            encoded.append(ids[-self.max_length:] if self.max_length is not None else ids)
+            encoded.append(ids[-self.max_length :] if self.max_length is not None else ids)
         return encoded
 
     def _raw_scores(self, batch: list[list[int]]) -> list[float]:
@@ -119,8 +126,9 @@ class RewardModelScorer:
                 scores = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]
         return scores.float().cpu().tolist()
 
-    def score_texts(self, prompts: list[str], responses: list[str],
-                    prompt_messages: list[Any] | None = None) -> list[float]:
+    def score_texts(
+        self, prompts: list[str], responses: list[str], prompt_messages: list[Any] | None = None
+    ) -> list[float]:
         """Reward of each (prompt, response): the model's score, normalised when configured.
 
         ``prompt_messages[i]``, when given and not None, is sample i's prompt as chat messages.
@@ -128,7 +136,7 @@ class RewardModelScorer:
         encoded = self._encode(prompts, responses, prompt_messages or [None] * len(prompts))
         scores: list[float] = []
         for start in range(0, len(encoded), self.batch_size):
-            scores.extend(self._raw_scores(encoded[start:start + self.batch_size]))
+            scores.extend(self._raw_scores(encoded[start : start + self.batch_size]))
         if self.normalization is not None:
             mean, std = self.normalization
             scores = [(s - mean) / std for s in scores]
@@ -142,44 +150,58 @@ class LocalRewardModel(RewardSource):
         self.description = f"reward model {model_path}"
         self.scorer = RewardModelScorer(model_path, **scorer_kwargs)
 
-    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
-               metadata: list[dict]) -> RewardResult:
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         return RewardResult(rewards=self.scorer.score_texts(prompts, responses, _prompt_messages(metadata)))
 
 
 class RewardModelSource(RewardSource):
     """A reward model in a Ray actor (needs ``ray.init`` done); ``num_gpus > 0`` puts it on a GPU."""
 
-    def __init__(self, model_path: str, batch_size: int = 16, normalize: bool = True, max_length: int | None = None,
-                 dtype: str = "float32", num_cpus: float = 1.0, num_gpus: float = 0.0,
-                 startup_timeout_s: float = 600.0, timeout_s: float = 60.0):
+    def __init__(
+        self,
+        model_path: str,
+        batch_size: int = 16,
+        normalize: bool = True,
+        max_length: int | None = None,
+        dtype: str = "float32",
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        startup_timeout_s: float = 600.0,
+        timeout_s: float = 60.0,
+    ):
         import ray
 
         from raylign.cluster import StartupError, actor_env, wait_until_ready
 
         self.description = f"reward model {model_path}"
         self.timeout_s = timeout_s
-        actor_class = ray.remote(RewardModelScorer).options(num_cpus=num_cpus, num_gpus=num_gpus,
-                                                            runtime_env={"env_vars": actor_env()})
-        self._actor = actor_class.remote(model_path, batch_size=batch_size, normalize=normalize,
-                                         max_length=max_length, dtype=dtype)
+        actor_class = ray.remote(RewardModelScorer).options(
+            num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": actor_env()}
+        )
+        self._actor = actor_class.remote(
+            model_path, batch_size=batch_size, normalize=normalize, max_length=max_length, dtype=dtype
+        )
         try:
-            wait_until_ready({self.description: self._actor}, startup_timeout_s,
-                             ready={self.description: self._actor.ready.remote()})
+            wait_until_ready(
+                {self.description: self._actor}, startup_timeout_s, ready={self.description: self._actor.ready.remote()}
+            )
         except StartupError as err:  # the actor's constructor failed: bad folder, missing normalisation, ...
             self.close()
             raise ValueError(f"{self.description} could not be loaded in its Ray actor: {err.cause or err}") from None
 
-    def _score(self, prompts: list[str], responses: list[str], labels: list[Any],
-               metadata: list[dict]) -> RewardResult:
+    def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         from raylign.cluster import get_within
 
         if self._actor is None:
             raise RewardError(f"{self.description}: the source was closed")
         try:
-            rewards = get_within(self._actor.score_texts.remote(prompts, responses, _prompt_messages(metadata)),
-                                 self.timeout_s, f"{self.description} scoring {describe_batch(prompts)}",
-                                 "this source's timeout_s", ["its Ray actor"])
+            rewards = get_within(
+                self._actor.score_texts.remote(prompts, responses, _prompt_messages(metadata)),
+                self.timeout_s,
+                f"{self.description} scoring {describe_batch(prompts)}",
+                "this source's timeout_s",
+                ["its Ray actor"],
+            )
         except TimeoutError as err:
             raise RewardError(str(err)) from None
         except Exception as err:

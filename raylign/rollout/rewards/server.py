@@ -66,9 +66,7 @@ def parse_request(body: bytes) -> ScoreRequest:
     try:
         return ScoreRequest.model_validate_json(body)
     except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors()[:5]
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors()[:5])
         raise HTTPException(422, f"malformed request: {problems}") from None
 
 
@@ -108,8 +106,9 @@ async def score_in_turn(scoring: SerialScoring, request: ScoreRequest) -> Reward
         raise
 
 
-def create_app(scorer: RewardSource, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def create_app(
+    scorer: RewardSource, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+) -> FastAPI:
     """A FastAPI app serving ``scorer`` on ``POST /score``; ``app.state.scoring`` is its :class:`SerialScoring`."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
@@ -124,14 +123,17 @@ def create_app(scorer: RewardSource, api_key: str | None = None,
     @app.post("/score")
     async def score(request: Request) -> Any:
         if api_key is not None and not _authorized(request, api_key):
-            return JSONResponse({"detail": "missing or wrong API key (send 'Authorization: Bearer <key>')"},
-                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            return JSONResponse(
+                {"detail": "missing or wrong API key (send 'Authorization: Bearer <key>')"},
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         parsed = parse_request(await read_body_limited(request, max_request_bytes))
         try:
             result = await score_in_turn(scoring, parsed)
         except ValueError as err:  # the batch itself is inconsistent (lengths, types)
             raise HTTPException(422, str(err)) from None
-        except Exception as err:  # noqa: BLE001 - the client must see why, and may retry
+        except Exception as err:
             raise HTTPException(500, f"{type(err).__name__}: {err}") from None
         return {"rewards": result.rewards, "metrics": result.metrics}
 

@@ -47,7 +47,8 @@ def reference_rm_text_scores():
 def reference_rm_scores():
     """``reference_rm_scores(model_dir, prompts, responses)``: raw scores of the ChatML two-turn conversations."""
     return lambda model_dir, prompts, responses: _reference_text_scores(
-        model_dir, [chatml(p, r) for p, r in zip(prompts, responses)])
+        model_dir, [chatml(p, r) for p, r in zip(prompts, responses)]
+    )
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +95,7 @@ class LoopbackServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/score"
 
-    def __enter__(self) -> "LoopbackServer":
+    def __enter__(self) -> LoopbackServer:
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:

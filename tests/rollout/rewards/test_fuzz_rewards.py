@@ -22,7 +22,6 @@ import threading
 import types
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,20 +62,44 @@ def scalar_forms(with_torch: bool) -> st.SearchStrategy[tuple[Any, float]]:
     """(a number as a function may return it, the float it stands for)."""
     plain = NUMBERS.map(lambda x: (x, float(x)))
     numpy_float = st.floats(-1e6, 1e6, allow_subnormal=False).flatmap(
-        lambda x: st.sampled_from([(np.float64(x), x), (np.float32(x), float(np.float32(x)))]))
+        lambda x: st.sampled_from([(np.float64(x), x), (np.float32(x), float(np.float32(x)))])
+    )
     numpy_int = st.integers(-(10**6), 10**6).map(lambda x: (np.int64(x), float(x)))
     numpy_bool = st.booleans().map(lambda b: (np.bool_(b), float(b)))
     forms = [plain, plain, numpy_float, numpy_int, numpy_bool]
     if with_torch:
-        forms.append(st.floats(-1e6, 1e6, allow_subnormal=False).map(lambda x: (torch.tensor(x, dtype=torch.float64), x)))
+        forms.append(
+            st.floats(-1e6, 1e6, allow_subnormal=False).map(lambda x: (torch.tensor(x, dtype=torch.float64), x))
+        )
     return st.one_of(forms)
 
 
-BAD_ELEMENTS = st.sampled_from([
-    math.nan, math.inf, -math.inf, None, "1.0", "", "nan", b"1", [1.0], (1.0,), {"r": 1.0}, {1.0}, 1 + 2j,
-    10**400, -(10**400), 10**5000, np.float64("nan"), np.float32("inf"), np.complex128(1), np.str_("1"),
-    np.array([1.0]), np.array(["1"]),
-]) | JSON_VALUES.filter(lambda v: isinstance(v, (str, list, dict)) or v is None)
+BAD_ELEMENTS = st.sampled_from(
+    [
+        math.nan,
+        math.inf,
+        -math.inf,
+        None,
+        "1.0",
+        "",
+        "nan",
+        b"1",
+        [1.0],
+        (1.0,),
+        {"r": 1.0},
+        {1.0},
+        1 + 2j,
+        10**400,
+        -(10**400),
+        10**5000,
+        np.float64("nan"),
+        np.float32("inf"),
+        np.complex128(1),
+        np.str_("1"),
+        np.array([1.0]),
+        np.array(["1"]),
+    ]
+) | JSON_VALUES.filter(lambda v: isinstance(v, (str, list, dict)) or v is None)
 
 
 @st.composite
@@ -85,8 +108,21 @@ def function_returns(draw: st.DrawFn, n: int, with_torch: bool) -> tuple[Any, li
     kind = draw(st.sampled_from(["good", "good", "good", "bad_element", "wrong_length", "not_a_sequence"]))
     if kind == "not_a_sequence":
         odd = [
-            "1.0", b"\x01" * n, bytearray(n), set(range(n)), frozenset(range(n)), range(n), None, 1.0, 3, True,
-            np.float64(1.0), np.array(1.0), np.ones((n, 1)), np.ones((n, 2)), np.array([[1.0] * n]),
+            "1.0",
+            b"\x01" * n,
+            bytearray(n),
+            set(range(n)),
+            frozenset(range(n)),
+            range(n),
+            None,
+            1.0,
+            3,
+            True,
+            np.float64(1.0),
+            np.array(1.0),
+            np.ones((n, 1)),
+            np.ones((n, 2)),
+            np.array([[1.0] * n]),
             (float(i) for i in range(n)),
         ]
         if with_torch:
@@ -186,8 +222,9 @@ def test_fuzzed_reward_function_returns_through_the_worker(data, n, reward_sourc
         reward_source.score(prompts_for(n), ["r"] * n, labels)
     message = str(caught.value)
     noun = "sample" if n == 1 else "samples"
-    assert message.startswith(f"{reward_source.description} returned a bad value for {n} {noun} starting at sample 0 "
-                              "(prompt 'p0')"), message
+    assert message.startswith(
+        f"{reward_source.description} returned a bad value for {n} {noun} starting at sample 0 (prompt 'p0')"
+    ), message
     assert expected_fragment(outcome, n) in message, message
     assert ("(metric 'score')" in message) == (part == "metric"), message
 
@@ -206,7 +243,7 @@ class Answer:
 class FuzzedAnswerHandler(BaseHTTPRequestHandler):
     answer = Answer()
 
-    def do_POST(self) -> None:  # noqa: N802 - the name http.server calls
+    def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         answer = type(self).answer
         if answer.hang_up:
@@ -254,18 +291,35 @@ BAD_NUMBERS = st.sampled_from([math.nan, math.inf, -math.inf, None, "1.0", True,
 @st.composite
 def server_answers(draw: st.DrawFn, n: int) -> tuple[Answer, list[float] | str]:
     """An answer for a batch of ``n`` and what must come of it: the rewards, or a phrase of the error."""
-    kind = draw(st.sampled_from([
-        "good", "good", "not_json", "no_rewards", "rewards_not_a_list", "wrong_length", "bad_value", "bad_metrics",
-        "bad_metric_value", "status", "hang_up", "huge_number", "deep",
-    ]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "good",
+                "good",
+                "not_json",
+                "no_rewards",
+                "rewards_not_a_list",
+                "wrong_length",
+                "bad_value",
+                "bad_metrics",
+                "bad_metric_value",
+                "status",
+                "hang_up",
+                "huge_number",
+                "deep",
+            ]
+        )
+    )
     rewards = draw(st.lists(st.floats(-1e6, 1e6, allow_subnormal=False), min_size=n, max_size=n))
     if kind == "good":
         metrics = draw(st.none() | st.just({"m": [0.25] * n}))
         body = {"rewards": rewards} | ({} if metrics is None else {"metrics": metrics})
         return Answer(body=dumps(body)), rewards
     if kind == "not_json":
-        text = draw(st.sampled_from(["", "{", '{"rewards": [1.0,', "<html>busy</html>", "rewards=1"])
-                    | st.text().filter(is_not_json))
+        text = draw(
+            st.sampled_from(["", "{", '{"rewards": [1.0,', "<html>busy</html>", "rewards=1"])
+            | st.text().filter(is_not_json)
+        )
         return Answer(body=text.encode("utf-8", "surrogatepass")), "not valid JSON"
     if kind == "no_rewards":
         body = draw(JSON_VALUES.filter(lambda v: not (isinstance(v, dict) and "rewards" in v)))
@@ -325,34 +379,41 @@ WHAT = "reward function 'score' in /tmp/r.py returned a bad value"
 def test_integer_beyond_the_float_range_is_named_not_an_overflow_error():
     with pytest.raises(RewardError) as caught:
         to_float_list([0.5, 10**400], 2, WHAT, ["p0", "p1"])
-    assert str(caught.value) == (f"{WHAT}: value for sample 1 (prompt 'p1') is not a finite number: "
-                                 + repr(10**400)[:77] + "...")
+    assert str(caught.value) == (
+        f"{WHAT}: value for sample 1 (prompt 'p1') is not a finite number: " + repr(10**400)[:77] + "..."
+    )
 
 
 def test_integer_too_long_to_print_is_described():
     with pytest.raises(RewardError) as caught:
         to_float_list([10**5000], 1, WHAT, ["p0"])
-    assert str(caught.value) == f"{WHAT}: value for sample 0 (prompt 'p0') is not a finite number: an integer of about " \
-                                "5000 digits"
+    assert (
+        str(caught.value) == f"{WHAT}: value for sample 0 (prompt 'p0') is not a finite number: an integer of about "
+        "5000 digits"
+    )
 
 
-@pytest.mark.parametrize(("value", "kind"), [
-    (np.array(1.0), "ndarray of shape ()"),
-    (torch.tensor(1.0), "Tensor of shape ()"),
-    (np.ones((2, 1)), "ndarray of shape (2, 1)"),
-    (torch.ones(2, 1), "Tensor of shape (2, 1)"),
-    ({0.0, 1.0}, "set"),
-    (range(2), "range"),
-    (bytearray(2), "bytearray"),
-])
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [
+        (np.array(1.0), "ndarray of shape ()"),
+        (torch.tensor(1.0), "Tensor of shape ()"),
+        (np.ones((2, 1)), "ndarray of shape (2, 1)"),
+        (torch.ones(2, 1), "Tensor of shape (2, 1)"),
+        ({0.0, 1.0}, "set"),
+        (range(2), "range"),
+        (bytearray(2), "bytearray"),
+    ],
+)
 def test_values_that_are_not_a_flat_sequence_are_refused_naming_their_type(value, kind):
     with pytest.raises(RewardError) as caught:
         to_float_list(value, 2, WHAT, ["p0", "p1"])
     assert str(caught.value) == f"{WHAT}: expected a list of 2 numbers, got {kind}"
 
 
-@pytest.mark.parametrize(("element", "shown"), [("1.0", "'1.0'"), (np.array([1.0]), "array([1.])"),
-                                                (np.str_("1"), "np.str_('1')")])
+@pytest.mark.parametrize(
+    ("element", "shown"), [("1.0", "'1.0'"), (np.array([1.0]), "array([1.])"), (np.str_("1"), "np.str_('1')")]
+)
 def test_numbers_written_as_text_or_wrapped_in_arrays_are_not_numbers(element, shown):
     with pytest.raises(RewardError) as caught:
         to_float_list([0.0, element], 2, WHAT, ["p0", "p1"])
@@ -374,9 +435,8 @@ def test_dict_result_without_rewards_lists_keys_of_any_type(reward_source):
 def answer_error(answer_server, answer: Answer, n: int = 1) -> str:
     url, handler = answer_server
     handler.answer = answer
-    with HttpRewardSource(url, timeout_s=5.0, max_retries=0) as source:
-        with pytest.raises(RewardError) as caught:
-            source.score(prompts_for(n), ["r"] * n)
+    with HttpRewardSource(url, timeout_s=5.0, max_retries=0) as source, pytest.raises(RewardError) as caught:
+        source.score(prompts_for(n), ["r"] * n)
     return str(caught.value)
 
 
@@ -387,8 +447,9 @@ def test_answer_nested_too_deeply_is_not_valid_json(answer_server):
 
 def test_answer_with_an_integer_beyond_the_float_range_names_its_position(answer_server):
     message = answer_error(answer_server, Answer(body=b'{"rewards": [0.5, 1' + b"0" * 400 + b"]}"), n=2)
-    assert message.endswith(f"last cause: rewards value {repr(10**400)[:77]}... (position 1) in the answer is not a "
-                            "finite number")
+    assert message.endswith(
+        f"last cause: rewards value {repr(10**400)[:77]}... (position 1) in the answer is not a finite number"
+    )
 
 
 @pytest.mark.parametrize("metrics", [[], 0, "", False])

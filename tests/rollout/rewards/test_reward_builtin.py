@@ -87,7 +87,10 @@ def test_format_reward_default_think_then_answer():
 def test_format_reward_custom_regex_must_match_whole_response():
     reward = FormatReward(r"<answer>\d+</answer>")
     assert reward.score(["p"] * 3, ["<answer>12</answer>", "x <answer>12</answer>", "<answer>a</answer>"]).rewards == [
-        1.0, 0.0, 0.0]
+        1.0,
+        0.0,
+        0.0,
+    ]
 
 
 def test_batch_lists_of_different_lengths_are_rejected():

@@ -25,11 +25,13 @@ LABELS = ["4", "9", "6"]
 
 
 def test_weighted_sum_of_builtin_sources_equals_hand_computation():
-    combined = CombinedReward([
-        WeightedSource("math", 1.0, MathReward()),
-        WeightedSource("format", 0.5, FormatReward(r"<think>.*?</think>.*")),
-        WeightedSource("exact", -2.0, ExactMatchReward()),
-    ])
+    combined = CombinedReward(
+        [
+            WeightedSource("math", 1.0, MathReward()),
+            WeightedSource("format", 0.5, FormatReward(r"<think>.*?</think>.*")),
+            WeightedSource("exact", -2.0, ExactMatchReward()),
+        ]
+    )
     result = combined.score(PROMPTS, RESPONSES, LABELS)
     # math: [1, 0, 1]; format: [1, 0, 1]; exact match of the whole response: [0, 0, 0]
     assert result.rewards == [1.5, 0.0, 1.5]
@@ -41,15 +43,22 @@ def test_weighted_sum_of_builtin_sources_equals_hand_computation():
 
 def test_build_reward_from_config_with_a_python_file(tmp_path):
     reward_file = tmp_path / "lengths.py"
-    reward_file.write_text(textwrap.dedent("""
+    reward_file.write_text(
+        textwrap.dedent("""
         def reward_func(prompts, responses, labels, **metadata):
             return {"rewards": [len(r) for r in responses], "doubled": [2 * len(r) for r in responses]}
-    """))
-    cfg = parse_config(RewardConfig, {"sources": [
-        {"kind": "function", "path": str(reward_file), "weight": 0.1},
-        {"kind": "math", "weight": 3.0},
-        {"kind": "math", "weight": 0.0},  # reported, not counted
-    ]})
+    """)
+    )
+    cfg = parse_config(
+        RewardConfig,
+        {
+            "sources": [
+                {"kind": "function", "path": str(reward_file), "weight": 0.1},
+                {"kind": "math", "weight": 3.0},
+                {"kind": "math", "weight": 0.0},  # reported, not counted
+            ]
+        },
+    )
     with build_reward(cfg) as reward:
         result = reward.score(PROMPTS, RESPONSES, LABELS)
     lengths = [len(r) for r in RESPONSES]  # 28, 15, 25
@@ -84,10 +93,15 @@ def test_bad_source_config_names_the_field(source, message):
 
 
 def test_config_round_trips_through_yaml():
-    cfg = parse_config(RewardConfig, {"sources": [
-        {"kind": "http", "url": "http://127.0.0.1:8000/score", "max_retries": 5, "weight": 0.5},
-        {"kind": "format", "format_regex": "<answer>.*</answer>"},
-    ]})
+    cfg = parse_config(
+        RewardConfig,
+        {
+            "sources": [
+                {"kind": "http", "url": "http://127.0.0.1:8000/score", "max_retries": 5, "weight": 0.5},
+                {"kind": "format", "format_regex": "<answer>.*</answer>"},
+            ]
+        },
+    )
     again = parse_config(RewardConfig, yaml.safe_load(to_yaml(cfg)))
     assert again == cfg
 
@@ -100,15 +114,24 @@ def test_empty_or_duplicate_names_are_rejected():
 
 
 def test_default_names_number_repeated_kinds_around_explicit_names():
-    cfg = parse_config(RewardConfig, {"sources": [
-        {"kind": "math"}, {"kind": "math", "name": "math_2"}, {"kind": "math"}, {"kind": "format"},
-    ]})
+    cfg = parse_config(
+        RewardConfig,
+        {
+            "sources": [
+                {"kind": "math"},
+                {"kind": "math", "name": "math_2"},
+                {"kind": "math"},
+                {"kind": "format"},
+            ]
+        },
+    )
     assert cfg.source_names() == ["math", "math_2", "math_3", "format"]
 
 
 def test_api_key_from_environment(monkeypatch):
-    cfg = parse_config(RewardConfig, {"sources": [{"kind": "http", "url": "http://127.0.0.1:1/score",
-                                                   "api_key_env": "MY_RM_KEY"}]})
+    cfg = parse_config(
+        RewardConfig, {"sources": [{"kind": "http", "url": "http://127.0.0.1:1/score", "api_key_env": "MY_RM_KEY"}]}
+    )
     monkeypatch.setenv("MY_RM_KEY", "from-env")
     assert cfg.sources[0].resolved_api_key() == "from-env"
     monkeypatch.delenv("MY_RM_KEY")
@@ -126,12 +149,14 @@ def test_every_reward_and_serve_rm_field_is_described():
 
 def _nan_file(tmp_path):
     path = tmp_path / "sometimes_nan.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         import math
 
         def reward_func(prompts, responses, labels, **metadata):
             return [math.nan if r.endswith("6") else 1.0 for r in responses]
-    """))
+    """)
+    )
     return path
 
 
@@ -145,8 +170,13 @@ def test_a_nan_reward_is_an_error_naming_the_sample_by_default(tmp_path):
 def test_with_non_finite_drop_every_source_passes_nan_through(tmp_path):
     import math
 
-    cfg = parse_config(RewardConfig, {"non_finite": "drop", "sources": [
-        {"kind": "function", "path": str(_nan_file(tmp_path))}, {"kind": "math", "weight": 2.0}]})
+    cfg = parse_config(
+        RewardConfig,
+        {
+            "non_finite": "drop",
+            "sources": [{"kind": "function", "path": str(_nan_file(tmp_path))}, {"kind": "math", "weight": 2.0}],
+        },
+    )
     with build_reward(cfg) as reward:
         assert reward.keep_non_finite and all(item.source.keep_non_finite for item in reward.sources)
         result = reward.score(PROMPTS, RESPONSES, LABELS)

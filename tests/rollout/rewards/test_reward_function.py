@@ -81,9 +81,11 @@ def test_raising_function_names_first_prompt_of_chunk_its_index_and_cause(reward
     long_prompt = "Please compute the following long expression carefully: " + "1 + " * 50 + "1"
     prompts = ["short one", "short two", long_prompt, "last"]
     responses = ["aaaaa", "bbbbb", "ccc", "ddddd"]  # len 3 divides by zero, in chunk [2, 4)
-    with PythonFileReward(reward_file, function_name="raises", num_workers=2) as source:
-        with pytest.raises(RewardError) as caught:
-            source.score(prompts, responses, [None] * 4)
+    with (
+        PythonFileReward(reward_file, function_name="raises", num_workers=2) as source,
+        pytest.raises(RewardError) as caught,
+    ):
+        source.score(prompts, responses, [None] * 4)
     message = str(caught.value)
     assert "'raises'" in message and str(reward_file) in message
     assert "2 samples starting at sample 2 (prompt 'Please compute the following long" in message
@@ -95,8 +97,11 @@ def test_raising_function_names_first_prompt_of_chunk_its_index_and_cause(reward
 def test_hanging_function_hits_the_timeout_then_workers_restart(reward_file):
     with PythonFileReward(reward_file, function_name="hangs", num_workers=1, timeout_s=1.0) as source:
         started = time.monotonic()
-        with pytest.raises(RewardError, match=r"did not return within timeout_s=1.0 s on 2 samples starting at "
-                                              r"sample 0 \(prompt 'first'\)"):
+        with pytest.raises(
+            RewardError,
+            match=r"did not return within timeout_s=1.0 s on 2 samples starting at "
+            r"sample 0 \(prompt 'first'\)",
+        ):
             source.score(["first", "second"], ["ok", "hang"], [None, None])
         assert time.monotonic() - started < 10
         assert source.score(["again"], ["ok"], [None]).rewards == [0.0]
@@ -111,9 +116,11 @@ def test_hanging_function_hits_the_timeout_then_workers_restart(reward_file):
     ],
 )
 def test_wrong_return_value_names_file_and_function(reward_file, function_name, expected):
-    with PythonFileReward(reward_file, function_name=function_name) as source:
-        with pytest.raises(RewardError, match=expected) as caught:
-            source.score(["a", "b", "c"], ["x", "y", "z"], [None] * 3)
+    with (
+        PythonFileReward(reward_file, function_name=function_name) as source,
+        pytest.raises(RewardError, match=expected) as caught,
+    ):
+        source.score(["a", "b", "c"], ["x", "y", "z"], [None] * 3)
     assert f"'{function_name}' in {reward_file}" in str(caught.value)
 
 
@@ -168,9 +175,12 @@ def test_a_batch_that_kills_its_worker_after_a_restart_too_is_an_error(tmp_path)
     path = tmp_path / "killer.py"
     path.write_text(textwrap.dedent(KILLER_FILE))
     with PythonFileReward(path, function_name="always_dies", num_workers=1, timeout_s=60) as source:
-        with pytest.raises(RewardError, match=r"'always_dies' .*: a worker process died \(killed, out of memory or "
-                                              r"os._exit\) on 2 samples starting at sample 0 \(prompt 'p1'\), "
-                                              r"again after a restart"):
+        with pytest.raises(
+            RewardError,
+            match=r"'always_dies' .*: a worker process died \(killed, out of memory or "
+            r"os._exit\) on 2 samples starting at sample 0 \(prompt 'p1'\), "
+            r"again after a restart",
+        ):
             source.score(["p1", "p2"], ["a", "b"], None)
         assert source.restarts == 1
 

@@ -68,9 +68,8 @@ def test_good_server_returns_the_scorers_rewards(loopback_server):
 
 def test_server_answering_500_is_retried_then_error_names_batch_and_cause(loopback_server):
     scorer = FailingScorer()
-    with loopback_server(create_app(scorer)) as server:
-        with pytest.raises(RewardError) as caught:
-            client(server.url, max_retries=2).score(PROMPTS, RESPONSES, LABELS)
+    with loopback_server(create_app(scorer)) as server, pytest.raises(RewardError) as caught:
+        client(server.url, max_retries=2).score(PROMPTS, RESPONSES, LABELS)
     assert scorer.calls == 3  # first try + 2 retries
     message = str(caught.value)
     assert "2 samples starting at sample 0 (prompt 'Capital of France?')" in message
@@ -90,8 +89,11 @@ def test_misbehaving_server_is_retried_then_error_names_batch_and_cause(loopback
     release = threading.Event()
     with loopback_server(misbehaving_app(mode, attempts, release)) as server:
         try:
-            with pytest.raises(RewardError, match=rf"2 samples starting at sample 0 \(prompt 'Capital of France\?'\) "
-                                                  rf"after 2 attempts; last cause: .*{cause}"):
+            with pytest.raises(
+                RewardError,
+                match=rf"2 samples starting at sample 0 \(prompt 'Capital of France\?'\) "
+                rf"after 2 attempts; last cause: .*{cause}",
+            ):
                 client(server.url, max_retries=1, timeout_s=0.5).score(PROMPTS, RESPONSES, LABELS)
         finally:
             release.set()

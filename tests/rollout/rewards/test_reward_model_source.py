@@ -19,8 +19,9 @@ def test_read_normalization_uses_the_raylign_config_keys(tiny_reward_model_dir, 
     assert read_normalization(tiny_reward_model_dir) == rm_mean_std
 
 
-def test_local_scorer_normalised_scores_match_independent_forward(tiny_reward_model_dir, rm_mean_std,
-                                                                  reference_rm_scores):
+def test_local_scorer_normalised_scores_match_independent_forward(
+    tiny_reward_model_dir, rm_mean_std, reference_rm_scores
+):
     mean, std = rm_mean_std
     raw = reference_rm_scores(tiny_reward_model_dir, PROMPTS, RESPONSES)
     assert max(raw) - min(raw) > 0.05  # the samples really score differently
@@ -35,8 +36,7 @@ def test_local_scorer_raw_scores_without_normalisation(tiny_reward_model_dir, re
     assert scorer.score_texts(PROMPTS, RESPONSES) == pytest.approx(expected, abs=1e-5)
 
 
-def test_prompt_already_rendered_by_the_chat_template_is_not_wrapped_again(tiny_reward_model_dir,
-                                                                          reference_rm_scores):
+def test_prompt_already_rendered_by_the_chat_template_is_not_wrapped_again(tiny_reward_model_dir, reference_rm_scores):
     # RL hands reward sources the prompt as the engines saw it: rendered, ending in the generation prompt.
     rendered = [f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n" for p in PROMPTS]
     scorer = RewardModelScorer(str(tiny_reward_model_dir), normalize=False)
@@ -47,13 +47,20 @@ def test_prompt_already_rendered_by_the_chat_template_is_not_wrapped_again(tiny_
 def test_prompt_messages_in_metadata_are_rendered_with_the_response(tiny_reward_model_dir, reference_rm_text_scores):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
     source = LocalRewardModel(str(tiny_reward_model_dir), normalize=False)
-    result = source.score(["ignored when messages are given", "Say hello"], ["hello", "hello"], [None, None],
-                          [{"prompt_messages": messages}, {}])
-    expected = reference_rm_text_scores(tiny_reward_model_dir, [
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay hello<|im_end|>\n"
-        "<|im_start|>assistant\nhello<|im_end|>\n",
-        "<|im_start|>user\nSay hello<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n",
-    ])
+    result = source.score(
+        ["ignored when messages are given", "Say hello"],
+        ["hello", "hello"],
+        [None, None],
+        [{"prompt_messages": messages}, {}],
+    )
+    expected = reference_rm_text_scores(
+        tiny_reward_model_dir,
+        [
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay hello<|im_end|>\n"
+            "<|im_start|>assistant\nhello<|im_end|>\n",
+            "<|im_start|>user\nSay hello<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n",
+        ],
+    )
     assert result.rewards == pytest.approx(expected, abs=1e-5)
     assert abs(expected[0] - expected[1]) > 1e-3  # the system turn really changed the scored text
 
@@ -77,8 +84,15 @@ def test_encoder_classifier_scores_match_its_own_unpadded_forward(tiny_reward_mo
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_reward_model_dir)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model = BertForSequenceClassification(config).eval()
     model.save_pretrained(tmp_path / "bert_rm")
@@ -94,8 +108,9 @@ def test_encoder_classifier_scores_match_its_own_unpadded_forward(tiny_reward_mo
 
 
 @pytest.mark.slow
-def test_ray_actor_source_matches_independent_forward(ray_session, tiny_reward_model_dir, rm_mean_std,
-                                                     reference_rm_scores):
+def test_ray_actor_source_matches_independent_forward(
+    ray_session, tiny_reward_model_dir, rm_mean_std, reference_rm_scores
+):
     mean, std = rm_mean_std
     expected = [(r - mean) / std for r in reference_rm_scores(tiny_reward_model_dir, PROMPTS, RESPONSES)]
     source = RewardModelSource(str(tiny_reward_model_dir), batch_size=2, num_cpus=1)
@@ -108,6 +123,9 @@ def test_ray_actor_source_matches_independent_forward(ray_session, tiny_reward_m
 
 @pytest.mark.slow
 def test_ray_actor_that_cannot_load_names_the_folder(ray_session, tmp_path):
-    with pytest.raises(ValueError, match=r"reward model .*not_a_model could not be loaded in its Ray actor: "
-                                         r"FileNotFoundError: model path .*not_a_model. does not exist"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward model .*not_a_model could not be loaded in its Ray actor: "
+        r"FileNotFoundError: model path .*not_a_model. does not exist",
+    ):
         RewardModelSource(str(tmp_path / "not_a_model"), num_cpus=0)

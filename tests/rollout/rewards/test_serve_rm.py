@@ -59,16 +59,21 @@ def _wait_healthy(base: str, process: subprocess.Popen, limit_s: float = 120) ->
 @pytest.mark.slow
 def test_run_serve_rm_serves_a_python_reward_file_in_its_own_process(tmp_path):
     reward_file = tmp_path / "score.py"
-    reward_file.write_text(textwrap.dedent("""
+    reward_file.write_text(
+        textwrap.dedent("""
         def reward_func(prompts, responses, labels, **metadata):
             return [1.0 if r.strip() == str(l) else -1.0 for r, l in zip(responses, labels)]
-    """))
+    """)
+    )
     port = _free_port()
-    code = ("from raylign.cli.serve_rm import ServeRMConfig, run_serve_rm; "
-            f"run_serve_rm(ServeRMConfig(reward_file={str(reward_file)!r}, port={port}, api_key_env='RM_KEY'))")
+    code = (
+        "from raylign.cli.serve_rm import ServeRMConfig, run_serve_rm; "
+        f"run_serve_rm(ServeRMConfig(reward_file={str(reward_file)!r}, port={port}, api_key_env='RM_KEY'))"
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", RM_KEY="abc")
-    process = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", process)
         source = HttpRewardSource(f"http://127.0.0.1:{port}/score", api_key="abc", timeout_s=30)

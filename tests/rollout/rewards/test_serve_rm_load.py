@@ -56,8 +56,7 @@ def good_request(client: int, number: int) -> tuple[dict, list[float]]:
 
 # name -> (headers, body as bytes, the status the server must answer)
 BAD_REQUESTS = {
-    "oversized": (AUTHORIZED,
-                  json.dumps({"prompts": ["p"], "responses": ["x" * 2 * MAX_REQUEST_BYTES]}).encode(), 413),
+    "oversized": (AUTHORIZED, json.dumps({"prompts": ["p"], "responses": ["x" * 2 * MAX_REQUEST_BYTES]}).encode(), 413),
     "missing field": (AUTHORIZED, b'{"prompts": ["p"]}', 422),
     "not JSON": (AUTHORIZED, b'{"prompts": ["p"], "responses": [', 422),
     "no API key": ({}, b'{"prompts": ["p"], "responses": ["r"]}', 401),
@@ -77,9 +76,11 @@ class LoadReport:
     def summary(self, wall_s: float) -> str:
         ms = sorted(1000 * t for t in self.latencies)
         p50, p99 = statistics.median(ms), ms[min(len(ms) - 1, int(0.99 * len(ms)))]
-        return (f"serve-rm load, {CLIENTS} clients x {REQUESTS_PER_CLIENT} requests of {SAMPLES_PER_REQUEST} "
-                f"samples: {len(ms) / wall_s:.0f} good requests/s, p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
-                f"{sum(self.bad_answered.values())} bad requests refused, {len(self.errors)} errors")
+        return (
+            f"serve-rm load, {CLIENTS} clients x {REQUESTS_PER_CLIENT} requests of {SAMPLES_PER_REQUEST} "
+            f"samples: {len(ms) / wall_s:.0f} good requests/s, p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+            f"{sum(self.bad_answered.values())} bad requests refused, {len(self.errors)} errors"
+        )
 
 
 def run_client(url: str, client: int, report: LoadReport, bad_every: int | None) -> None:
@@ -117,8 +118,9 @@ def run_client(url: str, client: int, report: LoadReport, bad_every: int | None)
 
 def run_load(url: str, bad_every: int | None = None) -> tuple[LoadReport, float]:
     report = LoadReport()
-    threads = [threading.Thread(target=run_client, args=(url, c, report, bad_every), daemon=True)
-               for c in range(CLIENTS)]
+    threads = [
+        threading.Thread(target=run_client, args=(url, c, report, bad_every), daemon=True) for c in range(CLIENTS)
+    ]
     started = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -176,7 +178,8 @@ def write_sleeping_reward_file(tmp_path: Path, sleep_s: float) -> Path:
     """A reward file: reward = length of each response, after ``sleep_s``; each call appends
     "<worker pid> <first response>" to calls.txt before it sleeps."""
     path = tmp_path / "slow_reward.py"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         import os, time
 
         def reward_func(prompts, responses, labels, **metadata):
@@ -184,7 +187,8 @@ def write_sleeping_reward_file(tmp_path: Path, sleep_s: float) -> Path:
                 calls.write(f"{{os.getpid()}} {{responses[0]}}\\n")
             time.sleep({sleep_s})
             return [float(len(r)) for r in responses]
-    """))
+    """)
+    )
     return path
 
 
@@ -194,14 +198,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_serve_rm(tmp_path: Path, reward_file: Path, port: int, grace_s: float) -> subprocess.Popen:
-    """``raylign serve-rm`` on ``port``, its output in tmp_path/serve_rm.log, once /health answers."""
-    log = open(tmp_path / "serve_rm.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "raylign.cli.main", "serve-rm", "--reward_file", str(reward_file),
-         "--port", str(port), "--shutdown_grace_s", str(grace_s)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
+def spawn_serve_rm(tmp_path: Path, reward_file: Path, *options: str) -> subprocess.Popen:
+    """``raylign serve-rm --reward_file reward_file *options``, its output in tmp_path/serve_rm.log."""
+    log = open(tmp_path / "serve_rm.log", "w")  # noqa: SIM115 - the server writes to it until killed
+    command = [sys.executable, "-m", "raylign.cli.main", "serve-rm", "--reward_file", str(reward_file), *options]
+    process = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
     log.close()
+    return process
+
+
+def kill_if_running(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def start_serve_rm(tmp_path: Path, reward_file: Path, port: int, grace_s: float) -> subprocess.Popen:
+    """``raylign serve-rm`` on ``port``, once /health answers."""
+    process = spawn_serve_rm(tmp_path, reward_file, "--port", str(port), "--shutdown_grace_s", str(grace_s))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         assert process.poll() is None, f"serve-rm exited early:\n{(tmp_path / 'serve_rm.log').read_text()}"
@@ -211,8 +225,7 @@ def start_serve_rm(tmp_path: Path, reward_file: Path, port: int, grace_s: float)
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    process.kill()
-    process.wait(timeout=10)
+    kill_if_running(process)
     raise AssertionError("serve-rm did not come up within 60 s")
 
 
@@ -222,8 +235,9 @@ class SlowRequests:
     def __init__(self, url: str, bodies: list[dict]):
         self.results: dict[int, object] = {}
         self.sent = threading.Semaphore(0)
-        self.threads = [threading.Thread(target=self._send, args=(url, i, body), daemon=True)
-                        for i, body in enumerate(bodies)]
+        self.threads = [
+            threading.Thread(target=self._send, args=(url, i, body), daemon=True) for i, body in enumerate(bodies)
+        ]
         for thread in self.threads:
             thread.start()
 
@@ -307,9 +321,7 @@ def test_sigterm_finishes_the_requests_in_flight_refuses_new_ones_and_exits_0(tm
         exit_code = process.wait(timeout=30)
         stop_s = time.monotonic() - stopped_at
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
+        kill_if_running(process)
     log = (tmp_path / "serve_rm.log").read_text()
     assert unanswered_when_refused >= 1, "the drain ended before new connections were refused"
     assert requests.results == {i: (200, {"rewards": expected[i], "metrics": {}}) for i in range(len(bodies))}, log
@@ -338,9 +350,7 @@ def test_requests_past_the_shutdown_grace_are_cut_logged_and_not_scored(tmp_path
         exit_code = process.wait(timeout=30)
         stop_s = time.monotonic() - stopped_at
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
+        kill_if_running(process)
     log = (tmp_path / "serve_rm.log").read_text()
     assert [r[0] if isinstance(r, tuple) else r for r in requests.results.values()] == [500, 500], log
     assert answered_s < 3.0  # cut after the 1 s grace, not when the 4 s call ends
@@ -356,7 +366,8 @@ def test_sigterm_while_the_scorer_loads_stops_its_workers_and_exits_143(tmp_path
     """A reward file that takes a minute to import: SIGTERM during that start-up ends serve-rm at
     once, with its worker processes."""
     reward_file = tmp_path / "slow_import.py"
-    reward_file.write_text(textwrap.dedent(f"""
+    reward_file.write_text(
+        textwrap.dedent(f"""
         import os, time
 
         with open({str(tmp_path / "importing.txt")!r}, "a") as f:
@@ -365,13 +376,9 @@ def test_sigterm_while_the_scorer_loads_stops_its_workers_and_exits_143(tmp_path
 
         def reward_func(prompts, responses, labels, **metadata):
             return [0.0] * len(responses)
-    """))
-    log = open(tmp_path / "serve_rm.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "raylign.cli.main", "serve-rm", "--reward_file", str(reward_file),
-         "--port", str(free_port()), "--num_workers", "2"],
-        env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
-    log.close()
+    """)
+    )
+    process = spawn_serve_rm(tmp_path, reward_file, "--port", str(free_port()), "--num_workers", "2")
     try:
         worker_pids = [int(line) for line in wait_for_calls(tmp_path / "importing.txt", 2, timeout_s=60)]
         stopped_at = time.monotonic()
@@ -379,9 +386,7 @@ def test_sigterm_while_the_scorer_loads_stops_its_workers_and_exits_143(tmp_path
         exit_code = process.wait(timeout=30)
         stop_s = time.monotonic() - stopped_at
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
+        kill_if_running(process)
     assert exit_code == 143, (tmp_path / "serve_rm.log").read_text()
     assert stop_s < 10
     for pid in worker_pids:
