@@ -4,6 +4,7 @@ the prompts that were in flight when it stopped."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -33,7 +34,8 @@ def _prompts_of_step(out, step: int) -> list[str]:
 
 
 def test_async_samples_are_one_update_old_and_resume_keeps_the_prompts_in_flight(
-        ray_session, rl_model_dir, prompt_file, tmp_path):
+    ray_session, rl_model_dir, prompt_file, tmp_path
+):
     straight = _async_run_config(rl_model_dir, prompt_file, tmp_path / "straight")
     straight["data"]["eval"] = [{"path": str(prompt_file)}]
     straight["train"]["eval_every"] = 1  # evaluations share the engines with the training stream
@@ -69,8 +71,9 @@ def test_async_samples_are_one_update_old_and_resume_keeps_the_prompts_in_flight
         assert _prompts_of_step(tmp_path / "resumed", step) == _prompts_of_step(tmp_path / "straight", step)
 
 
-def test_a_reproducible_stream_killed_mid_step_resumes_to_the_same_weights(ray_session, rl_model_dir, prompt_file,
-                                                                          tmp_path):
+def test_a_reproducible_stream_killed_mid_step_resumes_to_the_same_weights(
+    ray_session, rl_model_dir, prompt_file, tmp_path
+):
     """``rollout.reproducible`` with seeded sampling, two updates of staleness, decoupled PPO: a run
     killed with SIGKILL while step 3 trains and step 4's groups are generating, then started again,
     ends with the same weights as a run that was never stopped. The killed run is a separate
@@ -96,8 +99,12 @@ def test_a_reproducible_stream_killed_mid_step_resumes_to_the_same_weights(ray_s
     joined = config(killed)
     joined.setdefault("placement", {})["ray_address"] = ray_session.get_runtime_context().gcs_address
     spec = write_yaml(tmp_path / "killed.yaml", joined)
-    proc = subprocess.Popen([sys.executable, "-m", "raylign.cli.main", "rl", "--config", str(spec)],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raylign.cli.main", "rl", "--config", str(spec)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 600
         while not (killed / "checkpoints" / "step_2").exists():
@@ -119,3 +126,41 @@ def test_a_reproducible_stream_killed_mid_step_resumes_to_the_same_weights(ray_s
     straight, again = state_dict_of(tmp_path / "straight" / "final"), state_dict_of(killed / "final")
     for name, tensor in straight.items():
         assert torch.allclose(tensor, again[name], atol=1e-6), name
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_with_long_tailed_lengths_training_begins_before_the_longest_sequence_ends(
+    ray_session, rl_model_dir, prompt_file, tmp_path
+):
+    """Long-tailed lengths on vLLM's streaming engine: the tiny model's samples mostly hit a stop
+    string within a few tokens, a few run to ``max_new_tokens``. With ``max_staleness: 1`` two steps'
+    groups are in flight and a step takes the first ones to finish, so it trains while a group started
+    before some of its own groups is still generating (from the event timestamps), and that group
+    enters a later step."""
+    data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "run", "grpo")
+    data["train"].update(max_steps=3, save_every=0)
+    # On the random tiny model, stopping at "q" or "7" gives a median of about 18 of 64 tokens, with
+    # about one sample in seven running to the limit.
+    data["sampling"].update(max_new_tokens=64, stop=["q", "7"])
+    data["rollout"] = {
+        "engine": "vllm",
+        "dtype": "float32",
+        "kv_cache_memory_bytes": 32 << 20,
+        "max_model_len": 256,
+        "sync_timeout_s": 60,
+        "max_staleness": 1,
+    }
+    trainer = RLTrainer(resolve(tmp_path, data))
+    trainer.run()
+    records = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
+    assert max(r["response_length/max"] for r in records) == 64
+    assert sum(r["response_length/mean"] for r in records) / len(records) < 40  # most stop well before
+    train_began = {step: t for what, step, t in trainer.events if what == "train"}
+    newest_seq = {step: max(seq for s, seq, _ in trainer.group_log if s == step) for step in train_began}
+    overtaken = [
+        (step, seq)
+        for step in train_began
+        for later, seq, finished in trainer.group_log
+        if later > step and seq < newest_seq[step] and finished > train_began[step]
+    ]
+    assert overtaken, trainer.group_log
