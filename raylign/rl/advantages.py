@@ -35,13 +35,8 @@ class RewardShaping:
         if self.normalizer is not None:
             rewards = self.normalizer(rewards.double()).to(rewards.dtype)
             metrics.update({"reward/running_mean": self.normalizer.mean, "reward/running_std": self.normalizer.std})
-        if a.length_penalty == "linear":
-            penalty = linear_length_penalty(
-                lengths, coef=a.length_penalty_coef, free_length=a.length_penalty_free_tokens
-            )
-        elif a.length_penalty == "kimi":
-            penalty = kimi_length_penalty(lengths, correct, group_size=self.cfg.sampling.n, coef=a.length_penalty_coef)
-        if a.length_penalty != "none":
+        penalty = self._length_penalty(lengths, correct)
+        if penalty is not None:
             rewards = rewards + penalty.to(rewards.dtype)
             metrics["reward/length_penalty"] = float(penalty.mean())
         if a.overlong_buffer > 0:
@@ -56,6 +51,14 @@ class RewardShaping:
         if a.reward_clip is not None:
             rewards = clip_rewards(rewards, low=-a.reward_clip, high=a.reward_clip)
         return rewards, metrics
+
+    def _length_penalty(self, lengths: torch.Tensor, correct: torch.Tensor) -> torch.Tensor | None:
+        a = self.cfg.algorithm
+        if a.length_penalty == "linear":
+            return linear_length_penalty(lengths, coef=a.length_penalty_coef, free_length=a.length_penalty_free_tokens)
+        if a.length_penalty == "kimi":
+            return kimi_length_penalty(lengths, correct, group_size=self.cfg.sampling.n, coef=a.length_penalty_coef)
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {"normalizer": self.normalizer.state_dict() if self.normalizer is not None else None}
