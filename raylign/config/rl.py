@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from raylign.config.agent import AgentConfig
 from raylign.config.base import Section, deep_merge
 from raylign.config.data import DatasetSpec
 from raylign.config.engine import EngineConfig
@@ -196,7 +197,10 @@ class RLConfig(Section):
     )
     critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO critic (only with gae).")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Estimator, losses, KL.")
-    reward: RewardConfig = Field(..., description="Reward sources and their weights.")
+    reward: RewardConfig | None = Field(
+        None, description="Reward sources and their weights (required, unless agent.env gives the rewards)."
+    )
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="Multi-turn agent episodes (agent.env).")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation engines.")
     sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(n=4), description="Rollout sampling.")
     data: RLDataConfig = Field(..., description="Prompt datasets.")
@@ -249,7 +253,8 @@ class RLConfig(Section):
         Colocated, the engines live in the policy workers, and each policy rank's bundle holds a
         worker of every role."""
         p, r = self.placement, self.rollout
-        reward_models = sum(s.num_cpus for s in self.reward.sources if s.kind == "reward_model")
+        sources = self.reward.sources if self.reward is not None else []
+        reward_models = sum(s.num_cpus for s in sources if s.kind == "reward_model")
         if p.colocate:
             return p.policy_workers * len(self.worker_roles) * p.cpus_per_worker + reward_models
         workers = sum(self.worker_roles.values())
@@ -258,6 +263,8 @@ class RLConfig(Section):
     @model_validator(mode="after")
     def _possible(self) -> RLConfig:
         a, t, s, p = self.algorithm, self.train, self.sampling, self.placement
+        if self.reward is None and self.agent.env is None:
+            raise ValueError("reward: required (the reward sources), unless agent.env names an environment")
         if a.advantage in GROUP_ESTIMATORS and s.n < 2:
             raise ValueError(
                 f"algorithm.advantage '{a.advantage}' compares samples of a prompt: "
@@ -296,8 +303,13 @@ class RLConfig(Section):
                 f"algorithm.overlong_buffer ({a.overlong_buffer}) must not exceed "
                 f"sampling.max_new_tokens ({s.max_new_tokens}): the penalty zone ends at the limit"
             )
+        if self.agent.env is not None and t.micro_batch_tokens < self.agent.max_total_tokens:
+            raise ValueError(
+                f"train.micro_batch_tokens ({t.micro_batch_tokens}) must hold a whole episode: at least "
+                f"agent.max_total_tokens ({self.agent.max_total_tokens})"
+            )
         longest = self.data.max_prompt_length + s.max_new_tokens
-        if t.micro_batch_tokens < longest:
+        if self.agent.env is None and t.micro_batch_tokens < longest:
             raise ValueError(
                 f"train.micro_batch_tokens ({t.micro_batch_tokens}) must hold the longest sample: "
                 f"data.max_prompt_length + sampling.max_new_tokens = {longest}"

@@ -45,6 +45,11 @@ class Sample:
     reward_metrics: dict[str, float] = field(default_factory=dict)
     weight_version: int = 0  # weight updates the engine had received when it generated this sample
     token_versions: list[int] | None = None  # per response token, where they differ (partial rollouts)
+    # Agent episodes: 1 at the policy's tokens, 0 at the environment's (None: every response token is trained)
+    loss_mask: list[int] | None = None
+    # Agent episodes: (response position, reward) of each turn; ``reward`` is their sum
+    turn_rewards: list[tuple[int, float]] | None = None
+    episode: Any = None  # the raylign.agents.episode.Episode it came from, for the logs
 
 
 # Where the behaviour log-probs of the ratio pi / pi_behaviour come from:
@@ -199,7 +204,30 @@ def response_tensor(rows: list[list[float]], width: int | None = None) -> torch.
 
 
 def response_mask(samples: list[Sample], width: int | None = None) -> torch.Tensor:
-    return response_tensor([[1.0] * len(s.response_ids) for s in samples], width)
+    """``[batch, width]``: 1 at the response tokens that are trained (an episode's policy tokens)."""
+    return response_tensor(
+        [[1.0] * len(s.response_ids) if s.loss_mask is None else [float(m) for m in s.loss_mask] for s in samples],
+        width,
+    )
+
+
+def sample_rewards(samples: list[Sample], width: int, shaped: torch.Tensor) -> torch.Tensor:
+    """The rewards the advantage estimators take: ``shaped`` ``[batch]`` outcome rewards; or, when a
+    sample has turn rewards (agent episodes), ``[batch, width]`` per-token rewards, each turn's on its
+    last policy token, and the shaping (``shaped - reward``) on the last one. Group estimators sum a
+    row, so they see the shaped episode total; GAE and REINFORCE see each turn's reward where it came."""
+    if all(s.turn_rewards is None for s in samples):
+        return shaped
+    out = torch.zeros(len(samples), max(width, 1), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        mask = s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
+        last = max((t for t, m in enumerate(mask) if m), default=-1)
+        if last < 0:
+            continue
+        for position, reward in s.turn_rewards or [(last, s.reward)]:
+            out[i, position] += reward
+        out[i, last] += float(shaped[i]) - s.reward
+    return out
 
 
 def token_versions(samples: list[Sample], width: int | None = None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from raylign.config.data import DatasetSpec
@@ -17,6 +17,8 @@ class Prompt:
     label: Any  # the reference answer, given to reward sources
     source: str  # data source name, for per-source evaluation
     where: RowRef
+    raw: Any = None  # the row's input as it is (a string or messages): what an agent environment's reset() gets
+    metadata: dict[str, Any] = field(default_factory=dict)  # the row's other fields
 
 
 def _render(
@@ -49,7 +51,9 @@ def load_prompts(specs: list[DatasetSpec], cfg: RLDataConfig, tokenizer) -> list
                     "too_long",
                 )
             source = row.get(cfg.source_key) or _default_source(spec.path)
-            prompts.append(Prompt(text, ids, row.get(spec.label_key), str(source), where))
+            raw = row.get(spec.input_key)
+            metadata = {k: v for k, v in row.items() if k not in (spec.input_key, spec.label_key)}
+            prompts.append(Prompt(text, ids, row.get(spec.label_key), str(source), where, raw, metadata))
             count += 1
             if spec.max_samples is not None and count >= spec.max_samples:
                 break

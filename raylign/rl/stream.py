@@ -103,7 +103,11 @@ class RolloutFeed:
         uniform: Callable[[list[Sample]], bool] | None = None,
         max_uniform_per_step: int = 0,
         ordered: bool = False,
+        request: Callable[[Prompt], Any] | None = None,
     ):
+        """``request(prompt)`` is what the stream's ``submit`` gets for a prompt (default: its token ids;
+        an :class:`~raylign.rl.episodes.EpisodeStream` takes the prompt itself)."""
+        self.request = request or _token_ids
         self.stream, self.prompts, self.positions, self.sampling = stream, prompts, positions, sampling
         self.per_step, self.k, self.stale = per_step, max_staleness, stale
         self.to_samples, self.score, self.uniform = to_samples, score, uniform
@@ -122,7 +126,7 @@ class RolloutFeed:
         while self.started - self.discarded < self.trained + (self.k + 1) * self.per_step:
             position = self.requeued.pop(0) if self.requeued else next(self.positions)
             self.stream.submit(
-                self.prompts[position].token_ids, self.sampling, self.started, (self.started, position, version)
+                self.request(self.prompts[position]), self.sampling, self.started, (self.started, position, version)
             )
             self.started += 1
 
@@ -268,6 +272,10 @@ def uniform_rewards(samples: list[Sample]) -> bool:
     """Whether a group's rewards are all equal (its group advantages would all be 0)."""
     kept, _ = split_by_reward_variance(samples, len(samples))
     return not kept
+
+
+def _token_ids(prompt: Prompt) -> list[int]:
+    return prompt.token_ids
 
 
 def _seq(group: Group) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from raylign.agents.episode import episode_metrics
 from raylign.cluster import start_ray
 from raylign.config.base import save_yaml
 from raylign.config.rl import RLConfig
@@ -34,6 +35,7 @@ from raylign.engine.checkpoint import (
     write_atomically,
 )
 from raylign.rl.advantages import RewardShaping, compute_advantages
+from raylign.rl.episodes import EpisodeStream, sample_from_episode
 from raylign.rl.evaluation import pass_at_k_metrics
 from raylign.rl.experience import (
     Experience,
@@ -46,6 +48,7 @@ from raylign.rl.experience import (
     response_mask,
     response_tensor,
     reward_metrics,
+    sample_rewards,
     token_versions,
 )
 from raylign.rl.metric import Metric, average_updates, combine
@@ -103,6 +106,8 @@ class RLTrainer:
         # The engines need room for what this run generates, no more.
         longest = max(len(p.token_ids) for p in self.train_prompts + self.eval_prompts)
         new_tokens = max(cfg.sampling.max_new_tokens, cfg.train.eval_max_new_tokens or 0)
+        if cfg.agent.env is not None:  # an episode grows to agent.max_total_tokens
+            new_tokens = max(new_tokens, cfg.agent.max_total_tokens - longest)
         cfg = self.cfg = cfg.model_copy(update={"rollout": cfg.rollout.with_room_for(longest, new_tokens)})
         log.info(
             "rollout.max_model_len: %d (longest prompt %d, %d new tokens)",
@@ -116,7 +121,7 @@ class RLTrainer:
             cfg.placement.ray_address, num_cpus=None if cfg.placement.ray_address else local_cpus
         )
         timeout = cfg.placement.startup_timeout_s
-        self.reward = build_reward(cfg.reward, timeout)
+        self.reward = build_reward(cfg.reward, timeout) if cfg.reward is not None else None
         dump = cfg.model_dump(mode="json")
         dump["model"]["path"] = self.model_path
         updates = cfg.train.max_steps * cfg.train.mini_batches * cfg.train.ppo_epochs
@@ -153,7 +158,12 @@ class RLTrainer:
             self.groups["policy"].call("connect_engines", self.engines)
         self.positions = PromptPositions(self.sampler)
         r, a = cfg.rollout, cfg.algorithm
-        stream = GroupStream(self.pool, r.generate_timeout_s, restart=None if p.colocate else self._restart_engines)
+        self.episodes = self._episode_stream() if cfg.agent.env is not None else None
+        stream: GroupStream | EpisodeStream
+        if self.episodes is not None:
+            stream = self.episodes
+        else:
+            stream = GroupStream(self.pool, r.generate_timeout_s, restart=None if p.colocate else self._restart_engines)
         self.feed = RolloutFeed(
             stream,
             self.train_prompts,
@@ -162,15 +172,32 @@ class RLTrainer:
             cfg.train.prompts_per_step,
             r.max_staleness,
             r.stale_samples,
-            self._group_samples,
-            self._score_timed,
+            self._group_samples if self.episodes is None else self._episode_samples,
+            self._score_timed if self.episodes is None else _rewarded_by_env,
             uniform=uniform_rewards if a.dynamic_sampling else None,
             max_uniform_per_step=a.max_refill_rounds * cfg.train.prompts_per_step,
             ordered=r.reproducible,
+            request=None if self.episodes is None else _prompt_itself,
         )
         self.metrics = MetricsLogger(self.out, cfg.train.logging, dump)
         self.skipped = SkippedSteps(cfg.train.max_skipped_steps)
         self._maybe_resume()
+
+    def _episode_stream(self) -> EpisodeStream:
+        """Agent episodes of ``agent.env`` on the engines (:mod:`raylign.rl.episodes`)."""
+        from raylign.agents.env import load_environment
+        from raylign.agents.episode import EpisodeLimits, EpisodeRunner
+
+        g = self.cfg.agent
+        env_class, env_args = load_environment(g.env), dict(g.env_args)
+        limits = EpisodeLimits(g.max_turns, g.max_total_tokens, g.episode_timeout_s, g.step_timeout_s, g.drift)
+        runner = EpisodeRunner(
+            lambda: env_class(**env_args), self.tokenizer, limits, self.cfg.rollout.generate_timeout_s
+        )
+        return EpisodeStream(self.pool, runner, self.cfg.rollout.generate_timeout_s)
+
+    def _episode_samples(self, episodes: list, prompt: Prompt, position: int) -> list[Sample]:
+        return [sample_from_episode(e, prompt, self.tokenizer) for e in episodes]
 
     def _maybe_resume(self) -> None:
         ckpt = latest_checkpoint(self.out / "checkpoints") if self.cfg.train.resume else None
@@ -273,7 +300,7 @@ class RLTrainer:
             **timings,
             "time/step_s": elapsed,
             "throughput/tokens_per_s": tokens / elapsed,
-            "reward/worker_restarts": float(self.reward.restarts),
+            "reward/worker_restarts": float(self.reward.restarts if self.reward is not None else 0),
             "rollout/engine_restarts": float(self.engine_restarts),
             "rollout/resubmitted_groups": float(self.feed.stream.resubmitted),
             "throughput/generated_tokens_per_s": generated / max(timings["time/generate_s"], 1e-9),
@@ -334,6 +361,8 @@ class RLTrainer:
             "staleness/regenerated_groups": float(step.regenerated_stale),
             "rollout/groups_in_flight": float(step.in_flight),
         }
+        if self.episodes is not None:
+            metrics.update(episode_metrics([s.episode for s in samples]))
         if self.cfg.algorithm.dynamic_sampling:
             metrics.update(
                 {
@@ -376,7 +405,8 @@ class RLTrainer:
         values = self._forward_all("critic", "compute_values", samples) if cfg.uses_critic else None
         rollout_lp = response_tensor([s.rollout_logprobs for s in samples], width)
         lengths = mask.sum(dim=-1)
-        rewards, shaping = self.shaping(torch.tensor([s.reward for s in samples]), lengths)
+        shaped, shaping = self.shaping(torch.tensor([s.reward for s in samples]), lengths)
+        rewards = sample_rewards(samples, width, shaped)
         advantages, returns, adv_metrics = compute_advantages(
             cfg, rewards, mask, cfg.sampling.n, old if old is not None else rollout_lp, ref, values
         )
@@ -457,6 +487,8 @@ class RLTrainer:
         ]
 
     def _write_samples(self, samples: list[Sample]) -> None:
+        if self.episodes is not None:
+            self._write_trajectories(samples)
         if not self.cfg.train.log_samples:
             return
         with open(self.out / "samples.jsonl", "a") as f:
@@ -475,6 +507,28 @@ class RLTrainer:
                     )
                     + "\n"
                 )
+
+    def _write_trajectories(self, samples: list[Sample]) -> None:
+        """A few whole episodes of the step, each turn's text marked with where its tokens came from."""
+        count = self.cfg.agent.log_trajectories
+        if not count:
+            return
+        with open(self.out / "trajectories.jsonl", "a") as f:
+            for s in samples[:count]:
+                ep = s.episode
+                record = {
+                    "step": self.step + 1,
+                    "label": s.label,
+                    "reward": s.reward,
+                    "turn_rewards": [r for _, r in ep.turn_rewards],
+                    "end_reason": ep.end_reason,
+                    "turns": ep.turns,
+                    "tool_calls": ep.tool_calls,
+                    "tool_failures": ep.tool_failures,
+                    "prompt": s.prompt_text,
+                    "segments": ep.segments(self.tokenizer),
+                }
+                f.write(json.dumps(record, default=str) + "\n")
 
     def sync_weights(self) -> dict[str, float]:
         """The policy's weights to every engine, labelled with the next version. An engine that died
@@ -552,19 +606,29 @@ class RLTrainer:
                 "max_new_tokens": cfg.train.eval_max_new_tokens or cfg.sampling.max_new_tokens,
             }
         )
-        pending = self.pool.submit([p.token_ids for p in self.eval_prompts], sampling)
+        if self.episodes is not None:
+            pending = self.episodes.submit_all(self.eval_prompts, sampling)
+        else:
+            pending = self.pool.submit([p.token_ids for p in self.eval_prompts], sampling)
         self._pending_evals.append((self.step, self.syncs, pending))
         return self._finish_evals(wait)
 
     def _finish_evals(self, wait: bool) -> dict[str, float]:
         cfg, metrics, still = self.cfg, {}, []
         for step, version, pending in self._pending_evals:
-            if not wait and not self.pool.is_done(pending):
+            if not wait and not self._eval_done(pending):
                 still.append((step, version, pending))
                 continue
-            samples = self._samples(self.pool.collect(pending), self.eval_prompts)
-            self.score(samples)
-            metrics = pass_at_k_metrics(samples, cfg.train.eval_n, cfg.train.eval_threshold)
+            if self.episodes is not None:
+                groups = self.episodes.collect_all(pending)
+                samples = [
+                    sample_from_episode(e, p, self.tokenizer) for p, g in zip(self.eval_prompts, groups) for e in g
+                ]
+                agent = {f"eval/{k}": v for k, v in episode_metrics([s.episode for s in samples]).items()}
+            else:
+                samples, agent = self._samples(self.pool.collect(pending), self.eval_prompts), {}
+                self.score(samples)
+            metrics = {**pass_at_k_metrics(samples, cfg.train.eval_n, cfg.train.eval_threshold), **agent}
             if any(s.weight_version != version for s in samples):
                 raise RuntimeError(
                     f"evaluation of step {step}: generated by weight versions "
@@ -574,6 +638,9 @@ class RLTrainer:
             log.info("step %d eval: %s", step, format_metrics(metrics))
         self._pending_evals = still
         return metrics
+
+    def _eval_done(self, pending: Any) -> bool:
+        return self.episodes.all_done(pending) if self.episodes is not None else self.pool.is_done(pending)
 
     def save_checkpoint(self) -> Path:
         root = self.out / "checkpoints"
@@ -615,8 +682,10 @@ class RLTrainer:
 
         if hasattr(self, "metrics"):
             self.metrics.close()
-        if hasattr(self, "reward"):
+        if getattr(self, "reward", None) is not None:
             self.reward.close()
+        if getattr(self, "episodes", None) is not None:
+            self.episodes.close()
         for group in self.groups.values():
             group.kill()
         engines = getattr(self, "engines", [])
@@ -626,6 +695,14 @@ class RLTrainer:
             ray.util.remove_placement_group(group)
         if getattr(self, "_started_ray", False):
             ray.shutdown()
+
+
+def _prompt_itself(prompt: Prompt) -> Prompt:
+    return prompt
+
+
+def _rewarded_by_env(samples: list[Sample]) -> None:
+    """Agent episodes carry their rewards (the sum of their turns'): nothing to score."""
 
 
 def _seed(seed: int) -> None:

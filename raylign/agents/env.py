@@ -1,0 +1,132 @@
+"""The environment API: what a user writes to train an agent.
+
+An environment is a Python class; one instance plays one episode::
+
+    class MyEnv:
+        def __init__(self, **env_args): ...
+        def reset(self, prompt, label, metadata):       # -> the first observation
+            return [{"role": "user", "content": prompt}]
+        def step(self, action_text, action_token_ids):  # -> observation, reward, done, info
+            return {"role": "tool", "content": "..."}, 0.0, False, {"tool_calls": 1}
+
+Either method may be ``async``; a blocking one runs in a thread, so a slow episode never holds
+back the others. An observation is a message (``{"role", "content"}``), a list of messages, or a
+plain string (a user message); a step that ends the episode may return ``None``. ``reward`` is
+this turn's reward; the episode's reward is the sum of its turns'. ``info`` is a dict of counts for
+the logs; two keys mean something: ``tool_calls`` (how many tools the turn called) and
+``tool_failures`` (a list of failure kinds, e.g. ``["timeout"]``). ``close()``, if defined, is
+called once when the episode ends, however it ends.
+
+``agent.env`` names the class: ``path/to/env.py:ClassName`` or ``package.module:ClassName``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Message = dict[str, Any]
+
+
+@dataclass
+class StepResult:
+    """What :meth:`step` returns, checked: messages to append, this turn's reward, whether the
+    episode is over, and counts for the logs."""
+
+    observation: list[Message]
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment:
+    """A base class to inherit from (optional: any class with ``reset`` and ``step`` will do)."""
+
+    def reset(self, prompt: Any, label: Any, metadata: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def step(self, action_text: str, action_token_ids: list[int]) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the episode holds (a no-op unless overridden)."""
+
+
+def as_messages(observation: Any, where: str) -> list[Message]:
+    """An observation as a list of chat messages; a TypeError naming ``where`` for anything else."""
+    if observation is None:
+        return []
+    if isinstance(observation, str):
+        return [{"role": "user", "content": observation}]
+    if isinstance(observation, dict):
+        observation = [observation]
+    if not isinstance(observation, (list, tuple)):
+        raise TypeError(
+            f"{where}: an observation must be a message dict, a list of them or a string, got "
+            f"{type(observation).__name__}"
+        )
+    messages = []
+    for i, message in enumerate(observation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise TypeError(f"{where}: message {i} must be a dict with a 'role' string, got {message!r:.80}")
+        if not isinstance(message.get("content", ""), str):
+            raise TypeError(f"{where}: message {i}'s content must be a string")
+        messages.append(dict(message))
+    return messages
+
+
+def as_step_result(value: Any, where: str) -> StepResult:
+    """``(observation, reward, done, info)`` or a :class:`StepResult`, checked."""
+    if isinstance(value, StepResult):
+        value = (value.observation, value.reward, value.done, value.info)
+    if not isinstance(value, tuple) or len(value) != 4:
+        raise TypeError(f"{where}: step() must return (observation, reward, done, info), got {value!r:.80}")
+    observation, reward, done, info = value
+    try:
+        reward = float(reward)
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}: step() returned reward {reward!r:.40}; it must be a number") from None
+    if info is not None and not isinstance(info, dict):
+        raise TypeError(f"{where}: step() returned info of type {type(info).__name__}; it must be a dict")
+    return StepResult(as_messages(observation, where), reward, bool(done), dict(info or {}))
+
+
+async def call(method: Any, *args: Any) -> Any:
+    """``method(*args)``, awaited if it is a coroutine function, else run in a thread."""
+    import asyncio
+
+    if inspect.iscoroutinefunction(method):
+        return await method(*args)
+    return await asyncio.to_thread(method, *args)
+
+
+def load_environment(spec: str) -> type:
+    """The class ``spec`` names: ``path/to/file.py:ClassName`` or ``package.module:ClassName``."""
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise ValueError(f"agent.env: {spec!r} must be 'path/to/env.py:ClassName' or 'package.module:ClassName'")
+    where, name = spec.split(":")
+    if where.endswith(".py"):
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"agent.env: {path} does not exist")
+        module_name = f"raylign_env_{abs(hash(str(path.resolve())))}"
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ImportError(f"agent.env: cannot load {path} as a Python module")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module  # so that the class pickles by reference within this process
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    cls = getattr(module, name, None)
+    if cls is None:
+        raise AttributeError(f"agent.env: {where} has no {name!r}")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise TypeError(f"agent.env: {spec} has no {' or '.join(missing)} method (see raylign.agents.env)")
+    return cls

