@@ -1,0 +1,306 @@
+"""Tools for agents: any Python function as a tool, tool calls parsed from the model's text, and
+ready environments (a calculator, a Python interpreter in a sandbox).
+
+A tool call is the model writing::
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "123 * 456"}}</tool_call>
+
+the format of the Hermes/Qwen chat templates' tool calls, used here for every model (a template
+without tool support gets the tools described in the system message instead). Each call's
+result comes back as a ``tool`` message. A tool that raises, times out or is called wrongly
+gives the model an error message as its result and counts as a failed call of that kind; the
+episode and the training step go on.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import json
+import operator
+import re
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from raylign.agents.env import Environment, Message
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
+
+
+@dataclass
+class Tool:
+    """A Python function the model may call, described by a JSON schema (OpenAI's function format)."""
+
+    function: Callable[..., Any]
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+    async def __call__(self, arguments: dict[str, Any]) -> Any:
+        if inspect.iscoroutinefunction(self.function):
+            return await self.function(**arguments)
+        return await asyncio.to_thread(self.function, **arguments)
+
+
+def tool(function: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
+    """Make ``function`` a :class:`Tool`: its name, its docstring's first paragraph as the description,
+    and a JSON schema of its parameters from their type hints (int, float, str, bool, list, dict;
+    parameters without a default are required). Usable as ``@tool`` or ``tool(f, name=...)``."""
+
+    def make(f: Callable[..., Any]) -> Tool:
+        hints = typing.get_type_hints(f)
+        properties, required = {}, []
+        for parameter in inspect.signature(f).parameters.values():
+            hint = hints.get(parameter.name, str)
+            if hint not in _JSON_TYPES:
+                raise TypeError(
+                    f"tool {f.__name__}: parameter {parameter.name!r} has type {hint!r}; a tool's parameters "
+                    f"must be one of {', '.join(t.__name__ for t in _JSON_TYPES)}"
+                )
+            properties[parameter.name] = {"type": _JSON_TYPES[hint]}
+            if parameter.default is inspect.Parameter.empty:
+                required.append(parameter.name)
+        description = inspect.cleandoc(f.__doc__ or "").split("\n\n")[0].replace("\n", " ")
+        parameters = {"type": "object", "properties": properties, "required": required}
+        return Tool(f, name or f.__name__, description, parameters)
+
+    return make(function) if function is not None else make
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
+    """The ``<tool_call>`` blocks of ``text``: the calls that parse, and an error for each one that does not."""
+    calls, errors = [], []
+    for block in TOOL_CALL.findall(text):
+        try:
+            value = json.loads(block)
+        except json.JSONDecodeError as err:
+            errors.append(f"tool call is not valid JSON ({err.msg} at character {err.pos}): {block[:80]}")
+            continue
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            errors.append(f"tool call needs a 'name': {block[:80]}")
+            continue
+        arguments = value.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                errors.append(f"tool call arguments are not a JSON object: {arguments[:80]}")
+                continue
+        if not isinstance(arguments, dict):
+            errors.append(f"tool call arguments must be an object: {block[:80]}")
+            continue
+        calls.append(ToolCall(value["name"], arguments))
+    return calls, errors
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in ``text`` (commas between digit groups allowed), or None."""
+    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def numeric_match(answer: str, label: Any) -> float:
+    """1.0 when the last number of ``answer`` equals ``label`` (to 1e-6), else 0.0."""
+    got = last_number(answer)
+    try:
+        expected = float(label)
+    except (TypeError, ValueError):
+        return 0.0
+    return float(got is not None and abs(got - expected) <= 1e-6 * max(1.0, abs(expected)))
+
+
+class ToolEnv(Environment):
+    """An episode of tool use: the model calls tools until it answers without a tool call; the answer's
+    reward (``answer_reward(answer, label)``, default :func:`numeric_match`) ends the episode.
+
+    ``system_prompt`` starts the conversation (None: a description of the tools and the call format;
+    "": no system message). ``max_tool_calls`` calls at most per episode: beyond them a call gets an
+    error result. ``tool_role`` is the role of result messages ("tool"; "user" for templates
+    without one)."""
+
+    def __init__(
+        self,
+        tools: list[Tool],
+        system_prompt: str | None = None,
+        max_tool_calls: int = 4,
+        tool_timeout_s: float = 10.0,
+        tool_role: str = "tool",
+        answer_reward: Callable[[str, Any], float] = numeric_match,
+    ):
+        self.tool_list = {t.name: t for t in tools}
+        self.system_prompt = self.describe() if system_prompt is None else system_prompt
+        self.max_tool_calls, self.tool_timeout_s, self.tool_role = max_tool_calls, tool_timeout_s, tool_role
+        self.answer_reward = answer_reward
+        self.calls = 0
+        self.label: Any = None
+
+    def describe(self) -> str:
+        schemas = "\n".join(json.dumps(t.schema) for t in self.tool_list.values())
+        return (
+            "You can call these tools:\n"
+            f"{schemas}\n"
+            'To call one, write <tool_call>{"name": ..., "arguments": {...}}</tool_call> and wait for its result. '
+            "When you know the answer, write it without a tool call."
+        )
+
+    def reset(self, prompt: Any, label: Any, metadata: dict[str, Any]) -> list[Message]:
+        self.label, self.calls = label, 0
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        if isinstance(prompt, list):
+            return messages + [dict(m) for m in prompt]
+        return messages + [{"role": "user", "content": str(prompt)}]
+
+    async def step(self, action_text: str, action_token_ids: list[int]) -> tuple[Any, float, bool, dict[str, Any]]:
+        calls, errors = parse_tool_calls(action_text)
+        if not calls and not errors:  # an answer
+            return None, float(self.answer_reward(action_text, self.label)), True, {}
+        results, failures = [], ["bad_call"] * len(errors)
+        results += [f"error: {e}" for e in errors]
+        for call in calls:
+            result, failure = await self._run(call)
+            results.append(result)
+            if failure:
+                failures.append(failure)
+        observation = [{"role": self.tool_role, "content": r} for r in results]
+        return observation, 0.0, False, {"tool_calls": len(calls) + len(errors), "tool_failures": failures}
+
+    async def _run(self, call: ToolCall) -> tuple[str, str | None]:
+        """A call's result text, and its failure kind (None when it worked)."""
+        self.calls += 1
+        if self.calls > self.max_tool_calls:
+            return f"error: no more tool calls in this episode (at most {self.max_tool_calls})", "too_many"
+        chosen = self.tool_list.get(call.name)
+        if chosen is None:
+            return f"error: unknown tool {call.name!r}; tools: {', '.join(self.tool_list)}", "unknown_tool"
+        try:
+            result = await asyncio.wait_for(chosen(call.arguments), self.tool_timeout_s)
+        except TimeoutError:
+            return f"error: {call.name} did not finish within {self.tool_timeout_s:g} s", "timeout"
+        except TypeError as err:
+            return f"error: wrong arguments for {call.name}: {err}", "bad_arguments"
+        except ToolError as err:
+            return f"error: {err}", err.kind
+        except Exception as err:
+            return f"error: {call.name} failed: {type(err).__name__}: {err}", "error"
+        return str(result), None
+
+
+class ToolError(Exception):
+    """A tool's failure that the model should see, of a named kind (for the metrics)."""
+
+    def __init__(self, message: str, kind: str = "error"):
+        super().__init__(message)
+        self.kind = kind
+
+
+# ---- the calculator ------------------------------------------------------------------------
+
+_OPERATORS: dict[type, Callable[..., Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
+
+
+def evaluate_arithmetic(expression: str) -> int | float:
+    """The value of an arithmetic expression (numbers, + - * / // % **, parentheses); nothing else is run.
+    Powers are limited to exponents up to 64 and results to 10^100."""
+
+    def value(node: ast.AST) -> int | float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 64:
+                raise ToolError(f"exponent {right} is too large (at most 64)", "bad_arguments")
+            result = _OPERATORS[type(node.op)](left, right)
+            if abs(result) > 1e100:
+                raise ToolError("result too large", "bad_arguments")
+            return result
+        raise ToolError(f"not arithmetic: {ast.unparse(node)[:40]!r}", "bad_arguments")
+
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ToolError(f"cannot parse {expression[:60]!r} as arithmetic", "bad_arguments") from None
+    try:
+        result = value(tree.body)
+    except ZeroDivisionError:
+        raise ToolError("division by zero", "bad_arguments") from None
+    return int(result) if isinstance(result, float) and result.is_integer() else result
+
+
+@tool(name="calculator")
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression such as "123 * 456" (+ - * / // % ** and parentheses)."""
+    return str(evaluate_arithmetic(expression))
+
+
+class CalculatorEnv(ToolEnv):
+    """Arithmetic questions with a calculator tool; the reward is the final answer's correctness."""
+
+    def __init__(self, system_prompt: str | None = None, max_tool_calls: int = 4, tool_role: str = "tool"):
+        super().__init__([calculator], system_prompt, max_tool_calls, tool_role=tool_role)
+
+
+# ---- Python in a sandbox -------------------------------------------------------------------
+
+
+class PythonEnv(ToolEnv):
+    """Questions answered with the help of a Python interpreter that runs in a sandbox
+    (:mod:`raylign.agents.sandbox`: no network, a scratch folder, limits on time, memory and
+    processes). What the code prints is the tool's result; a sandbox failure is a failed call."""
+
+    def __init__(
+        self,
+        system_prompt: str | None = None,
+        max_tool_calls: int = 4,
+        tool_role: str = "tool",
+        cpu_time_s: int = 5,
+        wall_time_s: float = 10.0,
+        memory_mb: int = 512,
+    ):
+        from raylign.agents.sandbox import SandboxLimits, run_python_async
+
+        limits = SandboxLimits(cpu_time_s=cpu_time_s, wall_time_s=wall_time_s, memory_mb=memory_mb)
+
+        async def python(code: str) -> str:
+            """Run Python code and return what it prints (no network; files only in its own folder)."""
+            result = await run_python_async(code, limits)
+            if not result.ok:
+                raise ToolError(result.message, result.failure or "error")
+            return result.stdout
+
+        super().__init__(
+            [tool(python)], system_prompt, max_tool_calls, tool_timeout_s=wall_time_s + 5, tool_role=tool_role
+        )
