@@ -16,8 +16,8 @@ with exactly the text of the sequence so far. Templates that rewrite earlier tur
 past reasoning, moving a system prompt, numbering turns) are not; the drift check compares, at
 every environment turn, the decoded sequence with a fresh render of the whole conversation, and
 counts the turns where it is not a prefix (``agent.drift: error`` stops the run instead). The
-sequence is then continued with the fresh render's new part, and what was trained stays what
-was sampled.
+sequence is then continued with the template's end of the policy's turn and the fresh render's
+new part, and what was trained stays what was sampled.
 
 Limits end an episode with a recorded reason, never a hang: ``max_turns`` policy turns,
 ``max_total_tokens`` (prompt and every turn), ``episode_timeout_s`` of wall time, and
@@ -252,7 +252,12 @@ class EpisodeRunner:
         ep.finish_reason = c.finish_reason
         # The conversation holds what was sampled, decoded (not the engine's text, which a stop
         # string may end inside a token), without the end-of-turn token the template adds itself.
-        content = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        # Special tokens inside the turn stay: a render without them would not be a prefix match.
+        special = set(self.tokenizer.all_special_ids)
+        end = len(ids)
+        while end and ids[end - 1] in special:
+            end -= 1
+        content = self.decode(ids[:end])
         ep.messages.append({"role": "assistant", "content": content})
 
     def _append_env(self, ep: Episode, delta: list[int]) -> None:
@@ -279,9 +284,22 @@ class EpisodeRunner:
             raise TemplateDriftError(message + "; agent.drift=error")
         logger.warning("%s; continuing with the fresh render's new part", message)
         previous = self.render(ep.messages, env, False)
-        return self.encode(
-            fresh[len(previous) :] if fresh.startswith(previous) else self.render(observation, env, True)
-        )
+        new_part = fresh[len(previous) :] if fresh.startswith(previous) else self.render(observation, env, True)
+        return self.encode(self._turn_end(env, ep) + new_part)
+
+    def _turn_end(self, env: Any, ep: Episode) -> str:
+        """What the template writes after the last assistant turn's content (its end-of-turn), less
+        the end-of-turn tokens the policy sampled itself: a drifting render's new part starts after it."""
+        marker = "\x00raylign-turn-end\x00"
+        closed = self.render(ep.messages[:-1] + [{"role": "assistant", "content": marker}], env, False)
+        after = closed[closed.rfind(marker) + len(marker) :] if marker in closed else ""
+        special = set(self.tokenizer.all_special_ids)
+        end = len(ep.token_ids)
+        while end and ep.from_policy[end - 1] and ep.token_ids[end - 1] in special:
+            end -= 1
+        sampled = self.decode(ep.token_ids[end:])  # the turn's trailing special tokens, e.g. "<|im_end|>"
+        overlap = next(k for k in range(len(after), -1, -1) if sampled.endswith(after[:k]))
+        return after[overlap:]
 
     @staticmethod
     def _end(ep: Episode, reason: EndReason) -> None:

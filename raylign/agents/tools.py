@@ -5,8 +5,10 @@ A tool call is the model writing::
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "123 * 456"}}</tool_call>
 
-the format of the Hermes/Qwen chat templates' tool calls, used here for every model (a template
-without tool support gets the tools described in the system message instead). Each call's
+the format of the Hermes/Qwen chat templates' tool calls (a template without tool support gets the
+tools described in the system message instead). For small models without a tool-call format of
+their own there is a shorter tagged form, ``<calculator>123 * 456</calculator>``: the tool's name as
+the tag around its one argument (tools with exactly one required parameter). Each call's
 result comes back as a ``tool`` message. A tool that raises, times out or is called wrongly
 gives the model an error message as its result and counts as a failed call of that kind; the
 episode and the training step go on.
@@ -23,7 +25,7 @@ import re
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from raylign.agents.env import Environment, Message
 
@@ -110,6 +112,18 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
     return calls, errors
 
 
+def parse_tagged_calls(text: str, tools: dict[str, Tool]) -> list[ToolCall]:
+    """The ``<name>argument</name>`` calls of ``text``, for the tools of exactly one required parameter."""
+    calls: list[ToolCall] = []
+    single = {name: t.parameters["required"][0] for name, t in tools.items() if len(t.parameters["required"]) == 1}
+    if not single:
+        return calls
+    pattern = re.compile(r"<(" + "|".join(re.escape(n) for n in single) + r")>(.*?)</\1>", re.DOTALL)
+    for name, argument in pattern.findall(text):
+        calls.append(ToolCall(name, {single[name]: argument.strip()}))
+    return calls
+
+
 def last_number(text: str) -> float | None:
     """The last number written in ``text`` (commas between digit groups allowed), or None."""
     found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
@@ -138,7 +152,7 @@ class ToolEnv(Environment):
     ``system_prompt`` starts the conversation (None: a description of the tools and the call format;
     "": no system message). ``max_tool_calls`` calls at most per episode: beyond them a call gets an
     error result. ``tool_role`` is the role of result messages ("tool"; "user" for templates
-    without one)."""
+    without one). ``call_format``: "json" (``<tool_call>`` blocks) or "tagged" (module docstring)."""
 
     def __init__(
         self,
@@ -148,7 +162,11 @@ class ToolEnv(Environment):
         tool_timeout_s: float = 10.0,
         tool_role: str = "tool",
         answer_reward: Callable[[str, Any], float] = numeric_match,
+        call_format: Literal["json", "tagged"] = "json",
     ):
+        if call_format not in ("json", "tagged"):
+            raise ValueError(f"call_format must be 'json' or 'tagged', got {call_format!r}")
+        self.call_format = call_format
         self.tool_list = {t.name: t for t in tools}
         self.system_prompt = self.describe() if system_prompt is None else system_prompt
         self.max_tool_calls, self.tool_timeout_s, self.tool_role = max_tool_calls, tool_timeout_s, tool_role
@@ -158,10 +176,13 @@ class ToolEnv(Environment):
 
     def describe(self) -> str:
         schemas = "\n".join(json.dumps(t.schema) for t in self.tool_list.values())
+        how = (
+            "write <NAME>ARGUMENT</NAME>"
+            if self.call_format == "tagged"
+            else 'write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+        )
         return (
-            "You can call these tools:\n"
-            f"{schemas}\n"
-            'To call one, write <tool_call>{"name": ..., "arguments": {...}}</tool_call> and wait for its result. '
+            f"You can call these tools:\n{schemas}\nTo call one, {how} and wait for its result. "
             "When you know the answer, write it without a tool call."
         )
 
@@ -173,7 +194,11 @@ class ToolEnv(Environment):
         return messages + [{"role": "user", "content": str(prompt)}]
 
     async def step(self, action_text: str, action_token_ids: list[int]) -> tuple[Any, float, bool, dict[str, Any]]:
-        calls, errors = parse_tool_calls(action_text)
+        errors: list[str] = []
+        if self.call_format == "tagged":
+            calls = parse_tagged_calls(action_text, self.tool_list)
+        else:
+            calls, errors = parse_tool_calls(action_text)
         if not calls and not errors:  # an answer
             return None, float(self.answer_reward(action_text, self.label)), True, {}
         results, failures = [], ["bad_call"] * len(errors)
@@ -244,6 +269,8 @@ def evaluate_arithmetic(expression: str) -> int | float:
             if isinstance(node.op, ast.Pow) and abs(right) > 64:
                 raise ToolError(f"exponent {right} is too large (at most 64)", "bad_arguments")
             result = _OPERATORS[type(node.op)](left, right)
+            if isinstance(result, complex):  # a negative number to a fractional power
+                raise ToolError("the result is not a real number", "bad_arguments")
             if abs(result) > 1e100:
                 raise ToolError("result too large", "bad_arguments")
             return result
@@ -257,6 +284,8 @@ def evaluate_arithmetic(expression: str) -> int | float:
         result = value(tree.body)
     except ZeroDivisionError:
         raise ToolError("division by zero", "bad_arguments") from None
+    except OverflowError:  # float powers beyond the float range
+        raise ToolError("result too large", "bad_arguments") from None
     return int(result) if isinstance(result, float) and result.is_integer() else result
 
 
@@ -269,8 +298,14 @@ def calculator(expression: str) -> str:
 class CalculatorEnv(ToolEnv):
     """Arithmetic questions with a calculator tool; the reward is the final answer's correctness."""
 
-    def __init__(self, system_prompt: str | None = None, max_tool_calls: int = 4, tool_role: str = "tool"):
-        super().__init__([calculator], system_prompt, max_tool_calls, tool_role=tool_role)
+    def __init__(
+        self,
+        system_prompt: str | None = None,
+        max_tool_calls: int = 4,
+        tool_role: str = "tool",
+        call_format: Literal["json", "tagged"] = "json",
+    ):
+        super().__init__([calculator], system_prompt, max_tool_calls, tool_role=tool_role, call_format=call_format)
 
 
 # ---- Python in a sandbox -------------------------------------------------------------------

@@ -1,0 +1,437 @@
+"""Episodes against a real tiny model: tokens in and out exactly, template drift, limits, metrics,
+and the environment API (observations, step results, loading a class by name)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from raylign.agents.env import StepResult, as_messages, as_step_result, load_environment
+from raylign.agents.episode import (
+    EnvironmentFailed,
+    Episode,
+    EpisodeLimits,
+    EpisodeRunner,
+    TemplateDriftError,
+    episode_metrics,
+)
+from raylign.agents.tools import CalculatorEnv
+from raylign.config.rollout import RolloutConfig, SamplingConfig
+from raylign.models.tiny import CHAT_TEMPLATE, build_tiny_model
+from raylign.rollout.hf_engine import HFEngine
+
+SAMPLING = SamplingConfig(max_new_tokens=6, seed=1)
+PROMPT = "What is 2*3?"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny"), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=1
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return HFEngine(str(model_dir), RolloutConfig(engine="hf", dtype="float32").model_dump())
+
+
+@pytest.fixture
+def completions():
+    """Every completion the engine returned in this test, in order."""
+    return []
+
+
+@pytest.fixture
+def generate(engine, completions):
+    async def generate(ids, sampling, index):
+        (completion,) = await engine.generate_group(ids, sampling, index)
+        completions.append(completion)
+        return completion
+
+    return generate
+
+
+class ScriptedEnv:
+    """Observes ``OBS<k>`` after turn k, rewards turn k with k, ends after ``turns`` turns; records
+    the actions it received and counts its close() calls."""
+
+    def __init__(self, turns: int = 3):
+        self.turns, self.actions, self.closed = turns, [], 0
+
+    def reset(self, prompt, label, metadata):
+        return [{"role": "user", "content": prompt}]
+
+    def step(self, action_text, action_token_ids):
+        self.actions.append(list(action_token_ids))
+        k = len(self.actions)
+        done = k >= self.turns
+        return (None if done else f"OBS{k}"), float(k), done, {}
+
+    def close(self):
+        self.closed += 1
+
+
+class EndlessEnv(ScriptedEnv):
+    def step(self, action_text, action_token_ids):
+        self.actions.append(list(action_token_ids))
+        return "more", 0.0, False, {}
+
+
+def play(env, tokenizer, generate, limits=None, sampling=SAMPLING):
+    runner = EpisodeRunner(lambda: env, tokenizer, limits or EpisodeLimits(max_turns=8, max_total_tokens=400))
+    return asyncio.run(runner.run(PROMPT, None, {}, generate, sampling))
+
+
+def runs(episode, source):
+    """The maximal runs of consecutive tokens from ``source`` (True: policy), as (start, ids)."""
+    out, start = [], None
+    for i, from_policy in enumerate(episode.from_policy + [not source]):
+        if from_policy == source and start is None:
+            start = i
+        elif from_policy != source and start is not None:
+            out.append((start, episode.token_ids[start:i]))
+            start = None
+    return out
+
+
+# ---- token in, token out --------------------------------------------------------------------
+
+
+def test_prompt_ids_are_the_template_render_of_the_first_messages(tokenizer, generate):
+    ep = play(ScriptedEnv(turns=1), tokenizer, generate)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+    assert ep.prompt_ids == tokenizer(text, add_special_tokens=False).input_ids
+
+
+def test_policy_tokens_are_exactly_the_actions_the_environment_received(tokenizer, generate, completions):
+    env = ScriptedEnv(turns=3)
+    ep = play(env, tokenizer, generate)
+    assert (ep.end_reason, ep.turns, len(env.actions)) == ("done", 3, 3)
+    assert [ids for _, ids in runs(ep, True)] == env.actions
+    assert env.actions == [c.response_token_ids for c in completions]
+    policy_logprobs = [lp for lp, p in zip(ep.logprobs, ep.from_policy) if p]
+    assert policy_logprobs == [lp for c in completions for lp in c.response_logprobs]
+
+
+def test_environment_tokens_are_the_templates_text_for_each_observation(tokenizer, generate):
+    ep = play(ScriptedEnv(turns=3), tokenizer, generate)
+    policy_turns = [ids for _, ids in runs(ep, True)]
+    env_turns = runs(ep, False)
+    assert len(env_turns) == 2
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for k, (start, ids) in enumerate(env_turns, 1):
+        # The template closes the assistant turn itself unless the model already did.
+        close = "" if policy_turns[k - 1][-1] == im_end else "<|im_end|>"
+        expected = close + f"\n<|im_start|>user\nOBS{k}<|im_end|>\n<|im_start|>assistant\n"
+        assert tokenizer.decode(ids, skip_special_tokens=False) == expected
+        assert ep.logprobs[start : start + len(ids)] == [0.0] * len(ids)
+        assert ep.versions[start : start + len(ids)] == [ep.versions[start - 1]] * len(ids)
+    assert ep.drift_turns == 0
+
+
+def test_turn_rewards_sit_on_the_last_policy_token_of_each_turn(tokenizer, generate):
+    ep = play(ScriptedEnv(turns=3), tokenizer, generate)
+    last_policy = [
+        i for i, p in enumerate(ep.from_policy) if p and (i + 1 == len(ep.from_policy) or not ep.from_policy[i + 1])
+    ]
+    assert ep.turn_rewards == [(last_policy[0], 1.0), (last_policy[1], 2.0), (last_policy[2], 3.0)]
+    assert ep.reward == 6.0
+
+
+# ---- template drift -------------------------------------------------------------------------
+
+# Not append-only: the header counts the messages, so every longer conversation rewrites the start.
+COUNTING_TEMPLATE = "{{ messages | length }} messages\n" + CHAT_TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def drifting_tokenizer(tokenizer):
+    drifting = copy.deepcopy(tokenizer)
+    drifting.chat_template = COUNTING_TEMPLATE
+    return drifting
+
+
+def test_a_template_that_rewrites_the_start_drifts_at_every_environment_turn(drifting_tokenizer, generate):
+    env = ScriptedEnv(turns=3)
+    ep = play(env, drifting_tokenizer, generate, EpisodeLimits(max_total_tokens=400, drift="warn"))
+    assert (ep.end_reason, ep.turns, ep.drift_turns, env.closed) == ("done", 3, 2, 1)
+
+
+def test_after_drift_the_assistant_turn_is_still_closed(drifting_tokenizer, generate):
+    ep = play(ScriptedEnv(turns=3), drifting_tokenizer, generate, EpisodeLimits(max_total_tokens=400))
+    policy_turns = [ids for _, ids in runs(ep, True)]
+    im_end = drifting_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for k, (_, ids) in enumerate(runs(ep, False), 1):
+        close = "\n" if policy_turns[k - 1][-1] == im_end else "<|im_end|>\n"
+        # The whole conversation's render is no prefix match: the observation is rendered alone.
+        expected = close + f"1 messages\n<|im_start|>user\nOBS{k}<|im_end|>\n<|im_start|>assistant\n"
+        assert drifting_tokenizer.decode(ids, skip_special_tokens=False) == expected
+
+
+def test_drift_error_stops_the_episode(drifting_tokenizer, generate):
+    env = ScriptedEnv(turns=3)
+    with pytest.raises(TemplateDriftError, match="not append-only"):
+        play(env, drifting_tokenizer, generate, EpisodeLimits(max_total_tokens=400, drift="error"))
+    assert (len(env.actions), env.closed) == (1, 1)
+
+
+def test_chatml_does_not_drift_even_with_drift_error(tokenizer, generate):
+    ep = play(ScriptedEnv(turns=3), tokenizer, generate, EpisodeLimits(max_total_tokens=400, drift="error"))
+    assert (ep.end_reason, ep.drift_turns) == ("done", 0)
+
+
+def test_special_tokens_the_policy_samples_inside_a_turn_are_not_drift(tokenizer, generate):
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    episodes = [
+        play(ScriptedEnv(turns=2), tokenizer, generate, sampling=SAMPLING.model_copy(update={"seed": seed}))
+        for seed in range(32)
+    ]
+    # In some of these the random model writes <|im_start|> inside its first turn, the one the
+    # environment turn after it checks (seed 26 with torch's CPU generator).
+    first_turns = [runs(ep, True)[0][1] for ep in episodes]
+    assert any(im_start in ids[:-1] for ids in first_turns)
+    assert [ep.drift_turns for ep in episodes] == [0] * len(episodes)
+
+
+# ---- limits ---------------------------------------------------------------------------------
+
+
+def test_an_endless_environment_stops_after_max_turns(tokenizer, generate):
+    env = EndlessEnv()
+    ep = play(env, tokenizer, generate, EpisodeLimits(max_turns=3, max_total_tokens=400))
+    assert (ep.end_reason, ep.turns, len(runs(ep, True)), len(env.actions), env.closed) == ("max_turns", 3, 3, 3, 1)
+
+
+def test_max_total_tokens_bounds_prompt_and_turns(tokenizer, generate):
+    env = EndlessEnv()
+    prompt_len = len(tokenizer(f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n").input_ids)
+    limit = prompt_len + 40
+    ep = play(env, tokenizer, generate, EpisodeLimits(max_turns=100, max_total_tokens=limit))
+    assert ep.end_reason == "max_tokens"
+    assert len(ep.prompt_ids) + len(ep.token_ids) <= limit
+    assert env.closed == 1
+
+
+def test_a_blocking_step_that_hangs_ends_with_step_timeout(tokenizer, generate):
+    # Blocks "forever"; released after the episode, so that asyncio.run can join its thread.
+    release = threading.Event()
+
+    class HangingEnv(ScriptedEnv):
+        def step(self, action_text, action_token_ids):
+            release.wait(3600)
+            return None, 0.0, True, {}
+
+    env = HangingEnv()
+    runner = EpisodeRunner(lambda: env, tokenizer, EpisodeLimits(step_timeout_s=0.5, max_total_tokens=400))
+
+    async def timed():
+        start = time.perf_counter()
+        try:
+            return await runner.run(PROMPT, None, {}, generate, SAMPLING), time.perf_counter() - start
+        finally:
+            release.set()
+
+    ep, seconds = asyncio.run(timed())
+    assert (ep.end_reason, ep.turns, env.closed) == ("step_timeout", 1, 1)
+    assert seconds < 10
+
+
+def test_an_async_step_that_hangs_ends_with_step_timeout(tokenizer, generate):
+    class HangingEnv(ScriptedEnv):
+        async def step(self, action_text, action_token_ids):
+            await asyncio.Event().wait()
+
+    env = HangingEnv()
+    start = time.perf_counter()
+    ep = play(env, tokenizer, generate, EpisodeLimits(step_timeout_s=0.5, max_total_tokens=400))
+    assert (ep.end_reason, ep.turns, env.closed) == ("step_timeout", 1, 1)
+    assert time.perf_counter() - start < 10
+
+
+def test_episode_timeout_ends_a_slow_endless_episode(tokenizer, generate):
+    class SlowEnv(EndlessEnv):
+        async def step(self, action_text, action_token_ids):
+            await asyncio.sleep(0.2)
+            return "more", 0.0, False, {}
+
+    env = SlowEnv()
+    start = time.perf_counter()
+    ep = play(env, tokenizer, generate, EpisodeLimits(max_turns=100, max_total_tokens=4000, episode_timeout_s=0.5))
+    assert (ep.end_reason, env.closed) == ("timeout", 1)
+    assert ep.turns < 100
+    assert time.perf_counter() - start < 10
+
+
+def test_a_step_that_raises_ends_with_env_error_and_its_message(tokenizer, generate):
+    class FailingEnv(ScriptedEnv):
+        def step(self, action_text, action_token_ids):
+            raise ValueError("boom 42")
+
+    env = FailingEnv()
+    ep = play(env, tokenizer, generate)
+    assert (ep.end_reason, ep.error, ep.turns, env.closed) == ("env_error", "ValueError: boom 42", 1, 1)
+
+
+def test_a_reset_that_raises_fails_the_episode_naming_it(tokenizer, generate):
+    class BrokenResetEnv(ScriptedEnv):
+        def reset(self, prompt, label, metadata):
+            raise RuntimeError("no dataset row")
+
+    env = BrokenResetEnv()
+    with pytest.raises(EnvironmentFailed, match=r"reset\(\) raised RuntimeError\('no dataset row'\)"):
+        play(env, tokenizer, generate)
+    assert env.closed == 1
+
+
+def test_close_is_called_once_when_the_episode_ends_normally(tokenizer, generate):
+    env = ScriptedEnv(turns=2)
+    play(env, tokenizer, generate)
+    assert env.closed == 1
+
+
+# ---- metrics --------------------------------------------------------------------------------
+
+
+def test_episode_metrics_of_two_hand_made_episodes():
+    first = Episode(
+        prompt_ids=[1, 2],
+        token_ids=[5, 6, 7, 8],
+        from_policy=[True, True, False, True],
+        turn_rewards=[(1, 0.5), (3, 1.0)],
+        turns=2,
+        end_reason="done",
+        tool_calls=2,
+        tool_failures={"timeout": 1},
+        drift_turns=1,
+        seconds=2.0,
+    )
+    second = Episode(
+        prompt_ids=[1],
+        token_ids=[9, 9],
+        from_policy=[True, True],
+        turn_rewards=[(1, 0.0)],
+        turns=1,
+        end_reason="max_turns",
+        tool_calls=0,
+        tool_failures={"timeout": 2, "bad_call": 1},
+        seconds=4.0,
+    )
+    assert episode_metrics([first, second]) == pytest.approx(
+        {
+            "agent/turns_mean": 1.5,
+            "agent/turns_max": 2.0,
+            "agent/tool_calls_mean": 1.0,
+            "agent/tool_use_fraction": 0.5,
+            "agent/policy_tokens_mean": 2.5,  # (3 + 2) / 2
+            "agent/env_tokens_mean": 0.5,  # (1 + 0) / 2
+            "agent/template_drift_turns": 1.0,
+            "agent/reward_per_turn_mean": 0.5,  # (0.5 + 1.0 + 0.0) / 3
+            "agent/episode_seconds_mean": 3.0,
+            "agent/end/done": 0.5,
+            "agent/end/max_turns": 0.5,
+            "agent/end/max_tokens": 0.0,
+            "agent/end/timeout": 0.0,
+            "agent/end/step_timeout": 0.0,
+            "agent/end/env_error": 0.0,
+            "agent/tool_failures": 4.0,
+            "agent/tool_failures/bad_call": 1.0,
+            "agent/tool_failures/timeout": 3.0,
+        }
+    )
+
+
+def test_episode_metrics_of_no_episodes_is_empty():
+    assert episode_metrics([]) == {}
+
+
+# ---- raylign.agents.env ---------------------------------------------------------------------
+
+
+def test_as_messages_accepts_a_string_a_message_and_a_list():
+    assert as_messages("hi", "here") == [{"role": "user", "content": "hi"}]
+    assert as_messages({"role": "tool", "content": "7"}, "here") == [{"role": "tool", "content": "7"}]
+    assert as_messages([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], "here") == [
+        {"role": "user", "content": "a"},
+        {"role": "tool", "content": "b"},
+    ]
+    assert as_messages(None, "here") == []
+
+
+@pytest.mark.parametrize(
+    ("observation", "message"),
+    [
+        (42, "here: an observation must be a message dict, a list of them or a string, got int"),
+        ([{"content": "x"}], "here: message 0 must be a dict with a 'role' string"),
+        ([{"role": "user", "content": "a"}, "b"], "here: message 1 must be a dict with a 'role' string"),
+        ([{"role": "user", "content": 3}], "here: message 0's content must be a string"),
+    ],
+)
+def test_as_messages_rejects_bad_shapes_naming_the_place(observation, message):
+    with pytest.raises(TypeError) as raised:
+        as_messages(observation, "here")
+    assert str(raised.value).startswith(message)
+
+
+def test_as_step_result_checks_the_tuple():
+    assert as_step_result(("obs", 1, 0, None), "w") == StepResult([{"role": "user", "content": "obs"}], 1.0, False, {})
+    with pytest.raises(TypeError, match="w: step\\(\\) returned reward 'high'; it must be a number"):
+        as_step_result(("obs", "high", False, {}), "w")
+    with pytest.raises(TypeError, match="must return \\(observation, reward, done, info\\)"):
+        as_step_result(("obs", 1.0, False), "w")
+    with pytest.raises(TypeError, match="info of type list"):
+        as_step_result(("obs", 1.0, False, []), "w")
+
+
+ENV_FILE = """
+class MyEnv:
+    def reset(self, prompt, label, metadata):
+        return "hello " + prompt
+
+    def step(self, action_text, action_token_ids):
+        return None, 1.0, True, {}
+
+
+class NoStep:
+    def reset(self, prompt, label, metadata):
+        return "hello"
+"""
+
+
+def test_load_environment_from_a_file(tmp_path):
+    path = tmp_path / "my_env.py"
+    path.write_text(ENV_FILE)
+    cls = load_environment(f"{path}:MyEnv")
+    assert cls.__name__ == "MyEnv"
+    assert cls().reset("you", None, {}) == "hello you"
+
+
+def test_load_environment_from_a_module():
+    assert load_environment("raylign.agents.tools:CalculatorEnv") is CalculatorEnv
+
+
+def test_load_environment_errors(tmp_path):
+    path = tmp_path / "my_env.py"
+    path.write_text(ENV_FILE)
+    missing = tmp_path / "absent.py"
+    with pytest.raises(FileNotFoundError, match=f"agent.env: {missing} does not exist"):
+        load_environment(f"{missing}:MyEnv")
+    with pytest.raises(AttributeError, match="has no 'Nope'"):
+        load_environment(f"{path}:Nope")
+    with pytest.raises(TypeError, match="NoStep has no step method"):
+        load_environment(f"{path}:NoStep")
+    with pytest.raises(ValueError, match="must be 'path/to/env.py:ClassName'"):
+        load_environment("raylign.agents.tools.CalculatorEnv")

@@ -1,0 +1,368 @@
+"""Tools: schemas from type hints, tool calls parsed from text, the safe calculator, answer matching,
+and the calculator and sandboxed Python environments."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from raylign.agents.tools import (
+    CalculatorEnv,
+    PythonEnv,
+    Tool,
+    ToolCall,
+    ToolError,
+    evaluate_arithmetic,
+    last_number,
+    numeric_match,
+    parse_tool_calls,
+    tool,
+)
+
+
+def call_block(name: str, arguments) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+# ---- tool ------------------------------------------------------------------------------------
+
+
+def test_tool_schema_comes_from_type_hints_and_docstring():
+    @tool
+    def search(query: str, limit: int, scale: float, exact: bool, tags: list, filters: dict, note="", page: int = 1):
+        """Search the notes
+        for a query.
+
+        Returns the matching lines."""
+
+    assert isinstance(search, Tool)
+    assert search.schema == {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the notes for a query.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string"},
+                    "limit": {"type": "integer"},
+                    "scale": {"type": "number"},
+                    "exact": {"type": "boolean"},
+                    "tags": {"type": "array"},
+                    "filters": {"type": "object"},
+                    "note": {"type": "string"},  # no hint: a string
+                    "page": {"type": "integer"},
+                },
+                "required": ["query", "limit", "scale", "exact", "tags", "filters"],
+            },
+        },
+    }
+
+
+def test_tool_takes_a_name():
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    assert tool(add, name="plus").name == "plus"
+
+
+def test_tool_rejects_an_unsupported_hint():
+    def lookup(key: int | None) -> str:
+        return ""
+
+    with pytest.raises(TypeError, match="tool lookup: parameter 'key' has type"):
+        tool(lookup)
+
+
+def test_a_sync_tool_and_an_async_tool_are_awaited_with_keyword_arguments():
+    @tool
+    def add(a: int, b: int = 10) -> int:
+        return a + b
+
+    @tool
+    async def multiply(a: int, b: int) -> int:
+        await asyncio.sleep(0)
+        return a * b
+
+    assert asyncio.run(add({"a": 2, "b": 3})) == 5
+    assert asyncio.run(add({"a": 2})) == 12
+    assert asyncio.run(multiply({"a": 6, "b": 7})) == 42
+
+
+# ---- parse_tool_calls --------------------------------------------------------------------------
+
+
+def test_one_valid_block():
+    text = 'Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>'
+    assert parse_tool_calls(text) == ([ToolCall("calculator", {"expression": "1+2"})], [])
+
+
+def test_two_blocks_in_order():
+    text = call_block("calculator", {"expression": "1+2"}) + " and " + call_block("python", {"code": "print(1)"})
+    assert parse_tool_calls(text) == (
+        [ToolCall("calculator", {"expression": "1+2"}), ToolCall("python", {"code": "print(1)"})],
+        [],
+    )
+
+
+def test_no_block_is_no_call():
+    assert parse_tool_calls("The answer is 3.") == ([], [])
+
+
+def test_invalid_json_is_an_error():
+    calls, errors = parse_tool_calls('<tool_call>{"name": "calculator", </tool_call>')
+    assert calls == []
+    assert len(errors) == 1 and errors[0].startswith("tool call is not valid JSON")
+
+
+def test_a_call_without_a_name_is_an_error():
+    calls, errors = parse_tool_calls('<tool_call>{"arguments": {"expression": "1"}}</tool_call>')
+    assert calls == []
+    assert len(errors) == 1 and errors[0].startswith("tool call needs a 'name'")
+
+
+def test_arguments_written_as_a_json_string_are_decoded():
+    text = call_block("calculator", json.dumps({"expression": "2*3"}))
+    assert parse_tool_calls(text) == ([ToolCall("calculator", {"expression": "2*3"})], [])
+
+
+def test_arguments_that_are_not_an_object_are_an_error():
+    calls, errors = parse_tool_calls(call_block("calculator", [1, 2]))
+    assert calls == []
+    assert len(errors) == 1 and errors[0].startswith("tool call arguments must be an object")
+
+
+def test_a_bad_call_next_to_a_good_one_keeps_the_good_one():
+    text = '<tool_call>{"oops"}</tool_call>' + call_block("calculator", {"expression": "4"})
+    calls, errors = parse_tool_calls(text)
+    assert calls == [ToolCall("calculator", {"expression": "4"})]
+    assert len(errors) == 1
+
+
+# ---- evaluate_arithmetic -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        ("123*456", 56088),
+        ("2 + 3 * 4", 14),
+        ("(2 + 3) * 4", 20),
+        ("2 ** 3 ** 2", 512),  # right-associative: 2 ** 9
+        ("-3 + +5", 2),
+        ("7 / 2", 3.5),
+        ("8 / 2", 4),  # a whole float comes back as an int
+        ("7 // 2", 3),
+        ("7 % 3", 1),
+        ("1.5 * 4", 6),
+        (" 10 - 4 - 3 ", 3),
+    ],
+)
+def test_arithmetic_values(expression, value):
+    result = evaluate_arithmetic(expression)
+    assert result == value
+    assert type(result) is type(value)
+
+
+@pytest.mark.parametrize(
+    "expression",
+    ["__import__('os')", "a+1", "(1).real", "abs(-1)", "[1, 2]", "True + 1", "'1' * 3", "1 if 1 else 2"],
+)
+def test_anything_but_arithmetic_is_refused(expression):
+    with pytest.raises(ToolError) as raised:
+        evaluate_arithmetic(expression)
+    assert raised.value.kind == "bad_arguments"
+
+
+def test_a_huge_exponent_is_refused():
+    with pytest.raises(ToolError, match="exponent 100000 is too large"):
+        evaluate_arithmetic("9 ** 100000")
+
+
+def test_a_huge_result_is_refused():
+    with pytest.raises(ToolError, match="result too large"):
+        evaluate_arithmetic("(10 ** 60) * (10 ** 60)")
+
+
+def test_a_float_power_beyond_the_float_range_is_refused():
+    with pytest.raises(ToolError, match="result too large") as raised:
+        evaluate_arithmetic("1e300 ** 2")
+    assert raised.value.kind == "bad_arguments"
+
+
+def test_a_complex_result_is_refused():
+    with pytest.raises(ToolError, match="not a real number"):
+        evaluate_arithmetic("(-8) ** 0.5")
+
+
+@pytest.mark.parametrize("expression", ["1 / 0", "5 // 0", "5 % 0"])
+def test_division_by_zero_is_refused(expression):
+    with pytest.raises(ToolError, match="division by zero"):
+        evaluate_arithmetic(expression)
+
+
+def test_unparseable_text_is_refused():
+    with pytest.raises(ToolError, match="cannot parse"):
+        evaluate_arithmetic("1 +* 2")
+
+
+# ---- answers -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "number"),
+    [
+        ("The answer is 56,088.", 56088.0),
+        ("first 3, then 4.5", 4.5),
+        ("it is -12 degrees", -12.0),
+        ("no numbers here", None),
+    ],
+)
+def test_last_number(text, number):
+    assert last_number(text) == number
+
+
+@pytest.mark.parametrize(
+    ("answer", "label", "reward"),
+    [
+        ("The answer is 56,088.", 56088, 1.0),
+        ("The answer is 56,088.", "56088", 1.0),
+        ("The answer is 56,089.", 56088, 0.0),
+        ("so 0.1 + 0.2 = 0.3", 0.1 + 0.2, 1.0),  # within 1e-6
+        ("I do not know", 5, 0.0),
+        ("5", "five", 0.0),  # a label that is not a number matches nothing
+    ],
+)
+def test_numeric_match(answer, label, reward):
+    assert numeric_match(answer, label) == reward
+
+
+# ---- CalculatorEnv -----------------------------------------------------------------------------
+
+
+def step(env, text: str):
+    return asyncio.run(env.step(text, []))
+
+
+def test_calculator_reset_starts_with_a_system_message_describing_the_tool():
+    env = CalculatorEnv()
+    messages = env.reset("What is 123*456?", 56088, {})
+    assert [m["role"] for m in messages] == ["system", "user"]
+    assert messages[1] == {"role": "user", "content": "What is 123*456?"}
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": 'Evaluate an arithmetic expression such as "123 * 456" (+ - * / // % ** and parentheses).',
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+    assert json.dumps(schema) in messages[0]["content"]
+    assert "<tool_call>" in messages[0]["content"]
+
+
+def test_calculator_reset_without_a_system_prompt():
+    env = CalculatorEnv(system_prompt="")
+    assert env.reset("What is 2+2?", 4, {}) == [{"role": "user", "content": "What is 2+2?"}]
+
+
+def test_a_calculator_call_returns_its_value_as_a_tool_message():
+    env = CalculatorEnv(system_prompt="")
+    env.reset("What is 123*456?", 56088, {})
+    assert step(env, "Let me compute. " + call_block("calculator", {"expression": "123*456"})) == (
+        [{"role": "tool", "content": "56088"}],
+        0.0,
+        False,
+        {"tool_calls": 1, "tool_failures": []},
+    )
+
+
+def test_the_tool_role_is_configurable():
+    env = CalculatorEnv(system_prompt="", tool_role="user")
+    env.reset("q", 3, {})
+    observation, *_ = step(env, call_block("calculator", {"expression": "1+2"}))
+    assert observation == [{"role": "user", "content": "3"}]
+
+
+@pytest.mark.parametrize(("answer", "reward"), [("The answer is 56,088.", 1.0), ("The answer is 56,000.", 0.0)])
+def test_an_answer_ends_the_episode_with_its_reward(answer, reward):
+    env = CalculatorEnv(system_prompt="")
+    env.reset("What is 123*456?", 56088, {})
+    assert step(env, answer) == (None, reward, True, {})
+
+
+def test_an_unknown_tool_is_an_error_result():
+    env = CalculatorEnv(system_prompt="")
+    env.reset("q", 1, {})
+    observation, reward, done, info = step(env, call_block("search", {"query": "x"}))
+    assert observation == [{"role": "tool", "content": "error: unknown tool 'search'; tools: calculator"}]
+    assert (reward, done, info) == (0.0, False, {"tool_calls": 1, "tool_failures": ["unknown_tool"]})
+
+
+def test_calls_beyond_max_tool_calls_are_refused():
+    env = CalculatorEnv(system_prompt="", max_tool_calls=1)
+    env.reset("q", 1, {})
+    text = call_block("calculator", {"expression": "1+1"}) + call_block("calculator", {"expression": "2+2"})
+    observation, _, done, info = step(env, text)
+    assert observation == [
+        {"role": "tool", "content": "2"},
+        {"role": "tool", "content": "error: no more tool calls in this episode (at most 1)"},
+    ]
+    assert (done, info) == (False, {"tool_calls": 2, "tool_failures": ["too_many"]})
+
+
+@pytest.mark.parametrize(
+    ("arguments", "starts"),
+    [
+        ({"expr": "1+1"}, "error: wrong arguments for calculator"),
+        ({"expression": "a+1"}, "error: not arithmetic"),
+        ({"expression": "1/0"}, "error: division by zero"),
+    ],
+)
+def test_bad_arguments_are_an_error_result(arguments, starts):
+    env = CalculatorEnv(system_prompt="")
+    env.reset("q", 1, {})
+    (message,), _, done, info = step(env, call_block("calculator", arguments))
+    assert message["content"].startswith(starts)
+    assert (done, info) == (False, {"tool_calls": 1, "tool_failures": ["bad_arguments"]})
+
+
+def test_an_unparseable_call_is_a_bad_call():
+    env = CalculatorEnv(system_prompt="")
+    env.reset("q", 1, {})
+    (message,), _, done, info = step(env, '<tool_call>{"name": </tool_call>')
+    assert message["content"].startswith("error: tool call is not valid JSON")
+    assert (done, info) == (False, {"tool_calls": 1, "tool_failures": ["bad_call"]})
+
+
+# ---- PythonEnv (a real sandbox) ----------------------------------------------------------------
+
+
+@pytest.fixture
+def python_env():
+    env = PythonEnv(system_prompt="", cpu_time_s=1, wall_time_s=3)
+    env.reset("What is 6*7?", 42, {})
+    return env
+
+
+def test_python_prints_its_result(python_env):
+    assert step(python_env, call_block("python", {"code": "print(6*7)"})) == (
+        [{"role": "tool", "content": "42\n"}],
+        0.0,
+        False,
+        {"tool_calls": 1, "tool_failures": []},
+    )
+
+
+def test_an_endless_loop_is_a_failed_call_and_the_episode_goes_on(python_env):
+    (message,), reward, done, info = step(python_env, call_block("python", {"code": "while True: pass"}))
+    assert message["role"] == "tool" and message["content"].startswith("error: ")
+    assert (reward, done, info["tool_calls"]) == (0.0, False, 1)
+    assert info["tool_failures"] in (["cpu_time"], ["timeout"])
+    assert step(python_env, "It is 42.") == (None, 1.0, True, {})
