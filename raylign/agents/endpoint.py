@@ -277,16 +277,25 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rendered
 
 
-def render_chat(tokenizer: Any, request: ChatRequest) -> list[int]:
-    """The prompt token ids: the policy's chat template with the assistant's turn opened."""
+def render_chat(tokenizer: Any, request: ChatRequest, previous: Turn | None = None) -> list[int]:
+    """The prompt token ids: the policy's chat template with the assistant's turn opened.
+
+    When the session's ``previous`` turn is what the conversation continues (its prompt and sampled
+    tokens, decoded, begin the fresh render), the prompt is those very tokens plus the new part of
+    the render, tokenised: the sampled tokens are never tokenised again from the text the client
+    sent back. Otherwise (the client changed the history, or the template is not append-only) it is
+    the fresh render, and the trainer sees that the turns do not continue one another."""
     messages = chat_messages(request.messages)
     try:
-        ids = tokenizer.apply_chat_template(
-            messages, tools=request.tools, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        text = tokenizer.apply_chat_template(messages, tools=request.tools, add_generation_prompt=True, tokenize=False)
     except Exception as err:  # jinja2 errors, templates raising on roles or content they do not accept
         raise ApiError(400, f"messages: the chat template failed: {err}", "messages") from None
-    return list(ids)
+    if previous is not None:
+        so_far = previous.prompt_token_ids + previous.response_token_ids
+        decoded = tokenizer.decode(so_far, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if text.startswith(decoded):
+            return so_far + list(tokenizer(text[len(decoded) :], add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def is_request_error(err: BaseException) -> bool:
@@ -413,9 +422,10 @@ def build_app(
     async def chat_completions(http: Request) -> Any:
         request = parse_body(ChatRequest, await http.body())
         max_tokens = request.max_completion_tokens or request.max_tokens
-        completion, text = await sample_and_record(
-            http, request, render_chat(tokenizer, request), max_tokens, "messages"
-        )
+        session_id = session_of(http, request)
+        previous = recorder.turns(session_id)[-1:] if session_id is not None else []
+        prompt = render_chat(tokenizer, request, previous[0] if previous else None)
+        completion, text = await sample_and_record(http, request, prompt, max_tokens, "messages")
         logprobs = chat_logprobs(tokenizer, completion) if request.logprobs else None
         choice = {"message": {"role": "assistant", "content": text}, "logprobs": logprobs}
         return openai_response("chat.completion", completion, choice, model_name)

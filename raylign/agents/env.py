@@ -105,27 +105,35 @@ async def call(method: Any, *args: Any) -> Any:
     return await asyncio.to_thread(method, *args)
 
 
-def load_environment(spec: str) -> type:
-    """The class ``spec`` names: ``path/to/file.py:ClassName`` or ``package.module:ClassName``."""
+def load_callable(spec: str, setting: str) -> Any:
+    """What ``spec`` names: ``path/to/file.py:name`` or ``package.module:name`` (``setting`` for errors)."""
     if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"agent.env: {spec!r} must be 'path/to/env.py:ClassName' or 'package.module:ClassName'")
+        raise ValueError(f"{setting}: {spec!r} must be 'path/to/file.py:Name' or 'package.module:Name'")
     where, name = spec.split(":")
     if where.endswith(".py"):
         path = Path(where).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"agent.env: {path} does not exist")
-        module_name = f"raylign_env_{abs(hash(str(path.resolve())))}"
+            raise FileNotFoundError(f"{setting}: {path} does not exist")
+        module_name = f"raylign_user_{abs(hash(str(path.resolve())))}"
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         if module_spec is None or module_spec.loader is None:
-            raise ImportError(f"agent.env: cannot load {path} as a Python module")
+            raise ImportError(f"{setting}: cannot load {path} as a Python module")
         module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module  # so that the class pickles by reference within this process
+        sys.modules[module_name] = module  # so that what it defines pickles by reference within this process
         module_spec.loader.exec_module(module)
     else:
         module = importlib.import_module(where)
-    cls = getattr(module, name, None)
-    if cls is None:
-        raise AttributeError(f"agent.env: {where} has no {name!r}")
+    found = getattr(module, name, None)
+    if found is None:
+        raise AttributeError(f"{setting}: {where} has no {name!r}")
+    if not callable(found):
+        raise TypeError(f"{setting}: {spec} is not callable")
+    return found
+
+
+def load_environment(spec: str) -> type:
+    """The class ``spec`` names: ``path/to/file.py:ClassName`` or ``package.module:ClassName``."""
+    cls = load_callable(spec, "agent.env")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
         raise TypeError(f"agent.env: {spec} has no {' or '.join(missing)} method (see raylign.agents.env)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from raylign.config.base import Section
 
@@ -12,10 +12,32 @@ from raylign.config.base import Section
 class AgentConfig(Section):
     """Multi-turn agent episodes (see :mod:`raylign.agents.env` for the environment API)."""
 
+    @model_validator(mode="after")
+    def _one_kind(self) -> AgentConfig:
+        if self.env is not None and self.client is not None:
+            raise ValueError("agent.env and agent.client are two ways to play an episode: set one of them")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.env is not None or self.client is not None
+
     env: str | None = Field(
         None,
         description="The environment class, 'path/to/env.py:ClassName' or 'package.module:ClassName' (ready ones: "
         "raylign.agents.tools:CalculatorEnv, raylign.agents.tools:PythonEnv). None: single-turn completions.",
+    )
+    client: str | None = Field(
+        None,
+        description="Instead of env: an agent function written against an OpenAI client, 'path/to/agent.py:run', "
+        "called once per episode with a context (ctx.openai_client(), ctx.prompt, ctx.label); its requests go "
+        "through the OpenAI-compatible endpoint to the rollout engines and are trained on. Returns the reward "
+        "(or None and POSTs it to /v1/sessions/{id}/reward).",
+    )
+    endpoint_host: str = Field("127.0.0.1", description="Address the endpoint listens on (agent.client runs).")
+    endpoint_port: int = Field(0, ge=0, le=65535, description="Port of the endpoint; 0 picks a free one.")
+    api_key: str | None = Field(
+        None, description="API key the endpoint requires (Authorization: Bearer <key>); None: no key."
     )
     env_args: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the environment class, one instance per episode."

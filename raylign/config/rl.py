@@ -263,8 +263,10 @@ class RLConfig(Section):
     @model_validator(mode="after")
     def _possible(self) -> RLConfig:
         a, t, s, p = self.algorithm, self.train, self.sampling, self.placement
-        if self.reward is None and self.agent.env is None:
-            raise ValueError("reward: required (the reward sources), unless agent.env names an environment")
+        if self.reward is None and not self.agent.enabled:
+            raise ValueError(
+                "reward: required (the reward sources), unless agent.env or agent.client gives the rewards"
+            )
         if a.advantage in GROUP_ESTIMATORS and s.n < 2:
             raise ValueError(
                 f"algorithm.advantage '{a.advantage}' compares samples of a prompt: "
@@ -303,13 +305,13 @@ class RLConfig(Section):
                 f"algorithm.overlong_buffer ({a.overlong_buffer}) must not exceed "
                 f"sampling.max_new_tokens ({s.max_new_tokens}): the penalty zone ends at the limit"
             )
-        if self.agent.env is not None and t.micro_batch_tokens < self.agent.max_total_tokens:
+        if self.agent.enabled and t.micro_batch_tokens < self.agent.max_total_tokens:
             raise ValueError(
                 f"train.micro_batch_tokens ({t.micro_batch_tokens}) must hold a whole episode: at least "
                 f"agent.max_total_tokens ({self.agent.max_total_tokens})"
             )
         longest = self.data.max_prompt_length + s.max_new_tokens
-        if self.agent.env is None and t.micro_batch_tokens < longest:
+        if not self.agent.enabled and t.micro_batch_tokens < longest:
             raise ValueError(
                 f"train.micro_batch_tokens ({t.micro_batch_tokens}) must hold the longest sample: "
                 f"data.max_prompt_length + sampling.max_new_tokens = {longest}"

@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from raylign.agents.client import ClientEpisodeRunner
 from raylign.agents.episode import Episode, EpisodeRunner
 from raylign.config.rollout import SamplingConfig
 from raylign.rl.experience import Sample
@@ -38,11 +40,13 @@ class _InFlight:
 class EpisodeStream:
     """Prompt groups of agent episodes in flight on a pool's engines (see the module docstring)."""
 
-    def __init__(self, pool: RolloutPool, runner: EpisodeRunner, timeout_s: float):
+    def __init__(self, pool: RolloutPool, runner: EpisodeRunner | ClientEpisodeRunner, timeout_s: float):
         """``timeout_s``: the longest wait for any group to finish (``finished``)."""
         self.pool, self.runner, self.timeout_s = pool, runner, timeout_s
         self.resubmitted = 0  # kept for the GroupStream interface: engine deaths are not recovered here
         self._pending: dict[concurrent.futures.Future, _InFlight] = {}
+        self._lock = threading.Lock()  # the engines' outstanding work, counted from two event loops
+        self._requests = itertools.count(2_000_000)  # endpoint requests' indices (seeds)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="raylign-episodes", daemon=True)
         self._thread.start()
@@ -119,25 +123,47 @@ class EpisodeStream:
         )
 
     async def _episode(self, prompt: Prompt, sampling: SamplingConfig, index: int, where: str) -> Episode:
-        import ray
-
         load = self.runner.limits.max_total_tokens
-        engine = min(range(len(self.pool.engines)), key=lambda e: (self.pool.outstanding[e], e))
-        self.pool.outstanding[engine] += load
+        engine = self._take(load)
 
         async def generate(ids: list[int], turn: SamplingConfig, request: int) -> Completion:
-            try:
-                (completion,) = await self.pool.engines[engine].generate_group.remote(ids, turn, request)
-            except ray.exceptions.RayActorError as err:
-                raise EngineDied(f"rollout engine {engine} died during an agent episode ({where})", [engine]) from err
-            return completion
+            return await self._complete(engine, ids, turn, request, where)
 
         try:
             return await self.runner.run(
                 prompt.raw, prompt.label, prompt.metadata, generate, sampling, request_index=index, where=where
             )
         finally:
+            self._give_back(engine, load)
+
+    async def complete(self, ids: list[int], sampling: SamplingConfig) -> Completion:
+        """One completion on the engine with the least work outstanding, from any event loop (the
+        endpoint's requests)."""
+        load = len(ids) + sampling.max_new_tokens
+        engine = self._take(load)
+        try:
+            return await self._complete(engine, ids, sampling, next(self._requests), "an endpoint request")
+        finally:
+            self._give_back(engine, load)
+
+    def _take(self, load: int) -> int:
+        with self._lock:
+            engine = min(range(len(self.pool.engines)), key=lambda e: (self.pool.outstanding[e], e))
+            self.pool.outstanding[engine] += load
+            return engine
+
+    def _give_back(self, engine: int, load: int) -> None:
+        with self._lock:
             self.pool.outstanding[engine] -= load
+
+    async def _complete(self, engine: int, ids: list[int], sampling: SamplingConfig, request: int, where: str):
+        import ray
+
+        try:
+            (completion,) = await self.pool.engines[engine].generate_group.remote(ids, sampling, request)
+        except ray.exceptions.RayActorError as err:
+            raise EngineDied(f"rollout engine {engine} died during an agent episode ({where})", [engine]) from err
+        return completion
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Cancel the episodes still running (their environments are closed), then stop the loop."""

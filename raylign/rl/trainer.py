@@ -106,7 +106,7 @@ class RLTrainer:
         # The engines need room for what this run generates, no more.
         longest = max(len(p.token_ids) for p in self.train_prompts + self.eval_prompts)
         new_tokens = max(cfg.sampling.max_new_tokens, cfg.train.eval_max_new_tokens or 0)
-        if cfg.agent.env is not None:  # an episode grows to agent.max_total_tokens
+        if cfg.agent.enabled:  # an episode grows to agent.max_total_tokens
             new_tokens = max(new_tokens, cfg.agent.max_total_tokens - longest)
         cfg = self.cfg = cfg.model_copy(update={"rollout": cfg.rollout.with_room_for(longest, new_tokens)})
         log.info(
@@ -158,7 +158,7 @@ class RLTrainer:
             self.groups["policy"].call("connect_engines", self.engines)
         self.positions = PromptPositions(self.sampler)
         r, a = cfg.rollout, cfg.algorithm
-        self.episodes = self._episode_stream() if cfg.agent.env is not None else None
+        self.episodes = self._episode_stream() if cfg.agent.enabled else None
         stream: GroupStream | EpisodeStream
         if self.episodes is not None:
             stream = self.episodes
@@ -188,13 +188,30 @@ class RLTrainer:
         from raylign.agents.env import load_environment
         from raylign.agents.episode import EpisodeLimits, EpisodeRunner
 
-        g = self.cfg.agent
-        env_class, env_args = load_environment(g.env), dict(g.env_args)
+        g, timeout = self.cfg.agent, self.cfg.rollout.generate_timeout_s
         limits = EpisodeLimits(g.max_turns, g.max_total_tokens, g.episode_timeout_s, g.step_timeout_s, g.drift)
-        runner = EpisodeRunner(
-            lambda: env_class(**env_args), self.tokenizer, limits, self.cfg.rollout.generate_timeout_s
-        )
-        return EpisodeStream(self.pool, runner, self.cfg.rollout.generate_timeout_s)
+        if g.env is not None:
+            env_class, env_args = load_environment(g.env), dict(g.env_args)
+            return EpisodeStream(
+                self.pool, EpisodeRunner(lambda: env_class(**env_args), self.tokenizer, limits, timeout), timeout
+            )
+        return self._endpoint_stream(limits)
+
+    def _endpoint_stream(self, limits: Any) -> EpisodeStream:
+        """Episodes of ``agent.client`` through the OpenAI-compatible endpoint, served here."""
+        from raylign.agents.client import ClientEpisodeRunner
+        from raylign.agents.endpoint import EndpointServer, EpisodeRecorder, build_app
+        from raylign.agents.env import load_callable
+
+        g = self.cfg.agent
+        recorder = EpisodeRecorder()
+        runner = ClientEpisodeRunner(load_callable(g.client, "agent.client"), recorder, "", g.api_key or "none", limits)
+        stream = EpisodeStream(self.pool, runner, self.cfg.rollout.generate_timeout_s)
+        app = build_app(stream.complete, self.tokenizer, recorder, api_key=g.api_key)
+        self.endpoint = EndpointServer(app, g.endpoint_host, g.endpoint_port).start()
+        runner.base_url = self.endpoint.url
+        log.info("OpenAI-compatible endpoint for agent.client: %s", self.endpoint.url)
+        return stream
 
     def _episode_samples(self, episodes: list, prompt: Prompt, position: int) -> list[Sample]:
         return [sample_from_episode(e, prompt, self.tokenizer) for e in episodes]
@@ -686,6 +703,8 @@ class RLTrainer:
             self.reward.close()
         if getattr(self, "episodes", None) is not None:
             self.episodes.close()
+        if getattr(self, "endpoint", None) is not None:
+            self.endpoint.stop()
         for group in self.groups.values():
             group.kill()
         engines = getattr(self, "engines", [])

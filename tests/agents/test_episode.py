@@ -433,5 +433,5 @@ def test_load_environment_errors(tmp_path):
         load_environment(f"{path}:Nope")
     with pytest.raises(TypeError, match="NoStep has no step method"):
         load_environment(f"{path}:NoStep")
-    with pytest.raises(ValueError, match="must be 'path/to/env.py:ClassName'"):
+    with pytest.raises(ValueError, match="must be 'path/to/file.py:Name' or 'package.module:Name'"):
         load_environment("raylign.agents.tools.CalculatorEnv")

@@ -162,3 +162,65 @@ def test_episode_metrics_and_trajectories_are_logged(agent_run):
     assert sources == ["policy", "env", "policy", "env", "policy"]
     assert record["turn_rewards"] == [TURN_REWARD, 2 * TURN_REWARD, 3 * TURN_REWARD]
     assert record["end_reason"] == "done"
+
+
+AGENT_FILE = '''
+import json
+from pathlib import Path
+
+import httpx
+
+def run(ctx):
+    """Two chat turns through an openai client; the reward is posted over HTTP."""
+    client = ctx.openai_client()
+    messages = [{"role": "user", "content": ctx.prompt}]
+    received = []
+    for turn in range(2):
+        reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=5, temperature=1.0)
+        received.append(reply.choices[0].model_extra["token_ids"])
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": f"and again {turn}"}]
+    reward = float(len(received[0]) % 2)
+    httpx.post(f"{ctx.base_url}/sessions/{ctx.session_id}/reward", json={"reward": reward},
+               headers={"Authorization": f"Bearer {ctx.api_key}"}, timeout=30).raise_for_status()
+    Path(RECORD_DIR, ctx.session_id + ".json").write_text(json.dumps({"received": received, "reward": reward}))
+    return None
+'''
+
+
+@pytest.fixture(scope="module")
+def client_run(ray_session, rl_model_dir, prompt_file, tmp_path_factory):
+    """An agent written against the openai client, trained through the endpoint (hf engine, API key set)."""
+    tmp = tmp_path_factory.mktemp("agent_client")
+    (tmp / "records").mkdir()
+    agent_file = tmp / "agent.py"
+    agent_file.write_text(f"RECORD_DIR = {str(tmp / 'records')!r}\n" + textwrap.dedent(AGENT_FILE))
+    data = rl_config_data(rl_model_dir, prompt_file, tmp / "run", "grpo")
+    del data["reward"]
+    data["algorithm"] = {"advantage": "reinforce", "kl_mode": "none", "kl_coef": 0.0}
+    data["sampling"] = {"n": 2, "max_new_tokens": 5, "temperature": 1.0}
+    data["agent"] = {"client": f"{agent_file}:run", "api_key": "sekret", "max_total_tokens": 160}
+    data["train"].update(prompts_per_step=2, max_steps=1, micro_batch_tokens=256)
+    trainer = RecordingTrainer(resolve(tmp, data))
+    trainer.run()
+    records = [json.loads(p.read_text()) for p in (tmp / "records").glob("*.json")]
+    return trainer, records
+
+
+def test_an_openai_client_agent_is_trained_on_the_tokens_it_received(client_run):
+    trainer, records = client_run
+    received = {json.dumps(r["received"]): r["reward"] for r in records}
+    samples, exp = trainer.seen[0]
+    assert len(samples) == 2 * 2
+    for i, s in enumerate(samples):
+        turns = _policy_turns(s)
+        assert json.dumps(turns) in received  # the ids the client got back, token for token, as trained
+        assert s.reward == received[json.dumps(turns)]  # the reward it posted
+        # between the turns: the template's rendering of the client's next user message, masked
+        env_text = trainer.tokenizer.decode([t for t, m in zip(s.response_ids, s.loss_mask) if not m])
+        assert "<|im_start|>user\nand again 0<|im_end|>\n<|im_start|>assistant\n" in env_text
+        assert exp.mask[i, : len(s.response_ids)].tolist() == [float(m) for m in s.loss_mask]
+        # REINFORCE, gamma 1: the posted reward is the return of every policy token
+        trained = exp.mask[i] > 0
+        torch.testing.assert_close(exp.returns[i][trained], torch.full((int(trained.sum()),), s.reward))
+
