@@ -224,3 +224,79 @@ def test_an_openai_client_agent_is_trained_on_the_tokens_it_received(client_run)
         trained = exp.mask[i] > 0
         torch.testing.assert_close(exp.returns[i][trained], torch.full((int(trained.sum()),), s.reward))
 
+
+
+SANDBOX_ENV_FILE = '''
+from raylign.agents.tools import PythonEnv
+
+# What a model could write: each snippet must be stopped by the sandbox and come back as a failed call.
+BAD_CODE = [
+    "while True: pass",                                         # loops forever
+    "b = bytearray(2 << 30)",                                   # past the memory limit
+    "import os\\nwhile True: os.fork()",                        # forks without end
+    "open(SECRET_OUT, 'w').write('x')",                         # writes outside its folder
+    "print(open(SECRET_IN).read())",                            # reads a file it must not see
+    "import socket; socket.create_connection(('127.0.0.1', 22), timeout=2)",  # opens a socket
+]
+
+class ScriptedPythonEnv(PythonEnv):
+    """Runs one bad snippet per turn through the Python tool, whatever the policy wrote: the first
+    episode the first three snippets, the second the other three."""
+
+    episodes = 0
+
+    def __init__(self, secret_in, secret_out):
+        super().__init__(system_prompt="", max_tool_calls=10, cpu_time_s=1, wall_time_s=3, memory_mb=256)
+        code = [c.replace("SECRET_IN", repr(secret_in)).replace("SECRET_OUT", repr(secret_out)) for c in BAD_CODE]
+        half = ScriptedPythonEnv.episodes % 2
+        ScriptedPythonEnv.episodes += 1
+        self.code = code[3 * half : 3 * half + 3]
+        self.turn = 0
+        self.final_reward = float(half == 0)  # rewards that differ: the update has a gradient
+
+    async def step(self, action_text, action_token_ids):
+        code = self.code[self.turn]
+        self.turn += 1
+        observation, reward, done, info = await super().step(
+            '<tool_call>{"name": "python", "arguments": {"code": %s}}</tool_call>' % json.dumps(code), []
+        )
+        done = self.turn == len(self.code)
+        return observation, self.final_reward if done else 0.0, done, info
+'''
+
+
+def test_sandbox_failures_are_failed_tool_calls_and_training_goes_on(
+    ray_session, rl_model_dir, prompt_file, tmp_path
+):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the secret")
+    env_file = tmp_path / "sandbox_env.py"
+    env_file.write_text("import json\n" + textwrap.dedent(SANDBOX_ENV_FILE))
+    data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "run", "grpo")
+    del data["reward"]
+    data["algorithm"] = {"advantage": "reinforce", "kl_mode": "none", "kl_coef": 0.0}
+    data["sampling"] = {"n": 2, "max_new_tokens": 4}
+    data["agent"] = {
+        "env": f"{env_file}:ScriptedPythonEnv",
+        "env_args": {"secret_in": str(secret), "secret_out": str(tmp_path / "written.txt")},
+        "max_turns": 3,
+        "max_total_tokens": 500,
+        "log_trajectories": 2,
+    }
+    data["train"].update(prompts_per_step=1, max_steps=1, micro_batch_tokens=512, log_samples=0)
+    trainer = RecordingTrainer(resolve(tmp_path, data))
+    trainer.run()
+    (row,) = [r for r in read_metrics(trainer.out) if "agent/tool_failures" in r]
+    assert row["agent/tool_calls_mean"] == 3
+    assert row["agent/tool_failures"] == 6  # every snippet stopped, each a failed call
+    assert row.get("agent/tool_failures/cpu_time", 0) + row.get("agent/tool_failures/timeout", 0) == 1
+    assert row["agent/tool_failures/memory"] == 1
+    assert row["agent/tool_failures/processes"] == 1
+    assert row["agent/tool_failures/filesystem"] == 2  # the write and the read
+    assert row["agent/tool_failures/network"] == 1
+    assert row["agent/end/done"] == 1.0, (trainer.out / "trajectories.jsonl").read_text()
+    assert row["reward/mean"] == 0.5
+    assert row["policy/grad_norm"] > 0  # the step trained
+    assert not (tmp_path / "written.txt").exists()
+    trajectory = (trainer.out / "trajectories.jsonl").read_text()
+    assert "the secret" not in trajectory
