@@ -77,6 +77,21 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ): "the engine's own prompt groups, computed where the engine runs; the callers that wait on an engine "
     "from another process or thread bound the whole request by rollout.generate_timeout_s "
     "(RolloutPool.generate and collect, ModelWorker._on_engine_loop)",
+    ("agents/sandbox.py", "_supervise", "r.result()"): "only for the output readers in the done set of the "
+    "bounded asyncio.wait just before: they have finished",
+    ("rl/episodes.py", "finished", "future.result()"): "only for the futures the bounded "
+    "concurrent.futures.wait just before returned as done",
+    ("rl/episodes.py", "collect_all", "f.result()"): "after a bounded concurrent.futures.wait that raises "
+    "unless every future is done",
+    (
+        "rl/episodes.py",
+        "_group",
+        "asyncio.gather(*(self._episode(prompt, sampling, prompt_index * sampling.n + j, f'{where}, episode {j}') "
+        "for j in range(sampling.n)))",
+    ): "episodes, each bounded by its own limits (engine requests by rollout.generate_timeout_s, environment "
+    "calls by agent.step_timeout_s, the whole by agent.episode_timeout_s); the caller waits with a timeout",
+    ("rl/episodes.py", "cancel_all", "asyncio.gather(*tasks, return_exceptions=True)"): "cancelled tasks, "
+    "awaited by close() through .result(timeout=timeout_s)",
 }
 
 
