@@ -13,7 +13,8 @@
        tool:       287663
        assistant:  287663
 
-   so the warmed-up model knows the call format and how to copy a result, but mostly guesses.
+   or else ``347 * 829 = 287000``, so the warmed-up model knows the call format and how to copy
+   numbers, but mostly guesses.
 3. GRPO on agent episodes of :class:`raylign.agents.tools.CalculatorEnv`: the policy's turns are
    trained on, the tool's output is masked, and the reward is 1 for the exact product. Guesses
    are almost never exact, so the policy learns to call the tool.
@@ -44,10 +45,11 @@ def questions(count: int, seed: int) -> list[tuple[int, int]]:
 
 
 def teacher_transcript(a: int, b: int, uses_tool: bool) -> list[dict[str, str]]:
-    """The warm-up's conversation for ``a * b``: with the tool, or a guess rounded to thousands."""
+    """The warm-up's conversation for ``a * b``: with the tool, or the question repeated with a guess
+    rounded to thousands (so that copying the numbers is learnt from every transcript)."""
     user = {"role": "user", "content": f"{a} * {b} = ?"}
     if not uses_tool:
-        return [user, {"role": "assistant", "content": str(round(a * b, -3))}]
+        return [user, {"role": "assistant", "content": f"{a} * {b} = {round(a * b, -3)}"}]
     return [
         user,
         {"role": "assistant", "content": f"<calculator>{a} * {b}</calculator>"},
@@ -80,9 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--output-dir", default="outputs/agent_calculator", help="where data, models and logs go")
-    parser.add_argument("--sft-steps", type=int, default=150, help="SFT warm-up steps (batches of 32 transcripts)")
-    parser.add_argument("--tool-fraction", type=float, default=0.3, help="share of warm-up transcripts using the tool")
-    parser.add_argument("--rl-steps", type=int, default=30, help="GRPO steps")
+    parser.add_argument("--sft-steps", type=int, default=300, help="SFT warm-up steps (batches of 32 transcripts)")
+    parser.add_argument(
+        "--tool-fraction", type=float, default=0.25, help="share of warm-up transcripts that use the tool"
+    )
+    parser.add_argument("--rl-steps", type=int, default=20, help="GRPO steps")
+    parser.add_argument("--eval-every", type=int, default=5, help="greedy held-out evaluation every this many steps")
     parser.add_argument("--prompts-per-step", type=int, default=16, help="questions per GRPO step")
     parser.add_argument("--samples-per-prompt", type=int, default=4, help="episodes per question (GRPO group)")
     parser.add_argument("--rl-lr", type=float, default=5e-4, help="GRPO learning rate")
@@ -115,7 +120,8 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     log.info("SFT warm-up: %d steps, %.0f%% of the transcripts use the tool", args.sft_steps, 100 * args.tool_fraction)
     sft = {
         "model": {"path": str(model), "dtype": "float32"},
-        "data": {"train": [str(sft_file)], "max_length": 96, "seed": args.seed},
+        # Unpacked rows: short transcripts packed into one long row pay for attention across all of them.
+        "data": {"train": [str(sft_file)], "max_length": 96, "seed": args.seed, "packing": False},
         "optim": {"lr": 3e-3, "warmup_steps": 10},
         "train": {
             "output_dir": str(out / "sft"),
@@ -152,7 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             "eval_threshold": 1.0,
             "seed": args.seed,
             "resume": False,
-            "eval_every": max(1, args.rl_steps // 3),
+            "eval_every": args.eval_every,
         },
     }
     RLTrainer(parse_config(RLConfig, rl, source="agent_calculator")).run()
