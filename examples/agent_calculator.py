@@ -1,7 +1,7 @@
 """Multi-turn RL with a calculator tool: a tiny model learns to call the tool for products of two
 3-digit numbers, which it cannot multiply itself.
 
-    python examples/agent_calculator.py                # about 10 minutes on 2 CPU cores
+    python examples/agent_calculator.py                # about 6-7 minutes on 2 CPU cores
     python examples/agent_calculator.py --help
 
 1. Builds a small random Qwen2 model (locally trained tokenizer, nothing downloaded).
@@ -86,8 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tool-fraction", type=float, default=0.25, help="share of warm-up transcripts that use the tool"
     )
-    parser.add_argument("--rl-steps", type=int, default=20, help="GRPO steps")
-    parser.add_argument("--eval-every", type=int, default=5, help="greedy held-out evaluation every this many steps")
+    parser.add_argument("--rl-steps", type=int, default=16, help="GRPO steps")
+    parser.add_argument("--eval-every", type=int, default=8, help="greedy held-out evaluation every this many steps")
     parser.add_argument("--prompts-per-step", type=int, default=16, help="questions per GRPO step")
     parser.add_argument("--samples-per-prompt", type=int, default=4, help="episodes per question (GRPO group)")
     parser.add_argument("--rl-lr", type=float, default=5e-4, help="GRPO learning rate")
