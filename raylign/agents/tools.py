@@ -152,7 +152,9 @@ class ToolEnv(Environment):
     ``system_prompt`` starts the conversation (None: a description of the tools and the call format;
     "": no system message). ``max_tool_calls`` calls at most per episode: beyond them a call gets an
     error result. ``tool_role`` is the role of result messages ("tool"; "user" for templates
-    without one). ``call_format``: "json" (``<tool_call>`` blocks) or "tagged" (module docstring)."""
+    without one). ``call_format``: "json" (``<tool_call>`` blocks) or "tagged" (module docstring).
+    ``template_tools``: hand the tools' schemas to the chat template (``tools``) instead of describing
+    them in the system message, for models whose template renders tools itself (Qwen, Hermes)."""
 
     def __init__(
         self,
@@ -163,12 +165,17 @@ class ToolEnv(Environment):
         tool_role: str = "tool",
         answer_reward: Callable[[str, Any], float] = numeric_match,
         call_format: Literal["json", "tagged"] = "json",
+        template_tools: bool = False,
     ):
         if call_format not in ("json", "tagged"):
             raise ValueError(f"call_format must be 'json' or 'tagged', got {call_format!r}")
         self.call_format = call_format
         self.tool_list = {t.name: t for t in tools}
-        self.system_prompt = self.describe() if system_prompt is None else system_prompt
+        # The episode runner passes an environment's ``tools`` to the chat template.
+        self.tools = [t.schema for t in tools] if template_tools else None
+        if system_prompt is None:
+            system_prompt = "" if template_tools else self.describe()
+        self.system_prompt = system_prompt
         self.max_tool_calls, self.tool_timeout_s, self.tool_role = max_tool_calls, tool_timeout_s, tool_role
         self.answer_reward = answer_reward
         self.calls = 0
@@ -304,8 +311,16 @@ class CalculatorEnv(ToolEnv):
         max_tool_calls: int = 4,
         tool_role: str = "tool",
         call_format: Literal["json", "tagged"] = "json",
+        template_tools: bool = False,
     ):
-        super().__init__([calculator], system_prompt, max_tool_calls, tool_role=tool_role, call_format=call_format)
+        super().__init__(
+            [calculator],
+            system_prompt,
+            max_tool_calls,
+            tool_role=tool_role,
+            call_format=call_format,
+            template_tools=template_tools,
+        )
 
 
 # ---- Python in a sandbox -------------------------------------------------------------------
@@ -324,6 +339,7 @@ class PythonEnv(ToolEnv):
         cpu_time_s: int = 5,
         wall_time_s: float = 10.0,
         memory_mb: int = 512,
+        template_tools: bool = False,
     ):
         from raylign.agents.sandbox import SandboxLimits, run_python_async
 
@@ -337,5 +353,10 @@ class PythonEnv(ToolEnv):
             return result.stdout
 
         super().__init__(
-            [tool(python)], system_prompt, max_tool_calls, tool_timeout_s=wall_time_s + 5, tool_role=tool_role
+            [tool(python)],
+            system_prompt,
+            max_tool_calls,
+            tool_timeout_s=wall_time_s + 5,
+            tool_role=tool_role,
+            template_tools=template_tools,
         )

@@ -14,6 +14,7 @@ from raylign.agents.tools import (
     Tool,
     ToolCall,
     ToolError,
+    calculator,
     evaluate_arithmetic,
     last_number,
     numeric_match,
@@ -366,3 +367,12 @@ def test_an_endless_loop_is_a_failed_call_and_the_episode_goes_on(python_env):
     assert (reward, done, info["tool_calls"]) == (0.0, False, 1)
     assert info["tool_failures"] in (["cpu_time"], ["timeout"])
     assert step(python_env, "It is 42.") == (None, 1.0, True, {})
+
+
+def test_template_tools_hands_the_schemas_to_the_chat_template_instead_of_the_system_message():
+    env = CalculatorEnv(template_tools=True)
+    assert env.tools == [calculator.schema]
+    assert env.reset("1 + 1 = ?", 2, {}) == [{"role": "user", "content": "1 + 1 = ?"}]
+    described = CalculatorEnv()
+    assert described.tools is None
+    assert '"name": "calculator"' in described.reset("q", 0, {})[0]["content"]

@@ -225,7 +225,6 @@ def test_an_openai_client_agent_is_trained_on_the_tokens_it_received(client_run)
         torch.testing.assert_close(exp.returns[i][trained], torch.full((int(trained.sum()),), s.reward))
 
 
-
 SANDBOX_ENV_FILE = '''
 from raylign.agents.tools import PythonEnv
 
@@ -265,9 +264,7 @@ class ScriptedPythonEnv(PythonEnv):
 '''
 
 
-def test_sandbox_failures_are_failed_tool_calls_and_training_goes_on(
-    ray_session, rl_model_dir, prompt_file, tmp_path
-):
+def test_sandbox_failures_are_failed_tool_calls_and_training_goes_on(ray_session, rl_model_dir, prompt_file, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("the secret")
     env_file = tmp_path / "sandbox_env.py"
