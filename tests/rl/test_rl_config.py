@@ -379,3 +379,25 @@ def test_editing_preset_defaults_leaves_the_presets_as_they_are():
     defaults["algorithm"] = {}
     assert "off_policy" not in RLConfig.preset_defaults({"preset": "grpo"})["algorithm"]
     assert RLConfig.preset_defaults({"preset": "grpo"})["algorithm"]["advantage"] == "grpo"
+
+
+def test_an_agent_run_needs_no_reward_sources_but_a_plain_run_does(base, tmp_path):
+    data = copy.deepcopy(base)
+    del data["reward"]
+    with pytest.raises(ConfigError, match="reward: required .* unless agent.env or agent.client"):
+        resolve(tmp_path, data)
+    data["agent"] = {"env": "raylign.agents.tools:CalculatorEnv", "max_total_tokens": 256}
+    data["train"] = {**data.get("train", {}), "micro_batch_tokens": 256}
+    cfg = resolve(tmp_path, data)
+    assert cfg.reward is None and cfg.agent.enabled
+
+
+def test_an_agent_run_takes_env_or_client_and_room_for_a_whole_episode(base, tmp_path):
+    data = copy.deepcopy(base)
+    data["agent"] = {"env": "a.py:Env", "client": "b.py:run"}
+    with pytest.raises(ConfigError, match="agent.env and agent.client"):
+        resolve(tmp_path, data)
+    data["agent"] = {"client": "b.py:run", "max_total_tokens": 4096}
+    data["train"] = {**data.get("train", {}), "micro_batch_tokens": 2048}
+    with pytest.raises(ConfigError, match=r"micro_batch_tokens \(2048\) must hold a whole episode"):
+        resolve(tmp_path, data)
