@@ -198,7 +198,8 @@ class RLConfig(Section):
     critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO critic (only with gae).")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Estimator, losses, KL.")
     reward: RewardConfig | None = Field(
-        None, description="Reward sources and their weights (required, unless agent.env gives the rewards)."
+        None,
+        description="Reward sources and their weights (required, unless agent.env or agent.client gives the rewards).",
     )
     agent: AgentConfig = Field(default_factory=AgentConfig, description="Multi-turn agent episodes (agent.env).")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation engines.")
