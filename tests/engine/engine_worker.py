@@ -50,7 +50,8 @@ RUNS = {
     "zero2": {"backend": "deepspeed", "zero_stage": 2},
     "zero3": {"backend": "deepspeed", "zero_stage": 3},
     "fsdp2_offload": {"backend": "fsdp2", "offload_params": True, "offload_optimizer": True},
-    # DeepSpeedCPUAdam: JIT-compiled on first use, then cached under TORCH_EXTENSIONS_DIR.
+    # DeepSpeedCPUAdam: prebuilt by scripts/install.sh, else JIT-compiled on first use (cached under
+    # TORCH_EXTENSIONS_DIR, which tests/conftest.py sets to raylign's default folder).
     "zero3_offload": {"backend": "deepspeed", "zero_stage": 3, "offload_params": True, "offload_optimizer": True},
 }
 

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from raylign.config.engine import EngineConfig
 from raylign.config.optim import OptimConfig
 from raylign.engine import create_engine
-from raylign.engine.deepspeed import deepspeed_config
+from raylign.engine.deepspeed import deepspeed_config, torch_extensions_dir
 from raylign.engine.distributed import all_reduce_scalars, init_distributed
 from raylign.engine.fsdp2 import decoder_layers
 
@@ -190,6 +190,17 @@ def test_deepspeed_param_offload_needs_zero3():
     cfg = EngineConfig(backend="deepspeed", zero_stage=2, offload_params=True)
     with pytest.raises(ValueError, match=r"offload_params needs engine\.zero_stage 3"):
         deepspeed_config(cfg, OptimConfig(), torch.float32, torch.device("cpu"))
+
+
+def test_torch_extensions_dir_is_the_users_or_one_per_environment(monkeypatch):
+    """Where scripts/install.sh prebuilds DeepSpeed's ops and runs look for them."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere/ops")
+    assert torch_extensions_dir() == Path("/somewhere/ops")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    default = torch_extensions_dir()
+    assert default.parent == Path.home() / ".cache" / "raylign" / "torch_extensions"
+    monkeypatch.setattr(sys, "prefix", "/another/venv")  # its builds record other include paths
+    assert torch_extensions_dir().parent == default.parent and torch_extensions_dir() != default
 
 
 @pytest.mark.slow
