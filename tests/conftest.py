@@ -34,6 +34,24 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def tied_model_dir(tmp_path_factory):
+    """Qwen2, tied embeddings, fp32, for the rollout and endpoint tests. Head size 32: the smallest
+    vLLM's CPU attention supports."""
+    from raylign.models.tiny import build_tiny_model
+
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tied") / "model",
+        arch="qwen2",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        tie_word_embeddings=True,
+        seed=1,
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Soak runs are opt-in: they run only when ``-m`` names them."""
     if "soak" in (config.getoption("markexpr") or ""):

@@ -30,23 +30,6 @@ def chatml(*turns: tuple[str, str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def tied_model_dir(tmp_path_factory):
-    """Qwen2, tied embeddings, fp32 (as in tests/rollout/conftest.py)."""
-    from raylign.models.tiny import build_tiny_model
-
-    return build_tiny_model(
-        tmp_path_factory.mktemp("tied") / "model",
-        arch="qwen2",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        tie_word_embeddings=True,
-        seed=1,
-    )
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tied_model_dir):
     from transformers import AutoTokenizer
 

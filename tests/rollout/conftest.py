@@ -6,23 +6,6 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tied_model_dir(tmp_path_factory):
-    """Qwen2, tied embeddings, fp32. Head size 32: the smallest vLLM's CPU attention supports."""
-    from raylign.models.tiny import build_tiny_model
-
-    return build_tiny_model(
-        tmp_path_factory.mktemp("tied") / "model",
-        arch="qwen2",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        tie_word_embeddings=True,
-        seed=1,
-    )
-
-
-@pytest.fixture(scope="session")
 def untied_model_dir(tmp_path_factory):
     """Llama, separate output head, fp32."""
     from raylign.models.tiny import build_tiny_model
