@@ -21,6 +21,8 @@ torch.set_flush_denormal(True)
 
 import pytest  # noqa: E402
 
+from tests import case_counts  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def ray_session():
@@ -60,3 +62,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "soak" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker hands the cases its property and fuzz tests generated to the controller."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["case_counts"] = case_counts.as_dict()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """The controller adds up what each xdist worker counted."""
+    case_counts.add(getattr(node, "workeroutput", {}).get("case_counts", {}))
+
+
+def pytest_terminal_summary(terminalreporter: object) -> None:
+    case_counts.write_summary(terminalreporter)

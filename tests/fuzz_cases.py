@@ -1,20 +1,15 @@
 """Shared by the fuzz tests: JSON-like value strategies, settings, and the count of cases tried per target.
 
 Each fuzz test calls :func:`count_case` once per generated case with the name of what it
-fuzzes; the counts are listed in the terminal summary (also under ``-q``) once a fuzz module
-has called :func:`register_case_summary`.
+fuzzes; the counts are listed in the terminal summary (``tests/case_counts.py``).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Any
-
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-CASES: Counter[str] = Counter()
+from tests import case_counts
 
 # No example database, so a run never depends on earlier ones; too_slow would only flag a busy machine.
 FUZZ = settings(
@@ -26,22 +21,7 @@ FUZZ = settings(
 
 
 def count_case(target: str) -> None:
-    CASES[target] += 1
-
-
-class _CaseSummary:
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if not CASES:
-            return
-        terminalreporter.write_sep("-", "fuzz cases tried")
-        for target, cases in sorted(CASES.items()):
-            terminalreporter.write_line(f"{cases:6d}  {target}")
-        terminalreporter.write_line(f"{sum(CASES.values()):6d}  in total, {len(CASES)} targets")
-
-
-def register_case_summary(config: pytest.Config) -> None:
-    if not config.pluginmanager.has_plugin("fuzz-case-summary"):
-        config.pluginmanager.register(_CaseSummary(), "fuzz-case-summary")
+    case_counts.count("fuzz cases tried", target)
 
 
 # ---------------------------------------------------------------- strategies

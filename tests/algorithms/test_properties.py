@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -29,10 +28,9 @@ import raylign.algorithms as alg
 from raylign.algorithms import LossScale
 from raylign.algorithms.off_policy import LEVELS
 from raylign.models import entropy_from_logits
+from tests import case_counts
 
 # ---------------------------------------------------------------- counting the cases tried
-
-CASES: Counter[str] = Counter()
 
 
 def counted(test: Callable[..., None]) -> Callable[..., None]:
@@ -40,29 +38,10 @@ def counted(test: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(test)
     def run(*args: Any, **kwargs: Any) -> None:
-        CASES[test.__name__] += 1
+        case_counts.count("hypothesis cases tried", test.__name__)
         test(*args, **kwargs)
 
     return run
-
-
-class CaseSummary:
-    """Lists :data:`CASES` at the end of the run, whatever the capture settings."""
-
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if not CASES:
-            return
-        terminalreporter.write_sep("-", "hypothesis cases tried")
-        for name, cases in sorted(CASES.items()):
-            terminalreporter.write_line(f"{cases:6d}  {name}")
-        terminalreporter.write_line(f"{sum(CASES.values()):6d}  in total, {len(CASES)} properties")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report_cases(request: pytest.FixtureRequest) -> None:
-    plugins = request.config.pluginmanager
-    if not plugins.has_plugin("algorithm-property-cases"):
-        plugins.register(CaseSummary(), "algorithm-property-cases")
 
 
 # no example database, so a run never depends on earlier ones; too_slow would only flag a busy machine

@@ -29,7 +29,7 @@ from pydantic.fields import FieldInfo
 
 from raylign.cli.main import COMMANDS, main
 from raylign.config.base import ConfigError, overrides_from_argv, resolve_config, to_yaml
-from tests.fuzz_cases import FUZZ, JSON_VALUES, count_case, register_case_summary
+from tests.fuzz_cases import FUZZ, JSON_VALUES, count_case
 
 TRAINING = {"model": {"path": "/models/tiny"}, "data": {"train": ["train.jsonl"]}}
 # The smallest valid config of each command (serve-rm's config is covered by its own tests).
@@ -63,11 +63,6 @@ def leaf_fields(cls: type[BaseModel], prefix: str = "") -> dict[str, FieldInfo]:
 
 LEAVES = {name: leaf_fields(cls) for name, cls in CONFIG_CLASSES.items()}
 ERROR_LINE = re.compile(r"  (.+?): (.+)")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _case_summary(request: pytest.FixtureRequest) -> None:
-    register_case_summary(request.config)
 
 
 @pytest.fixture(scope="module")

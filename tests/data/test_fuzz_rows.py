@@ -29,15 +29,10 @@ from raylign.data.prm import add_step_separator, load_prm_samples
 from raylign.data.rows import DataStats
 from raylign.data.sft import load_sft_samples
 from raylign.models.tiny import build_tiny_tokenizer
-from tests.fuzz_cases import FUZZ, JSON_VALUES, TEXT, count_case, register_case_summary
+from tests.fuzz_cases import FUZZ, JSON_VALUES, TEXT, count_case
 
 SEP = "<|step|>"
 MAX_LENGTH = 48
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _case_summary(request: pytest.FixtureRequest) -> None:
-    register_case_summary(request.config)
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,7 @@ from hypothesis import strategies as st
 
 from raylign.rollout.rewards import HttpRewardSource, PythonFileReward, RewardError
 from raylign.rollout.rewards.base import to_float_list
-from tests.fuzz_cases import FUZZ, JSON_VALUES, count_case, register_case_summary
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _case_summary(request: pytest.FixtureRequest) -> None:
-    register_case_summary(request.config)
+from tests.fuzz_cases import FUZZ, JSON_VALUES, count_case
 
 
 def prompts_for(n: int) -> list[str]:
