@@ -156,7 +156,7 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, token_index, sample_ids, scale, group, timeout):  # type: ignore[override]
+    def forward(ctx, query, key, value, token_index, sample_ids, scale, group, timeout):
         ring = _Ring(group, timeout)
         indices, samples = ring.all_gather(token_index), ring.all_gather(sample_ids)
         compute = _compute_dtype(query)
@@ -178,7 +178,7 @@ class _RingAttention(torch.autograd.Function):
         return out.reshape(query.shape).to(query.dtype)
 
     @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
+    def backward(ctx, grad_output):
         query, key, value, out, lse, token_index, sample_ids, *labels = ctx.saved_tensors
         ring: _Ring = ctx.ring
         indices, samples = labels[: ring.size], labels[ring.size :]
@@ -249,5 +249,4 @@ def ring_attention(
             f"must be [B, S] = {expected}"
         )
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    output = _RingAttention.apply(query, key, value, token_index, sample_ids, scale, group, timeout)
-    return output  # type: ignore[no-any-return]
+    return _RingAttention.apply(query, key, value, token_index, sample_ids, scale, group, timeout)

@@ -95,7 +95,7 @@ def hf_ring_attention(
         raise _unsupported(f"sliding-window attention (window {sliding_window})")
     if softcap is not None:
         raise _unsupported(f"logit soft-capping ({softcap})")
-    shard = _ACTIVE_SHARD.get()
+    shard = _ACTIVE_SHARD.get(None)  # a context variable, not a queue: nothing to wait for
     if shard is None:
         batch, _, length, _ = query.shape
         token_index = torch.arange(length, device=query.device).expand(batch, length)
