@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from raylign.config.base import Section
 from raylign.config.data import DataConfig
@@ -20,3 +20,16 @@ class SFTConfig(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Training backend and parallelism.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and learning-rate schedule.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Loop, batching, evaluation, checkpoints.")
+
+    @model_validator(mode="after")
+    def _sequence_parallel_needs(self) -> SFTConfig:
+        if self.engine.sequence_parallel_size == 1:
+            return self
+        if not self.data.packing:
+            raise ValueError("engine.sequence_parallel_size > 1 splits packed rows: data.packing must be true")
+        if self.model.gradient_checkpointing:
+            raise ValueError(
+                "engine.sequence_parallel_size > 1 does not support model.gradient_checkpointing yet "
+                "(the recomputed attention would not see the other ranks' chunks)"
+            )
+        return self

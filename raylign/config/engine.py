@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from raylign.config.base import Section
 
@@ -32,3 +32,33 @@ class EngineConfig(Section):
         "dtype of bf16 models).",
     )
     dist_timeout_s: int = Field(1800, ge=10, description="torch.distributed collective timeout in seconds.")
+    sequence_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ranks that share one packed row, each running a contiguous chunk of it, with ring attention "
+        "across them (attention never crosses packed samples). Data-parallel ranks = ranks / this. sft only, "
+        "with engine.backend fsdp2 and data.packing; 1 turns it off.",
+    )
+
+    @model_validator(mode="after")
+    def _sequence_parallel_backend(self) -> EngineConfig:
+        if self.sequence_parallel_size > 1 and self.backend != "fsdp2":
+            raise ValueError(
+                f"engine.sequence_parallel_size {self.sequence_parallel_size} needs engine.backend 'fsdp2' "
+                f"(got {self.backend!r})"
+            )
+        if self.num_processes > 1 and self.num_processes % self.sequence_parallel_size:
+            raise ValueError(
+                f"engine.sequence_parallel_size ({self.sequence_parallel_size}) must divide "
+                f"engine.num_processes ({self.num_processes})"
+            )
+        return self
+
+
+def refuse_sequence_parallel(engine: EngineConfig, command: str) -> None:
+    """For commands whose training path does not split rows across ranks yet."""
+    if engine.sequence_parallel_size > 1:
+        raise ValueError(
+            f"engine.sequence_parallel_size: {command} does not support sequence parallelism yet (only sft "
+            f"does); set it to 1 (got {engine.sequence_parallel_size})"
+        )

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from raylign.config.base import Section
 from raylign.config.data import DataConfig
-from raylign.config.engine import EngineConfig
+from raylign.config.engine import EngineConfig, refuse_sequence_parallel
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.config.train import TrainConfig
@@ -59,3 +59,8 @@ class KDConfig(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Training backend and parallelism.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and learning-rate schedule.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Loop, batching, evaluation, checkpoints.")
+
+    @model_validator(mode="after")
+    def _no_sequence_parallel(self) -> KDConfig:
+        refuse_sequence_parallel(self.engine, "kd")
+        return self

@@ -141,3 +141,23 @@ def all_reduce_scalars(values: Sequence[float], op: ReduceOp = "mean") -> list[f
     if op == "mean":
         tensor /= dist.get_world_size()
     return tensor.tolist()
+
+
+def sequence_parallel_groups(size: int, timeout_s: int) -> tuple[dist.ProcessGroup | None, int, int]:
+    """Split the ranks into consecutive groups of ``size`` that share rows (sequence parallelism).
+
+    Returns this rank's group (None when ``size`` is 1), its data-parallel rank (the index of its
+    group) and the data-parallel size (the number of groups). Collective: every rank creates
+    every group, in the same order.
+    """
+    world, rank = get_world_size(), get_rank()
+    if size == 1:
+        return None, rank, world
+    if world % size:
+        raise ValueError(f"engine.sequence_parallel_size ({size}) must divide the number of ranks ({world})")
+    mine = None
+    for start in range(0, world, size):
+        group = dist.new_group(list(range(start, start + size)), timeout=datetime.timedelta(seconds=timeout_s))
+        if start <= rank < start + size:
+            mine = group
+    return mine, rank // size, world // size

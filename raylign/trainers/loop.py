@@ -29,7 +29,7 @@ from raylign.config.base import Section, save_yaml
 from raylign.data import ResumableSampler, rank_micro_batches
 from raylign.engine import create_engine
 from raylign.engine.checkpoint import check_writable, resume_latest, save_step_checkpoint
-from raylign.engine.distributed import all_reduce_scalars, barrier, init_distributed
+from raylign.engine.distributed import all_reduce_scalars, barrier, init_distributed, sequence_parallel_groups
 from raylign.trainers.guard import SkippedSteps
 from raylign.trainers.metrics import MetricsLogger, format_metrics
 from raylign.trainers.progress import Progress
@@ -87,6 +87,13 @@ class OfflineTrainer:
     def setup(self) -> None:
         self.rank, self.world_size, self.device = init_distributed(self.cfg.engine.dist_timeout_s)
         self.is_main = self.rank == 0
+        # Ranks of one sequence-parallel group share every micro-batch, each running a chunk of its rows;
+        # batches are sharded over the groups. Without sequence parallelism every rank is its own group.
+        self.sp_size = self.cfg.engine.sequence_parallel_size
+        self.sp_group, self.dp_rank, self.dp_size = sequence_parallel_groups(
+            self.sp_size, self.cfg.engine.dist_timeout_s
+        )
+        self.sp_rank = self.rank % self.sp_size
         if self.is_main:
             check_writable(self.output_dir, "train.output_dir")
             save_yaml(self.cfg, self.output_dir / "config.yaml")
@@ -114,23 +121,24 @@ class OfflineTrainer:
         if self.is_main:
             log.info("data: %s", format_metrics({k: v for k, v in data_stats.items() if _is_number(v)}))
             log.info(
-                "%d train / %d eval samples; %d optimizer steps of %d samples on %d rank(s)",
+                "%d train / %d eval samples; %d optimizer steps of %d samples on %d rank(s), %d per row",
                 len(self.train_samples),
                 len(self.eval_samples),
                 self.total_steps,
                 self.train_cfg.global_batch_size,
                 self.world_size,
+                self.sp_size,
             )
         if not self._maybe_resume():  # a resumed run has its data record already
             self.metrics.log({f"data/{k}": v for k, v in data_stats.items() if _is_number(v)}, step=0)
 
     def _micro_batches_per_rank(self) -> int:
         t = self.train_cfg
-        per_rank, rem = divmod(t.global_batch_size, self.world_size)
+        per_rank, rem = divmod(t.global_batch_size, self.dp_size)
         if rem or per_rank % t.micro_batch_size:
             raise ValueError(
                 f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                f"train.micro_batch_size ({t.micro_batch_size}) x ranks ({self.world_size})"
+                f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({self.dp_size})"
             )
         return per_rank // t.micro_batch_size
 
@@ -200,7 +208,7 @@ class OfflineTrainer:
     def train_step(self, global_indices: list[int]) -> dict[str, float]:
         start = time.perf_counter()
         self.engine.train()
-        micro_indices = rank_micro_batches(global_indices, self.rank, self.world_size, self.train_cfg.micro_batch_size)
+        micro_indices = rank_micro_batches(global_indices, self.dp_rank, self.dp_size, self.train_cfg.micro_batch_size)
         micro_batches = [self.collate([self.train_samples[i] for i in indices]) for indices in micro_indices]
         local_units = sum(self.batch_units(b) for b in micro_batches)
         (total_units,) = all_reduce_scalars([local_units], op="sum")
@@ -254,11 +262,11 @@ class OfflineTrainer:
         if not self.eval_samples:
             return {}
         self.engine.eval()
-        mine = self.eval_samples[self.rank :: self.world_size]
+        mine = self.eval_samples[self.dp_rank :: self.dp_size]
         size = self.train_cfg.eval_batch_size
         # Sharded models need every rank in every forward pass: all ranks run as many batches as
         # rank 0 (which holds the most samples); a rank out of samples runs a stand-in and drops it.
-        num_batches = math.ceil(math.ceil(len(self.eval_samples) / self.world_size) / size)
+        num_batches = math.ceil(math.ceil(len(self.eval_samples) / self.dp_size) / size)
         sums: dict[str, float] = {}
         units = 0.0
         for j in range(num_batches):

@@ -3,10 +3,17 @@
 Target tokens are the assistant turns (chat data), the output (prompt/output data), or
 every token (``data.loss: full``, pretraining mode). The loss is the mean over all
 target tokens of the global batch.
+
+With ``engine.sequence_parallel_size`` n > 1 each packed micro-batch row is cut into n chunks,
+one per rank of a sequence-parallel group, and the model runs ring attention across them
+(:mod:`raylign.models.sequence_parallel`). A rank's loss is the sum over its chunk's targets and
+its units their count, so the loop's global normaliser and gradient averaging give the same
+update as one rank holding the whole row.
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
@@ -14,6 +21,7 @@ import torch
 from raylign.config.commands import SFTConfig
 from raylign.data import build_sft_datasets, collate_packed, collate_padded
 from raylign.models import load_causal_lm, load_tokenizer, token_logprobs
+from raylign.models.sequence_parallel import RING_ATTENTION, shard_packed_batch, sharded_target_logprobs
 from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
 
 
@@ -26,6 +34,8 @@ class SFTTrainer(OfflineTrainer):
         return load_tokenizer(m.tokenizer_path or m.path, padding_side="right")
 
     def build_model(self) -> torch.nn.Module:
+        if self.sp_size > 1:
+            return load_causal_lm(self.cfg.model.model_copy(update={"attn_implementation": RING_ATTENTION}))
         return load_causal_lm(self.cfg.model)
 
     def build_datasets(self) -> tuple[list, list, dict[str, Any]]:
@@ -33,14 +43,19 @@ class SFTTrainer(OfflineTrainer):
         return data.train, data.eval, data_stats_dict(data.stats)
 
     def collate(self, samples: list) -> Batch:
+        if self.sp_size > 1:
+            return shard_packed_batch(collate_packed(samples), self.sp_rank, self.sp_size, self.tokenizer.pad_token_id)
         if self.cfg.data.packing:
             return collate_packed(samples)
         return collate_padded(samples, self.tokenizer.pad_token_id)
 
     def batch_units(self, batch: Batch) -> float:
-        return float(batch["loss_mask"].sum())
+        return float(batch["target_mask" if "target_mask" in batch else "loss_mask"].sum())
 
     def compute_loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        if "target_mask" in batch:  # this rank's chunk of a row shared by its sequence-parallel group
+            timeout = datetime.timedelta(seconds=self.cfg.engine.dist_timeout_s)
+            return -sharded_target_logprobs(model, batch, self.sp_group, timeout).sum(), {}
         logprobs = token_logprobs(
             model,
             batch["input_ids"],

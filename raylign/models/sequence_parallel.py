@@ -1,0 +1,181 @@
+"""Sequence parallelism for packed rows: each rank of a group runs one contiguous chunk of a row.
+
+A packed row ``[1, T]`` is padded to a multiple of the group size ``n`` and cut into ``n`` equal
+chunks; rank ``r`` of the group runs the model on chunk ``r`` only. Everything in a decoder is
+per token except attention, which reaches the chunks of the other ranks through
+:func:`raylign.models.ring_attention.ring_attention`. It is plugged into Hugging Face models
+without touching their code: this module registers it as the attention implementation
+``"raylign_ring"`` (``AttentionInterface.register``), and a model loaded with
+``attn_implementation="raylign_ring"`` calls it in every layer. Which group and which tokens the
+chunk holds is set for the duration of a forward pass with :func:`sequence_shard`; with no shard
+set the same model runs plain causal attention over its input, keeping packed samples apart by
+their ``position_ids``, so evaluation and single-rank use need nothing special.
+
+Next-token targets cross chunk boundaries (the last token of chunk r predicts the first of chunk
+r + 1), so they are taken from the whole row before it is cut: each chunk carries
+``target_ids`` and ``target_mask`` aligned to the position that predicts them.
+
+Not supported yet: 2D attention masks (padded batches), sliding windows, logit soft-capping,
+attention dropout, and recomputing activations in backward (gradient checkpointing would re-run
+the attention after :func:`sequence_shard` has ended).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from raylign.models.logprobs import logprobs_from_logits
+from raylign.models.ring_attention import DEFAULT_TIMEOUT, ring_attention, sample_ids_from_position_ids
+
+RING_ATTENTION = "raylign_ring"
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """The chunk of a row that this rank runs, and the group that holds the other chunks.
+
+    ``token_index`` and ``sample_ids`` are ``[B, S]``: each local token's index in the whole row and
+    the packed sample it belongs to (ids shared by the whole row, so equal ids on two ranks mean the
+    same sample).
+    """
+
+    group: dist.ProcessGroup | None
+    token_index: torch.Tensor
+    sample_ids: torch.Tensor
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT
+
+
+_ACTIVE_SHARD: ContextVar[SequenceShard | None] = ContextVar("raylign_sequence_shard", default=None)
+
+
+@contextmanager
+def sequence_shard(shard: SequenceShard) -> Iterator[None]:
+    """Within the block, ``raylign_ring`` attention treats its input as ``shard``'s chunk of a longer row."""
+    token = _ACTIVE_SHARD.set(shard)
+    try:
+        yield
+    finally:
+        _ACTIVE_SHARD.reset(token)
+
+
+def _unsupported(what: str, hint: str = "") -> ValueError:
+    return ValueError(f"{RING_ATTENTION} attention does not support {what} yet{hint}")
+
+
+def hf_ring_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Transformers' attention-function signature around :func:`ring_attention`; output ``[B, S, H, D]``."""
+    if attention_mask is not None:
+        raise _unsupported("an attention mask", "; pass packed rows with position_ids instead")
+    if dropout:
+        raise _unsupported(f"attention dropout ({dropout})")
+    if sliding_window is not None:
+        raise _unsupported(f"sliding-window attention (window {sliding_window})")
+    if softcap is not None:
+        raise _unsupported(f"logit soft-capping ({softcap})")
+    shard = _ACTIVE_SHARD.get(None)  # a context variable, not a queue: nothing to wait for
+    if shard is None:
+        batch, _, length, _ = query.shape
+        token_index = torch.arange(length, device=query.device).expand(batch, length)
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            sample_ids = torch.zeros_like(token_index)
+        else:
+            sample_ids = sample_ids_from_position_ids(position_ids.to(query.device)).expand(batch, length)
+        shard = SequenceShard(None, token_index, sample_ids)
+    out = ring_attention(
+        query,
+        key,
+        value,
+        shard.token_index.to(query.device),
+        shard.sample_ids.to(query.device),
+        scale=scaling,
+        group=shard.group,
+        timeout=shard.timeout,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _refuse_padding(*, attention_mask: torch.Tensor | None = None, **_: Any) -> None:
+    """The mask builder transformers calls for ``raylign_ring``: the attention needs no mask (it works from
+    the shard's labels), and a padding mask it would have to drop is an error rather than ignored."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise _unsupported("padded batches (an attention mask with zeros)", "; pack the rows instead")
+    return None
+
+
+AttentionInterface.register(RING_ATTENTION, hf_ring_attention)
+AttentionMaskInterface.register(RING_ATTENTION, _refuse_padding)
+
+
+def _pad_right(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    return nn.functional.pad(tensor, (0, length - tensor.shape[-1]), value=value)
+
+
+def shard_packed_batch(
+    batch: dict[str, torch.Tensor], rank: int, size: int, pad_token_id: int
+) -> dict[str, torch.Tensor]:
+    """Chunk ``rank`` of ``size`` of a packed batch (``input_ids``, ``position_ids``, ``loss_mask``, ``[B, T]``).
+
+    Returns ``input_ids``, ``position_ids``, ``token_index``, ``sample_ids``, ``target_ids`` and
+    ``target_mask``, each ``[B, ceil(T / size)]``: ``target_ids[t]`` is the token after ``t`` in the
+    whole row, and ``target_mask[t]`` is 1 where that token is trained on (its loss mask is 1 and it
+    belongs to the same sample as ``t``). Rows are padded on the right to a multiple of ``size`` with
+    ``pad_token_id`` tokens that form a sample of their own and are never targets.
+    """
+    input_ids, position_ids, loss_mask = batch["input_ids"], batch["position_ids"], batch["loss_mask"]
+    total = input_ids.shape[-1]
+    padded = math.ceil(total / size) * size
+    target_ids = _pad_right(input_ids[:, 1:], total, pad_token_id)
+    same_sample = position_ids[:, 1:] == position_ids[:, :-1] + 1
+    target_mask = _pad_right((loss_mask[:, 1:].bool() & same_sample).long(), total, 0)
+    padding_positions = torch.arange(padded - total, device=position_ids.device).expand(position_ids.shape[0], -1)
+    full = {
+        "input_ids": _pad_right(input_ids, padded, pad_token_id),
+        "position_ids": torch.cat([position_ids, padding_positions], dim=-1),
+        "token_index": torch.arange(padded, device=input_ids.device).expand(input_ids.shape[0], -1),
+        "target_ids": _pad_right(target_ids, padded, pad_token_id),
+        "target_mask": _pad_right(target_mask, padded, 0),
+    }
+    full["sample_ids"] = sample_ids_from_position_ids(full["position_ids"])  # padding restarts at 0: its own sample
+    chunk = padded // size
+    return {name: tensor[:, rank * chunk : (rank + 1) * chunk].contiguous() for name, tensor in full.items()}
+
+
+def sharded_target_logprobs(
+    model: nn.Module,
+    chunk: dict[str, torch.Tensor],
+    group: dist.ProcessGroup | None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """``log p(target_ids[t] | the sample's tokens up to t)`` for a chunk from :func:`shard_packed_batch`,
+    float32 ``[B, S]``, 0 where ``target_mask`` is 0. Collective over ``group``: every rank runs its chunk.
+    """
+    shard = SequenceShard(group, chunk["token_index"], chunk["sample_ids"], timeout)
+    with sequence_shard(shard):
+        logits = model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False).logits
+    logprobs = logprobs_from_logits(logits, chunk["target_ids"], temperature)
+    return logprobs * chunk["target_mask"].to(logprobs.dtype)

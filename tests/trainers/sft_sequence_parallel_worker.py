@@ -1,0 +1,63 @@
+"""Code run inside the 2 spawned gloo ranks of ``test_sft_sequence_parallel.py``: the same SFT run with
+``engine.sequence_parallel_size`` 1 (2 data-parallel ranks) and 2 (one row split over both ranks),
+one after the other in one process group."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+WORLD_SIZE = 2
+STEPS = 3
+
+
+def sft_config(model_dir: str, train_file: str, out: Path, sequence_parallel_size: int):
+    from raylign.config.base import parse_config
+    from raylign.config.commands import SFTConfig
+
+    return parse_config(
+        SFTConfig,
+        {
+            "model": {"path": model_dir, "dtype": "float32"},
+            "data": {"train": [train_file], "format": "chat", "max_length": 64, "min_response_tokens": 8},
+            "engine": {"backend": "fsdp2", "sequence_parallel_size": sequence_parallel_size, "dist_timeout_s": 120},
+            # A large AdamW epsilon keeps each update proportional to its gradient: with the default 1e-8 an
+            # element whose gradient is near zero moves by a full step of whichever sign its rounding gives,
+            # so weights of equal-to-1e-7 gradients could not be compared at 1e-5.
+            "optim": {"lr": 3e-3, "warmup_steps": 1, "weight_decay": 0.0, "eps": 1e-3},
+            "train": {
+                "output_dir": str(out),
+                "max_steps": STEPS,
+                "global_batch_size": 4,
+                "micro_batch_size": 2,
+                "seed": 0,
+                "logging": {"progress_bar": False, "tensorboard": False},
+            },
+        },
+    )
+
+
+def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(WORLD_SIZE),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from raylign.trainers.sft import SFTTrainer
+
+    try:
+        for size in (1, 2):
+            SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / f"sp{size}", size)).run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
