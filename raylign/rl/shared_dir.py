@@ -110,7 +110,7 @@ def markers_seen(directory: str, token: str, node: str, nodes: list[str], settle
     folder = _folder(directory, token)
     deadline = time.monotonic() + settle_s
     while True:
-        seen = [node for node in nodes if (folder / node).is_file()]
+        seen = [other for other in nodes if (folder / other).is_file()]
         if len(seen) == len(nodes) or time.monotonic() >= deadline:
             return seen
         time.sleep(0.2)
