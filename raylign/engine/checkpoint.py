@@ -4,7 +4,8 @@ Layout: the checkpoint of optimizer step N is ``<root>/step_<N>/``. It is writte
 ``<root>/.step_<N>.tmp/`` and renamed into place only once every rank has finished and rank 0
 has written ``COMPLETE`` inside it. A crash at any point before the rename leaves only the
 hidden temp folder, which :func:`latest_checkpoint` ignores, so resume always picks a whole
-checkpoint. The folder must be on a filesystem all ranks share.
+checkpoint. The folder must be on a filesystem all ranks share (the RL controller checks that
+at start when its workers span several nodes).
 
 Inside a checkpoint, besides the backend's own files (``engine_state.pt`` for ``local``, a
 DCP folder for ``fsdp2``, DeepSpeed's files for ``deepspeed``):

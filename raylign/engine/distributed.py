@@ -4,6 +4,10 @@ Works the same under ``torchrun`` and inside Ray actors: both set ``RANK``, ``WO
 ``MASTER_ADDR``, ``MASTER_PORT`` and ``LOCAL_RANK`` (Ray callers set them by hand). Without
 ``WORLD_SIZE`` everything is a single process and the helpers are no-ops.
 
+Ray callers rendezvous through a store that rank 0 hosts on its own node before anyone dials it
+(:func:`host_rendezvous_store`, :func:`join_rendezvous_store`): the address is the one rank 0
+reports, wherever Ray placed it, and its port is taken before it is handed out.
+
 On CPU the backend is gloo. On CUDA it is ``cpu:gloo,cuda:nccl``: nccl for GPU tensors, gloo
 for the CPU tensors that CPU-offloaded optimizers and small metric reductions use.
 """
@@ -48,11 +52,12 @@ def select_device() -> torch.device:
     return torch.device("cuda", index)
 
 
-def init_distributed(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
+def init_distributed(timeout_s: int = 1800, store: dist.Store | None = None) -> tuple[int, int, torch.device]:
     """Join the process group described by the environment; returns ``(rank, world_size, device)``.
 
     Without ``WORLD_SIZE`` in the environment this is a single process and no group is created.
-    Calling it again after the group exists just reports the current values.
+    Calling it again after the group exists just reports the current values. ``store``: the
+    rendezvous store to use instead of the one ``MASTER_ADDR`` / ``MASTER_PORT`` describe.
     """
     device = select_device()
     if dist.is_available() and dist.is_initialized():
@@ -62,7 +67,7 @@ def init_distributed(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
     world_size = _env_int("WORLD_SIZE")
     rank = _env_int("RANK")
     for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if name not in os.environ:
+        if store is None and name not in os.environ:
             raise RuntimeError(f"WORLD_SIZE is set but {name} is not: set both MASTER_ADDR and MASTER_PORT")
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
@@ -71,8 +76,34 @@ def init_distributed(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
+        store=store,
     )
     return rank, world_size, device
+
+
+def host_rendezvous_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's side of a rendezvous: a store listening on a port the OS picks on this machine.
+
+    The socket is bound before its address is handed to the other ranks, so no other process
+    can take the port in between. ``host`` is this machine's address as the others reach it.
+    """
+    return dist.TCPStore(
+        host, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def join_rendezvous_store(host: str, port: int, world_size: int, timeout_s: float, who: str) -> dist.TCPStore:
+    """Another rank's side: connect to rank 0's store at ``host:port``, trying for at most ``timeout_s``.
+
+    ``who`` names the caller in the error (``"policy rank 1 on node 10.0.0.2"``)."""
+    try:
+        return dist.TCPStore(host, port, world_size, False, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError is a RuntimeError
+        raise RuntimeError(
+            f"{who} could not reach the process group's rendezvous at {host}:{port} (hosted by rank 0 on its "
+            f"node) within {timeout_s:g} s (engine.dist_timeout_s): {str(err).splitlines()[0] if str(err) else err}. "
+            "That port must be open between the nodes of the cluster"
+        ) from err
 
 
 def _free_local_port() -> int:

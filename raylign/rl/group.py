@@ -1,8 +1,13 @@
-"""A data-parallel group of :class:`ModelWorker` Ray actors, placed together and driven as one."""
+"""A data-parallel group of :class:`ModelWorker` Ray actors, placed together and driven as one.
+
+The group's rendezvous is hosted by rank 0, on the node Ray put it on: rank 0 opens the store
+there and reports its address and port, and only then do the ranks join the process group and
+load their models. The controller's own node plays no part (it may not even be one of the
+workers' nodes).
+"""
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import ray
@@ -11,12 +16,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylign.cluster import actor_env, get_within, wait_until_ready
 from raylign.rl.worker import ModelWorker
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerGroup:
@@ -38,8 +37,6 @@ class WorkerGroup:
         (``placement.worker_call_timeout_s``)."""
         self.role = role
         self.call_timeout_s = call_timeout_s
-        master_addr = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        port = _free_port()
         actor_cls = ray.remote(ModelWorker)
         self.workers = []
         for rank in range(num_workers):
@@ -52,11 +49,24 @@ class WorkerGroup:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=placement_group, placement_group_bundle_index=bundle_offset + rank
                 )
-            self.workers.append(
-                actor_cls.options(**options).remote(role, cfg, rank, num_workers, master_addr, port, total_steps)
+            self.workers.append(actor_cls.options(**options).remote(role, cfg, rank, num_workers, total_steps))
+        names = [f"{role} worker rank {rank}" for rank in range(num_workers)]
+        try:
+            # ``(address, port)`` of the store rank 0 hosts on its own node (None for the reference).
+            (self.rendezvous,) = wait_until_ready(
+                {names[0]: self.workers[0]},
+                startup_timeout_s,
+                ready={names[0]: self.workers[0].rendezvous_address.remote()},
             )
-        # Fail here, naming the rank, if a worker could not start (model loaded, process group formed).
-        wait_until_ready({f"{role} worker rank {rank}": w for rank, w in enumerate(self.workers)}, startup_timeout_s)
+            # Fail here, naming the rank, if a worker could not start (process group formed, model loaded).
+            wait_until_ready(
+                dict(zip(names, self.workers)),
+                startup_timeout_s,
+                ready={name: worker.start.remote(self.rendezvous) for name, worker in zip(names, self.workers)},
+            )
+        except BaseException:
+            self.kill()  # the ranks that did start would otherwise hold their resources
+            raise
 
     def __len__(self) -> int:
         return len(self.workers)

@@ -8,36 +8,64 @@ policy rank's rollout engine lives in the policy worker's process on the same GP
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from raylign.config.rl import RLConfig
 
 
-def gpus_needed(cfg: RLConfig) -> int:
-    """GPUs a run reserves on a GPU cluster: one per model-worker rank (colocated: one per policy rank,
-    shared by every role and the policy's engine) plus ``tensor_parallel_size`` per separate engine."""
+def reward_model_gpus(cfg: RLConfig) -> dict[str, float]:
+    """The GPUs each reward-model actor asks for, by its field (``reward.sources[1].num_gpus``);
+    sources that ask for none are left out."""
+    sources = cfg.reward.sources if cfg.reward is not None else []
+    return {
+        f"reward.sources[{i}].num_gpus": s.num_gpus
+        for i, s in enumerate(sources)
+        if s.kind == "reward_model" and s.num_gpus > 0
+    }
+
+
+def gpus_needed(cfg: RLConfig, cluster_has_gpus: bool = True) -> int:
+    """GPUs a run reserves: one per model-worker rank (colocated: one per policy rank, shared by
+    every role and the policy's engine) plus ``tensor_parallel_size`` per separate engine, plus
+    the reward-model actors' ``num_gpus``, summed and rounded up (actors asking for fractions of a
+    GPU can share one; this is the least they need). On a cluster without GPUs the workers and
+    engines run on CPUs and only the reward models ask for GPUs."""
     p, r = cfg.placement, cfg.rollout
+    reward = math.ceil(sum(reward_model_gpus(cfg).values()))
+    if not cluster_has_gpus:
+        return reward
     if p.colocate:
-        return p.policy_workers
-    return sum(cfg.worker_roles.values()) + r.num_engines * r.tensor_parallel_size
+        return p.policy_workers + reward
+    return sum(cfg.worker_roles.values()) + r.num_engines * r.tensor_parallel_size + reward
 
 
 def check_gpu_count(cfg: RLConfig, cluster_gpus: float) -> None:
     """Fail before any actor starts, rather than wait forever for GPUs the cluster does not have."""
-    needed = gpus_needed(cfg)
-    if needed > cluster_gpus:
-        p, r = cfg.placement, cfg.rollout
-        parts = ", ".join(f"placement.{role}_workers={n}" for role, n in cfg.worker_roles.items())
-        how = (
-            f"placement.colocate: one per policy rank ({parts})"
-            if p.colocate
-            else f"one per worker rank ({parts}) plus rollout.num_engines={r.num_engines} x "
-            f"rollout.tensor_parallel_size={r.tensor_parallel_size}"
-        )
+    has_gpus = cluster_gpus > 0
+    needed = gpus_needed(cfg, has_gpus)
+    if needed <= cluster_gpus:
+        return
+    p, r = cfg.placement, cfg.rollout
+    reward = ", ".join(f"{field}={n:g}" for field, n in reward_model_gpus(cfg).items())
+    if not has_gpus:
         raise ValueError(
-            f"the run needs {needed} GPUs ({how}), the Ray cluster has {cluster_gpus:g}; "
-            "lower those numbers or set placement.colocate: true"
+            f"the reward models ask for {needed} GPUs ({reward}), the Ray cluster has none; set those fields "
+            "to 0 to run them on CPUs, or join a cluster with GPUs (placement.ray_address)"
         )
+    parts = ", ".join(f"placement.{role}_workers={n}" for role, n in cfg.worker_roles.items())
+    how = (
+        f"placement.colocate: one per policy rank ({parts})"
+        if p.colocate
+        else f"one per worker rank ({parts}) plus rollout.num_engines={r.num_engines} x "
+        f"rollout.tensor_parallel_size={r.tensor_parallel_size}"
+    )
+    if reward:
+        how += f", plus the reward-model actors ({reward})"
+    raise ValueError(
+        f"the run needs {needed} GPUs ({how}), the Ray cluster has {cluster_gpus:g}; "
+        "lower those numbers or set placement.colocate: true"
+    )
 
 
 def placement_groups(cfg: RLConfig, has_gpus: bool) -> list[Any]:
@@ -69,3 +97,10 @@ def placement_groups(cfg: RLConfig, has_gpus: bool) -> list[Any]:
             f"{ray.available_resources()} free: lower placement.cpus_per_worker or the worker counts, or add nodes"
         )
     return groups
+
+
+def worker_nodes(groups: list[Any]) -> set[str]:
+    """Ids of the nodes the placement groups' bundles were granted on."""
+    from ray.util.placement_group import placement_group_table
+
+    return {node for group in groups for node in placement_group_table(group)["bundles_to_node_id"].values()}

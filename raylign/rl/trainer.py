@@ -52,8 +52,9 @@ from raylign.rl.experience import (
     token_versions,
 )
 from raylign.rl.metric import Metric, average_updates, combine
-from raylign.rl.placement import check_gpu_count, placement_groups
+from raylign.rl.placement import check_gpu_count, placement_groups, worker_nodes
 from raylign.rl.prompts import Prompt, load_prompts
+from raylign.rl.shared_dir import check_shared_directory
 from raylign.rl.stream import PromptPositions, RolloutFeed, sample_from, uniform_rewards
 from raylign.rollout.pool import GroupStream, stop_engines
 from raylign.trainers.guard import SkippedSteps
@@ -121,17 +122,18 @@ class RLTrainer:
             cfg.placement.ray_address, num_cpus=None if cfg.placement.ray_address else local_cpus
         )
         timeout = cfg.placement.startup_timeout_s
+        cluster_gpus = ray.cluster_resources().get("GPU", 0)
+        has_gpus = cluster_gpus > 0
+        check_gpu_count(cfg, cluster_gpus)  # before the reward models take theirs
         self.reward = build_reward(cfg.reward, timeout) if cfg.reward is not None else None
         dump = cfg.model_dump(mode="json")
         dump["model"]["path"] = self.model_path
         updates = cfg.train.max_steps * cfg.train.mini_batches * cfg.train.ppo_epochs
         p = cfg.placement
         roles = cfg.worker_roles
-        cluster_gpus = ray.cluster_resources().get("GPU", 0)
-        has_gpus = cluster_gpus > 0
-        if has_gpus:
-            check_gpu_count(cfg, cluster_gpus)
         self.placement_groups = placement_groups(cfg, has_gpus)
+        # The workers and this controller write checkpoints into one folder: on several nodes it must be shared.
+        check_shared_directory(self.out, worker_nodes(self.placement_groups), "train.output_dir", timeout)
         for role, workers in roles.items():
             group = self.placement_groups[0 if p.colocate else list(roles).index(role)]
             # Colocated on GPUs: rank r of every role shares GPU r (the policy with its engine) in equal parts.
@@ -244,9 +246,9 @@ class RLTrainer:
     # ---- the loop ------------------------------------------------------------------------
 
     def run(self) -> dict[str, float]:
-        self.setup()
-        cfg = self.cfg
         try:
+            self.setup()  # a set-up that fails part-way stops what it started, too
+            cfg = self.cfg
             if self.step == 0 and self.eval_prompts:
                 self.evaluate()
             progress = Progress(cfg.train.max_steps, "rl", enabled=cfg.train.logging.progress_bar)

@@ -49,65 +49,90 @@ log = logging.getLogger("raylign")
 
 
 class ModelWorker:
-    def __init__(
-        self,
-        role: str,
-        cfg: dict[str, Any],
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        total_steps: int,
-    ):
-        os.environ.update(
-            {
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                "RANK": str(rank),
-                "LOCAL_RANK": "0",
-                "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": "1",
-                "MASTER_ADDR": master_addr,
-                "MASTER_PORT": str(master_port),
-            }
-        )
+    """Made in two calls, so that rank 0 can host the process group's rendezvous on whatever node
+    Ray put it: the constructor only reads the config; :meth:`rendezvous_address` (rank 0) opens
+    the store and says where it listens; :meth:`start` (every rank, given that address) joins the
+    group and loads the model."""
+
+    def __init__(self, role: str, cfg: dict[str, Any], rank: int, world_size: int, total_steps: int):
+        os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
         torch.set_flush_denormal(True)
         self.cfg = RLConfig.model_validate(cfg)
         # As many compute threads as the CPU slots Ray reserved for this worker (OpenMP stays at
         # OMP_NUM_THREADS for anything it starts).
         torch.set_num_threads(max(1, int(self.cfg.placement.cpus_per_worker)))
-        self.role, self.rank, self.world_size = role, rank, world_size
+        self.role, self.rank, self.world_size, self.total_steps = role, rank, world_size, total_steps
         self.temperature = self.cfg.sampling.temperature or 1.0
         # The algorithm's choices, bound once: the update itself does not look at their names.
         a = self.cfg.algorithm
         self.policy_loss = bind_policy_loss(a)
         self.correct_off_policy = bind_off_policy_correction(a)
         self.kl_loss_coef = a.kl_coef if a.kl_mode == "loss" else 0.0
-        torch.manual_seed(self.cfg.train.seed)
-        from raylign.models import load_causal_lm, load_score_model
-
         self._pool = None
         self._local_engine: Any = None
         self._weights_group: Any = None
-        if role == "reference":
+        self._store: Any = None
+        self.rendezvous: tuple[str, int] | None = None
+        self.engine: Any = None
+
+    def rendezvous_address(self) -> tuple[str, int] | None:
+        """Rank 0 of a trained role: host the process group's store on this node; returns
+        ``(this node's address, the store's port)`` for the other ranks to dial. None for the
+        reference, whose replicas form no group."""
+        if self.role == "reference":
+            return None
+        import ray
+
+        from raylign.engine.distributed import host_rendezvous_store
+
+        host = ray.util.get_node_ip_address()
+        self._store = host_rendezvous_store(host, self.world_size, self.cfg.engine.dist_timeout_s)
+        return host, int(self._store.port)
+
+    def start(self, rendezvous: tuple[str, int] | None) -> None:
+        """Join the process group at ``rendezvous`` (rank 0's address and port) and load the model."""
+        self.rendezvous = rendezvous
+        os.environ.update(
+            {"RANK": str(self.rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": "1"}
+        )
+        if rendezvous is not None:  # read by DeepSpeed, which otherwise looks for MPI
+            os.environ.update({"MASTER_ADDR": rendezvous[0], "MASTER_PORT": str(rendezvous[1])})
+        torch.manual_seed(self.cfg.train.seed)
+        from raylign.models import load_causal_lm, load_score_model
+
+        if self.role == "reference":
             model_cfg = self.cfg.reference or self.cfg.model.model_copy(
                 update={"lora": self.cfg.model.lora.model_copy(update={"rank": 0})}
             )
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             self.module = load_causal_lm(model_cfg, device=self.device).eval().requires_grad_(False)
-            self.engine = None
             return
         from raylign.engine import create_engine
         from raylign.engine.distributed import init_distributed
 
-        init_distributed(self.cfg.engine.dist_timeout_s)
-        if role == "critic":
+        init_distributed(self.cfg.engine.dist_timeout_s, store=self._rendezvous_store(rendezvous))
+        if self.role == "critic":
             critic_cfg = self.cfg.model.model_copy(update={"path": self.cfg.critic.path or self.cfg.model.path})
             model, optim = load_score_model(critic_cfg, num_labels=1), self.cfg.critic.optim
         else:
             model, optim = load_causal_lm(self.cfg.model), self.cfg.optim
-        self.engine = create_engine(model, self.cfg.engine, optim, total_steps)
+        self.engine = create_engine(model, self.cfg.engine, optim, self.total_steps)
         self.module = self.engine.module
         self.device = self.engine.device
+
+    def _rendezvous_store(self, rendezvous: tuple[str, int] | None) -> Any:
+        """Rank 0's own store, or a connection to it."""
+        if self._store is not None:
+            return self._store
+        if rendezvous is None:
+            raise RuntimeError(f"{self.role} rank {self.rank}: start() needs rank 0's rendezvous address")
+        import ray
+
+        from raylign.engine.distributed import join_rendezvous_store
+
+        who = f"{self.role} rank {self.rank} on node {ray.util.get_node_ip_address()}"
+        host, port = rendezvous
+        return join_rendezvous_store(host, port, self.world_size, self.cfg.engine.dist_timeout_s, who)
 
     # ---- forward passes ----------------------------------------------------------------
 
@@ -368,10 +393,16 @@ class ModelWorker:
         self.engine.export_hf(Path(directory), tokenizer)
 
     def placement_info(self) -> dict[str, Any]:
-        """Where Ray put this worker: node id and the GPU ids it was given (empty on CPU)."""
+        """Where Ray put this worker: node id and address, the GPU ids it was given (empty on CPU),
+        and the rendezvous it used (``host:port``, hosted by rank 0; None for the reference)."""
         import ray
 
-        return {"node": ray.get_runtime_context().get_node_id(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+            "rendezvous": None if self.rendezvous is None else f"{self.rendezvous[0]}:{self.rendezvous[1]}",
+        }
 
     def offload(self) -> None:
         if self.engine is not None:
