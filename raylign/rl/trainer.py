@@ -241,7 +241,12 @@ class RLTrainer:
         for name in ("samples.jsonl", "trajectories.jsonl"):
             _drop_records_after(self.out / name, self.step)
         self.sync_weights()
-        log.info("resumed from %s at step %d", ckpt, self.step)
+        log.info(
+            "resumed from %s at step %d; %d prompt group(s) in flight at the checkpoint start again",
+            ckpt,
+            self.step,
+            len(self.feed.restarting),
+        )
 
     # ---- the loop ------------------------------------------------------------------------
 
