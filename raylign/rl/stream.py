@@ -26,6 +26,11 @@ groups, so with seeded sampling it holds the same samples whatever order they fi
 the order they were started, and the controller lets every group in flight finish before a
 weight update, so each group is sampled by the weights it was started under and a seeded run
 repeats exactly, resumed or not, at the cost of some overlap.
+
+A checkpoint does not wait for the groups in flight: it records which they are (their start
+order and prompt position), and a run resumed from it starts them again first, under their own
+start order (so seeded sampling draws the same tokens), before any new group. They are counted
+(:attr:`StepGroups.restarted`) in the first step after the resume.
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ class StepGroups:
     dropped_uniform: int = 0  # groups whose rewards were all equal (dynamic sampling)
     padded_uniform: int = 0  # uniform groups taken anyway, after the refill budget ran out
     in_flight: int = 0  # groups still generating when the step's batch was complete
+    # groups in flight at the checkpoint this run resumed from, started again since the previous step
+    restarted: int = 0
 
     @property
     def samples(self) -> list[Sample]:
@@ -118,17 +125,24 @@ class RolloutFeed:
         self.discarded = 0  # of those, groups that will never be trained on
         self.trained = 0  # groups that went into a step
         self.requeued: list[int] = []  # prompt positions to start before new ones (stale, regenerate; resume)
+        self.restarting: list[tuple[int, int]] = []  # (seq, position): in flight at the checkpoint resumed from
+        self._restarted = 0  # of those, started again since the last step was taken
 
     # ---- starting groups -------------------------------------------------------------------
 
     def top_up(self, version: int) -> None:
-        """Start groups while they can still be trained on within the bound (module docstring)."""
+        """Start groups while they can still be trained on within the bound (module docstring); first
+        those in flight at the checkpoint this run resumed from (already counted in ``started``)."""
+        while self.restarting:
+            self._submit(*self.restarting.pop(0), version)
+            self._restarted += 1
         while self.started - self.discarded < self.trained + (self.k + 1) * self.per_step:
-            position = self.requeued.pop(0) if self.requeued else next(self.positions)
-            self.stream.submit(
-                self.request(self.prompts[position]), self.sampling, self.started, (self.started, position, version)
-            )
+            self._submit(self.started, self.requeued.pop(0) if self.requeued else next(self.positions), version)
             self.started += 1
+
+    def _submit(self, seq: int, position: int, version: int) -> None:
+        """Start group ``seq`` (its start order numbers its requests, so seeds follow it) of ``position``."""
+        self.stream.submit(self.request(self.prompts[position]), self.sampling, seq, (seq, position, version))
 
     # ---- taking a step ---------------------------------------------------------------------
 
@@ -154,6 +168,7 @@ class RolloutFeed:
         step.groups.sort(key=_seq)
         self.trained += len(step.groups)
         step.in_flight = len(self.stream)
+        step.restarted, self._restarted = self._restarted, 0
         return step
 
     def _may_take(self, group: Group) -> bool:
@@ -207,11 +222,12 @@ class RolloutFeed:
         self._receive(self.stream.drain(), version)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything to continue exactly, once :meth:`drain` has emptied the engines."""
-        if len(self.stream):
-            raise RuntimeError("RolloutFeed.state_dict() with groups in flight: drain() first")
+        """Everything to continue exactly: the groups that came back and wait for a step, and which
+        groups are in flight (``(seq, position)``; a resumed run starts them again, see :meth:`top_up`)."""
+        in_flight = sorted((seq, position) for seq, position, _ in self.stream.tags())
         return {
             "ready": list(self.ready),
+            "in_flight": [*self.restarting, *in_flight],  # restarting: resumed, not started again yet
             "started": self.started,
             "discarded": self.discarded,
             "trained": self.trained,
@@ -219,8 +235,11 @@ class RolloutFeed:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Before the first :meth:`top_up`; the groups that were in flight are started again there."""
         self.ready, self.requeued = list(state["ready"]), list(state["requeued"])
         self.started, self.discarded, self.trained = state["started"], state["discarded"], state["trained"]
+        # A checkpoint written before in-flight groups were recorded had drained them: none.
+        self.restarting = [(int(seq), int(position)) for seq, position in state.get("in_flight", [])]
 
 
 class PromptPositions:

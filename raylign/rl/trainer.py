@@ -240,8 +240,15 @@ class RLTrainer:
             self.skipped.load_state_dict(state["skipped"])
         self.shaping.load_state_dict(state.get("reward_shaping", {}))
         self.metrics.resume_from(self.step)
+        for name in ("samples.jsonl", "trajectories.jsonl"):
+            _drop_records_after(self.out / name, self.step)
         self.sync_weights()
-        log.info("resumed from %s at step %d", ckpt, self.step)
+        log.info(
+            "resumed from %s at step %d; %d prompt group(s) in flight at the checkpoint start again",
+            ckpt,
+            self.step,
+            len(self.feed.restarting),
+        )
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -379,9 +386,12 @@ class RLTrainer:
             "reward/non_finite_groups": float(step.dropped_non_finite),
             "staleness/regenerated_groups": float(step.regenerated_stale),
             "rollout/groups_in_flight": float(step.in_flight),
+            "rollout/restarted_groups": float(step.restarted),
         }
         if self.episodes is not None:
             metrics.update(episode_metrics([s.episode for s in samples]))
+            # The episodes in flight at the checkpoint this run resumed from, played again from their start.
+            metrics["agent/restarted_episodes"] = float(step.restarted * self.cfg.sampling.n)
         if self.cfg.algorithm.dynamic_sampling:
             metrics.update(
                 {
@@ -664,7 +674,8 @@ class RLTrainer:
     def save_checkpoint(self) -> Path:
         root = self.out / "checkpoints"
         self._finish_evals(wait=True)  # logged before the checkpoint: a resume does not evaluate again
-        self.feed.drain(self.syncs)  # the groups in flight come back first, so that nothing is lost
+        # The groups in flight go on generating; the checkpoint records which they are, and a run
+        # resumed from it starts them again (RolloutFeed.state_dict).
         state = {
             "step": self.step,
             "sampler": self.sampler.state_dict(),
@@ -716,6 +727,27 @@ class RLTrainer:
             ray.util.remove_placement_group(group)
         if getattr(self, "_started_ray", False):
             ray.shutdown()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Remove the records of steps past ``step`` from the JSON-lines file ``path``: the run stopped
+    after writing them and is about to write them again (a line cut short by the kill goes too: it
+    was written after the checkpoint). Replaced atomically."""
+    if not path.exists():
+        return
+
+    def step_of(line: str) -> float:
+        try:
+            return float(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            return math.inf
+
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and step_of(line) <= step]
+    if len(kept) < len(lines):
+        partial = path.with_suffix(".jsonl.partial")
+        partial.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept))
+        partial.replace(path)
 
 
 def _prompt_itself(prompt: Prompt) -> Prompt:
