@@ -12,7 +12,7 @@ thread), two ways:
 It prints output-layer rows, bytes autograd keeps for the backward pass, and seconds (median of
 ``--repeats``), beside this machine's fp32 matmul GFLOP/s measured in the same run and the
 output layer's share of the arithmetic. Then the token counts per data-parallel rank of a step
-split into contiguous shards against token-balanced ones (no timing). About 20-60 s.
+split into contiguous shards against token-balanced ones (no timing). About 1-3 minutes.
 
     python benchmarks/policy_update_cost.py
     python benchmarks/policy_update_cost.py --hidden 512 --vocab 50000 --repeats 5
