@@ -209,6 +209,8 @@ def selected_token_logprobs(
     attention_mask: torch.Tensor | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    mask: torch.Tensor | None = None,
+    entropy_grad: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of chosen tokens only, float32 with the shape of ``token_index``.
 
@@ -217,13 +219,35 @@ def selected_token_logprobs(
     for ``i = token_index[...]``, computed from logits at ``i - 1`` alone (see
     :func:`logits_only_at`). Equals :func:`token_logprobs` read at those positions. With
     ``with_entropy`` also returns the entropy of each predictive distribution.
+
+    ``mask`` (shaped like ``token_index``) marks the entries that are read: the output layer and
+    the softmax run at those alone, so the padding of a ``[b, R]`` index of long-tailed responses
+    costs nothing, and the other entries are 0. ``entropy_grad=False`` computes the entropy from
+    detached logits without a graph (a statistic to log): no float32 tokens x vocabulary tensors
+    are kept for the backward pass on its account.
     """
     _check_temperature(temperature)
     index = token_index.reshape(-1)
-    with logits_only_at(model, (index - 1).clamp(min=0)):
+    keep = torch.ones_like(index, dtype=torch.bool) if mask is None else mask.reshape(-1).to(torch.bool)
+    read = index[keep]
+    # Nothing to read still runs one row: the result must depend on the output layer's weights, since
+    # every data-parallel rank takes part in the backward pass.
+    rows = read if read.numel() or index.numel() == 0 else index[:1]
+    with logits_only_at(model, (rows - 1).clamp(min=0)):
         logits = model(input_ids=input_ids, **attention_kwargs(attention_mask, position_ids)).logits[0]
-    labels = input_ids.reshape(-1)[index]
-    logprobs = logprobs_from_logits(logits, labels, temperature).reshape(token_index.shape)
+    labels = input_ids.reshape(-1)[rows]
+    logprobs = _place(keep, logprobs_from_logits(logits, labels, temperature)).reshape(token_index.shape)
     if not with_entropy:
         return logprobs
-    return logprobs, entropy_from_logits(logits, temperature).reshape(token_index.shape)
+    if entropy_grad:
+        entropy = entropy_from_logits(logits, temperature)
+    else:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach(), temperature)
+    return logprobs, _place(keep, entropy).reshape(token_index.shape)
+
+
+def _place(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` at the ``True`` entries of ``keep`` in order, 0 elsewhere (differentiable in ``values``,
+    which may hold more entries than ``keep`` selects: the surplus is dropped)."""
+    return torch.zeros(keep.shape, dtype=values.dtype, device=values.device).masked_scatter(keep, values)

@@ -314,20 +314,37 @@ def gather_responses(
     return packed.reshape(-1)[index] * mask.to(packed.dtype)
 
 
+def token_balanced_shards(lengths: list[int], world_size: int) -> list[list[int]]:
+    """Sample positions per data-parallel rank: as many samples on every rank (the first
+    ``n % world_size`` ranks one more), their token counts balanced.
+
+    Greedy, longest sample first: each goes to the rank with the fewest tokens so far among those
+    with room for another sample (the lower rank on a tie). Each shard lists its positions in their
+    original order. Which rank holds a sample does not change the update: every loss is normalised
+    by the counts of the whole step (:func:`raylign.algorithms.compute_loss_scale`), and advantages
+    are computed before the split.
+    """
+    base, extra = divmod(len(lengths), world_size)
+    room = [base + (rank < extra) for rank in range(world_size)]
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    tokens = [0] * world_size
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        rank = min((r for r in range(world_size) if len(shards[r]) < room[r]), key=lambda r: (tokens[r], r))
+        shards[rank].append(i)
+        tokens[rank] += lengths[i]
+    return [sorted(shard) for shard in shards]
+
+
 def micro_batches_for_ranks(samples: list[Sample], world_size: int, max_tokens: int) -> list[list[list[int]]]:
-    """Split sample positions into ``world_size`` contiguous shards, then each shard into token-balanced
-    micro-batches; every rank gets the same number of micro-batches (collectives need it)."""
-    n = len(samples)
-    base, extra = divmod(n, world_size)
-    shards, start = [], 0
-    for rank in range(world_size):
-        size = base + (rank < extra)
-        shards.append(list(range(start, start + size)))
-        start += size
-    lengths = [[len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in shard] for shard in shards]
-    plans = [balance_micro_batches(lens, max_tokens) for lens in lengths]
+    """Split sample positions into ``world_size`` token-balanced shards (:func:`token_balanced_shards`),
+    then each shard into token-balanced micro-batches; every rank gets the same number of
+    micro-batches (collectives need it)."""
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    shards = token_balanced_shards(lengths, world_size)
+    shard_lengths = [[lengths[i] for i in shard] for shard in shards]
+    plans = [balance_micro_batches(lens, max_tokens) for lens in shard_lengths]
     count = max(len(p) for p in plans)
-    plans = [balance_micro_batches(lens, max_tokens, min_micro_batches=count) for lens in lengths]
+    plans = [balance_micro_batches(lens, max_tokens, min_micro_batches=count) for lens in shard_lengths]
     return [[[shard[j] for j in micro] for micro in plan] for shard, plan in zip(shards, plans)]
 
 

@@ -67,7 +67,6 @@ class ModelWorker:
         a = self.cfg.algorithm
         self.policy_loss = bind_policy_loss(a)
         self.correct_off_policy = bind_off_policy_correction(a)
-        self.kl_loss_coef = a.kl_coef if a.kl_mode == "loss" else 0.0
         self._pool = None
         self._local_engine: Any = None
         self._weights_group: Any = None
@@ -140,23 +139,9 @@ class ModelWorker:
     def compute_logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         """Response log-probs ``[b, R]`` per micro-batch, at the sampling temperature."""
         self.module.eval()
-        return [self._response_logprobs(batch.to(self.device)).cpu() for batch in micro_batches]
-
-    def _response_logprobs(self, batch: MicroBatch, with_entropy: bool = False):
-        """Log-probs ``[b, R]`` of the response tokens (0 where masked), from logits at response positions only."""
-        from raylign.models import selected_token_logprobs
-
-        out = selected_token_logprobs(
-            self.module,
-            batch.input_ids,
-            batch.resp_index,
-            position_ids=batch.position_ids,
-            temperature=self.temperature,
-            with_entropy=with_entropy,
-        )
-        if with_entropy:
-            return out[0] * batch.mask, out[1] * batch.mask
-        return out * batch.mask
+        return [
+            response_logprobs(self.module, batch.to(self.device), self.temperature).cpu() for batch in micro_batches
+        ]
 
     @torch.no_grad()
     def compute_values(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
@@ -219,33 +204,21 @@ class ModelWorker:
     def _policy_loss(
         self, batch: MicroBatch, mask: torch.Tensor, token_weights: torch.Tensor | None, scale: LossScale
     ) -> tuple[torch.Tensor, dict[str, Metric]]:
-        """One micro-batch's loss, the sum of named terms: policy gradient, KL to the reference, entropy bonus."""
-        a = self.cfg.algorithm
-        logprobs, entropy = self._response_logprobs(batch, with_entropy=True)
-        pg_loss, stats = self.policy_loss(
-            logprobs,
-            batch.behaviour_logprobs(logprobs),
-            batch.advantages,
+        """One micro-batch's loss (the sum of :func:`policy_loss_terms`) and its metrics."""
+        terms, stats, logprobs = policy_loss_terms(
+            self.module,
+            batch,
             mask,
-            token_weights=token_weights,
-            scale=scale,
+            token_weights,
+            scale,
+            self.cfg.algorithm,
+            self.policy_loss,
+            self.temperature,
         )
-        terms = {"policy_loss": pg_loss}
-        if self.kl_loss_coef > 0:
-            kl_loss, kl_stats = compute_kl_loss(
-                logprobs, batch.ref_logprobs, mask, estimator=a.kl_estimator, aggregation=a.aggregation, scale=scale
-            )
-            terms["kl_loss"] = self.kl_loss_coef * kl_loss
-            stats = {**stats, **kl_stats}
-        entropy_loss, entropy_stats = compute_entropy_bonus(
-            entropy, mask, a.entropy_coef, aggregation=a.aggregation, scale=scale
-        )
-        if a.entropy_coef > 0:
-            terms["entropy_loss"] = entropy_loss
         loss = sum(terms.values())
         metrics = {
-            **_token_means({**stats, **entropy_stats}, mask),
-            "policy_loss": _loss_share(pg_loss, scale),
+            **_token_means(stats, mask),
+            "policy_loss": _loss_share(terms["policy_loss"], scale),
             "policy_loss_total": _loss_share(loss, scale),
         }
         if batch.behaviour == "this_policy":  # no recomputation to compare the engine with: measure it here
@@ -415,6 +388,73 @@ class ModelWorker:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close_weight_sync()
+
+
+def response_logprobs(
+    module: torch.nn.Module,
+    batch: MicroBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> Any:
+    """Log-probs ``[b, R]`` of the response tokens (0 where masked), and with ``with_entropy`` their
+    entropies: the output layer runs at the masked-in response positions only (see
+    :func:`raylign.models.selected_token_logprobs`, which also says what ``entropy_grad`` does)."""
+    from raylign.models import selected_token_logprobs
+
+    return selected_token_logprobs(
+        module,
+        batch.input_ids,
+        batch.resp_index,
+        position_ids=batch.position_ids,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        mask=batch.mask,
+        entropy_grad=entropy_grad,
+    )
+
+
+def policy_loss_terms(
+    module: torch.nn.Module,
+    batch: MicroBatch,
+    mask: torch.Tensor,
+    token_weights: torch.Tensor | None,
+    scale: LossScale,
+    a: AlgorithmConfig,
+    policy_loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    temperature: float,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+    """One micro-batch's policy loss as named terms (policy gradient, KL to the reference, entropy
+    bonus), the algorithm library's statistics, and the training forward's log-probs ``[b, R]``.
+
+    The entropy is always measured (``stats["entropy"]``), but differentiated only when the bonus
+    counts (``entropy_coef > 0``): otherwise it comes from detached logits, and the forward keeps no
+    float32 tokens x vocabulary tensors for it until the backward pass.
+    """
+    logprobs, entropy = response_logprobs(
+        module, batch, temperature, with_entropy=True, entropy_grad=a.entropy_coef > 0
+    )
+    pg_loss, stats = policy_loss(
+        logprobs,
+        batch.behaviour_logprobs(logprobs),
+        batch.advantages,
+        mask,
+        token_weights=token_weights,
+        scale=scale,
+    )
+    terms = {"policy_loss": pg_loss}
+    if a.kl_mode == "loss" and a.kl_coef > 0:
+        kl_loss, kl_stats = compute_kl_loss(
+            logprobs, batch.ref_logprobs, mask, estimator=a.kl_estimator, aggregation=a.aggregation, scale=scale
+        )
+        terms["kl_loss"] = a.kl_coef * kl_loss
+        stats = {**stats, **kl_stats}
+    entropy_loss, entropy_stats = compute_entropy_bonus(
+        entropy, mask, a.entropy_coef, aggregation=a.aggregation, scale=scale
+    )
+    if a.entropy_coef > 0:
+        terms["entropy_loss"] = entropy_loss
+    return terms, {**stats, **entropy_stats}, logprobs
 
 
 def bind_policy_loss(a: AlgorithmConfig) -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:

@@ -8,7 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from raylign.models import entropy_from_logits, logprobs_from_logits, sequence_logprobs, token_logprobs
+from raylign.models import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    selected_token_logprobs,
+    sequence_logprobs,
+    token_logprobs,
+)
 
 LENGTHS = [5, 9, 3]
 PAD_ID = 3  # any id works: padded positions are masked
@@ -201,6 +207,36 @@ def test_packed_rows_with_right_padding_equal_each_sample_alone(model, samples):
     torch.testing.assert_close(got[0], torch.cat(expected[:2]), atol=1e-5, rtol=0)
     torch.testing.assert_close(got[1, :3], expected[2], atol=1e-5, rtol=0)
     assert bool((got[1, 3:] == 0).all())
+
+
+def test_selected_logprobs_of_a_left_padded_batch_run_the_output_layer_at_the_read_tokens_only(model, samples):
+    """Samples of 5, 9 and 3 tokens left-padded to 9; their last 4, 7 and 2 tokens are read through a
+    right-padded ``[3, 7]`` index (21 entries). The output layer computes 4 + 7 + 2 = 13 rows, and
+    the log-probs and entropies are those of each sample alone; the unread entries are 0."""
+    ids, attention = pad(samples, "left")
+    width = ids.shape[1]
+    reads = [4, 7, 2]
+    index = torch.zeros(3, 7, dtype=torch.long)
+    read_mask = torch.zeros(3, 7)
+    for row, count in enumerate(reads):
+        index[row, :count] = row * width + torch.arange(width - count, width)
+        read_mask[row, :count] = 1
+    rows_computed = []
+    head = model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda _m, _a, out: rows_computed.append(out.numel() // out.shape[-1]))
+    try:
+        with torch.no_grad():
+            lp, entropy = selected_token_logprobs(
+                model, ids, index, attention_mask=attention, with_entropy=True, mask=read_mask
+            )
+    finally:
+        handle.remove()
+    assert rows_computed == [13]
+    for row, (s, count) in enumerate(zip(samples, reads)):
+        expected_lp, expected_entropy = reference_logprobs_and_entropy(model, s)
+        torch.testing.assert_close(lp[row, :count], expected_lp[-count:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy[row, :count], expected_entropy[-count:], atol=1e-5, rtol=0)
+        assert not lp[row, count:].any() and not entropy[row, count:].any()
 
 
 def test_packed_rows_padded_on_the_left_are_rejected(model, samples):

@@ -109,11 +109,13 @@ def shard_for_ranks(
     world: int,
     max_tokens: int,
     behaviour: Behaviour = "trainer_recomputed",
+    plan: list[list[list[int]]] | None = None,
 ) -> list[list[MicroBatch]]:
-    """Packed micro-batches per rank, split as the controller splits a mini-batch."""
+    """Packed micro-batches per rank, split as the controller splits a mini-batch (or as ``plan`` says:
+    sample positions per micro-batch per rank)."""
     from raylign.rl.experience import micro_batches_for_ranks, pack_samples
 
-    plan = micro_batches_for_ranks(samples, world, max_tokens)
+    plan = plan if plan is not None else micro_batches_for_ranks(samples, world, max_tokens)
     return [
         [
             pack_samples([samples[i] for i in micro], {k: v[micro] for k, v in per_token.items()}, behaviour=behaviour)

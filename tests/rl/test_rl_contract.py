@@ -98,6 +98,53 @@ def test_on_policy_and_async_experience_carry_no_recomputed_logprobs(rl_model_di
         assert exp.versions[1].tolist() == [3] * 7 + [0, 0]  # weight_version on every token, 0 past the end
 
 
+@pytest.mark.parametrize(
+    ("algorithm", "reads_reference"),
+    [
+        ({"kl_mode": "none", "kl_coef": 0.05}, False),
+        ({"kl_mode": "loss", "kl_coef": 0.0}, False),
+        ({"kl_mode": "reward", "kl_coef": 0.0}, False),
+        ({"kl_mode": "loss", "kl_coef": 0.05}, True),
+        ({"kl_mode": "reward", "kl_coef": 0.05}, True),
+    ],
+)
+def test_a_reference_policy_is_started_only_where_a_kl_term_reads_it(
+    rl_model_dir, prompt_file, tmp_path, algorithm, reads_reference
+):
+    data = _config_data(rl_model_dir, prompt_file, tmp_path, **algorithm)
+    data["placement"] = {"reference_workers": 2}
+    cfg = resolve(tmp_path, data)
+    assert cfg.worker_roles == ({"policy": 1, "reference": 2} if reads_reference else {"policy": 1})
+    # one CPU slot per model worker, one for the engine
+    assert cfg.ray_cpus_needed == (1 + 2 * reads_reference) + 1
+    if reads_reference:
+        return
+    # The step's experience is made without any model worker: no reference (and no policy) pass.
+    samples = _samples()
+    exp = RLTrainer(cfg).make_experience(samples)
+    assert exp.ref_logprobs is None and "kl/reference" not in exp.metrics
+
+
+@pytest.mark.slow
+def test_with_a_kl_term_the_experience_carries_the_reference_logprobs(ray_session, rl_model_dir, prompt_file, tmp_path):
+    """The reference is the initial policy: its log-probs are those of one fp32 forward per sample."""
+    data = _config_data(rl_model_dir, prompt_file, tmp_path, kl_mode="loss", kl_coef=0.05)
+    cfg = resolve(tmp_path, data)
+    trainer = RLTrainer(cfg)
+    trainer.groups = {"reference": WorkerGroup("reference", cfg.model_dump(mode="json"), 1, 1, None, env=ENV)}
+    samples = _samples()
+    try:
+        exp = trainer.make_experience(samples)
+    finally:
+        trainer.groups["reference"].kill()
+    model = fp32_model(rl_model_dir)
+    with torch.no_grad():
+        for i, s in enumerate(samples):
+            expected = response_logprobs(model, s.prompt_ids, s.response_ids)
+            torch.testing.assert_close(exp.ref_logprobs[i, : len(s.response_ids)], expected, atol=1e-5, rtol=0)
+    assert "kl/reference" in exp.metrics
+
+
 def test_a_micro_batch_moves_to_a_device_whole():
     samples = [make_sample([1, 2], [3, 4, 5]), make_sample([6], [7])]
     batch = pack_samples(

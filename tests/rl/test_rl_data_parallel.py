@@ -1,10 +1,11 @@
 """A policy on two data-parallel Ray workers makes the same first update as one worker.
 
 The same eight hand-made samples (with old log-probs and advantages) are split as the controller
-splits a mini-batch (``micro_batches_for_ranks`` + ``pack_samples``: contiguous shards of unequal
-token counts, several micro-batches per rank), one ``train_policy`` step runs on each layout, and
-the exported weights are compared with each other and with a plain fp32 reference: the token-mean
-PPO loss of the whole batch in one process, and AdamW's first step written out by hand.
+splits a mini-batch (``micro_batches_for_ranks`` + ``pack_samples``: token-balanced shards, several
+micro-batches per rank), and, on two ranks, also into contiguous halves of very different token
+counts. One ``train_policy`` step runs on each layout, and the exported weights are compared with
+each other and with a plain fp32 reference: the token-mean PPO loss of the whole batch in one
+process, and AdamW's first step written out by hand. Which rank holds a sample must not matter.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import random
 import pytest
 import torch
 
-from raylign.rl.experience import response_tensor
+from raylign.rl.experience import micro_batches_for_ranks, response_tensor
 from raylign.rl.group import WorkerGroup
 
 from .rl_helpers import fp32_model, make_sample, response_logprobs, shard_for_ranks, state_dict_of, worker_config
@@ -36,6 +37,8 @@ ADAM_EPS = 1.0
 WEIGHT_ATOL = 1e-6
 NORM_RTOL = 1e-5
 MAX_TOKENS = 24  # micro-batch budget: 2-3 micro-batches per rank
+# The eight samples in contiguous halves (44 and 26 tokens), two micro-batches each.
+CONTIGUOUS = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 BACKENDS = [
     pytest.param("fsdp2", 2, id="fsdp2"),
@@ -46,7 +49,8 @@ BACKENDS = [
 
 
 def _samples() -> list:
-    """Eight samples; the first four (rank 0 of two) hold more response tokens than the last four."""
+    """Eight samples; the first four hold 30 response tokens, the last four 10. Balanced by tokens
+    (34 and 36 in all), ranks hold 22 and 18 response tokens, still different."""
     rng = random.Random(0)
     lengths = [(3, 9), (5, 7), (2, 8), (4, 6), (6, 2), (3, 3), (5, 4), (2, 1)]
     return [
@@ -90,10 +94,13 @@ def _reference_update(model_dir, samples, old) -> tuple[dict[str, torch.Tensor],
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norm
 
 
-def _train_and_export(cfg, workers, samples, per_token, directory) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def _train_and_export(
+    cfg, workers, samples, per_token, directory, plan=None
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
     group = WorkerGroup("policy", cfg, workers, 1, None, env=ENV)
     try:
-        stats = group.call_sharded("train_policy", shard_for_ranks(samples, per_token, workers, MAX_TOKENS))
+        shards = shard_for_ranks(samples, per_token, workers, MAX_TOKENS, plan=plan)
+        stats = group.call_sharded("train_policy", shards)
         group.call("export_hf", str(directory))
     finally:
         group.kill()
@@ -120,24 +127,26 @@ def test_two_workers_make_the_same_first_update_as_one(
     assert _max_gap(expected, initial) > 1e-4  # the step is large enough for the comparison to mean something
 
     results = {}
-    for workers in (1, 2):
+    for name, workers, plan in (("one", 1, None), ("balanced", 2, None), ("contiguous", 2, CONTIGUOUS)):
         cfg = worker_config(
             rl_model_dir,
             prompt_file,
-            tmp_path / f"run{workers}" / "run",
+            tmp_path / f"run-{name}" / "run",
             backend,
             workers,
             zero_stage=zero_stage,
             optim={"lr": LR, "eps": ADAM_EPS, "max_grad_norm": 0.0, "scheduler": "constant"},
             algorithm={"aggregation": "token_mean", "clip_eps_low": CLIP},
         )
-        results[workers] = _train_and_export(cfg, workers, samples, per_token, tmp_path / f"export{workers}")
+        results[name] = _train_and_export(cfg, workers, samples, per_token, tmp_path / f"export-{name}", plan)
 
-    (one, one_stats), (two, two_stats) = results[1], results[2]
-    assert _max_gap(two, one) <= WEIGHT_ATOL
-    assert _max_gap(one, expected) <= WEIGHT_ATOL
-    assert _max_gap(two, expected) <= WEIGHT_ATOL
-    for stats in one_stats + two_stats:
+    assert micro_batches_for_ranks(samples, 2, MAX_TOKENS) != CONTIGUOUS
+    for name in ("balanced", "contiguous"):
+        assert _max_gap(results[name][0], results["one"][0]) <= WEIGHT_ATOL, name
+    for name, (weights, _) in results.items():
+        assert _max_gap(weights, expected) <= WEIGHT_ATOL, name
+    all_stats = [stats for _, rank_stats in results.values() for stats in rank_stats]
+    for stats in all_stats:
         assert stats["grad_norm"].value == pytest.approx(expected_norm, rel=NORM_RTOL)
     # some tokens were clipped, so the clipped branch of the loss took part
-    assert max(s["clip_fraction"].value for s in one_stats + two_stats) > 0
+    assert max(s["clip_fraction"].value for s in all_stats) > 0

@@ -88,3 +88,66 @@ def test_logits_at_response_positions_only_give_the_same_logprobs_and_entropies(
             torch.testing.assert_close(entropy[i, :n], expected_entropy, atol=1e-5, rtol=0)
     # The hook is gone afterwards: a plain forward returns logits for every position again.
     assert model(batch.input_ids, use_cache=False).logits.shape[:2] == batch.input_ids.shape
+
+
+def test_response_only_logits_run_the_output_layer_once_per_trained_response_token(rl_model_dir):
+    """A long-tailed batch: responses of 1, 2, 3 and 29 tokens, and an episode of 6 response tokens of
+    which 3 are the policy's (the others the environment's, not trained). Its ``[5, 29]`` response index
+    has 145 entries; the output layer runs on the 1 + 2 + 3 + 29 + 3 = 38 trained tokens only (counted
+    by a hook on the model's real output layer), and their log-probs and entropies equal those of one
+    full, unpacked forward per sample; the other entries are 0."""
+    model = fp32_model(rl_model_dir)
+    gen = torch.Generator().manual_seed(2)
+    samples = []
+    for prompt_len, response_len in [(4, 1), (2, 2), (5, 3), (3, 29), (4, 6)]:
+        ids = torch.randint(3, 500, (prompt_len + response_len,), generator=gen).tolist()
+        samples.append(make_sample(ids[:prompt_len], ids[prompt_len:]))
+    samples[4].loss_mask = [1, 1, 0, 0, 0, 1]
+    trained = [list(range(1)), list(range(2)), list(range(3)), list(range(29)), [0, 1, 5]]
+    batch = pack_samples(samples)
+    assert batch.mask.numel() == 5 * 29
+    rows_computed = []
+    head = model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda _m, _a, out: rows_computed.append(out.numel() // out.shape[-1]))
+    try:
+        with torch.no_grad():
+            lp, entropy = selected_token_logprobs(
+                model,
+                batch.input_ids,
+                batch.resp_index,
+                position_ids=batch.position_ids,
+                temperature=0.7,
+                with_entropy=True,
+                mask=batch.mask,
+            )
+    finally:
+        handle.remove()
+    assert rows_computed == [38]
+    with torch.no_grad():
+        for i, (s, positions) in enumerate(zip(samples, trained)):
+            logits = model(torch.tensor([s.prompt_ids + s.response_ids])).logits[0].float() / 0.7
+            rows = torch.log_softmax(logits[len(s.prompt_ids) - 1 : -1], dim=-1)
+            expected_lp = torch.zeros(29)
+            expected_entropy = torch.zeros(29)
+            for t in positions:
+                expected_lp[t] = rows[t, s.response_ids[t]]
+                expected_entropy[t] = -(rows[t].exp() * rows[t]).sum()
+            torch.testing.assert_close(lp[i], expected_lp, atol=1e-5, rtol=0)
+            torch.testing.assert_close(entropy[i], expected_entropy, atol=1e-5, rtol=0)
+
+
+def test_response_only_logits_of_a_batch_with_nothing_to_train_still_reach_the_output_layer(rl_model_dir):
+    """Every data-parallel rank backpropagates through the output layer, even one whose micro-batch
+    has no trained token (an episode of environment tokens only): one row is computed, the values are
+    0, and their gradient reaches the weights (as zeros)."""
+    model = fp32_model(rl_model_dir)
+    sample = make_sample([5, 6, 7], [8, 9])
+    sample.loss_mask = [0, 0]
+    batch = pack_samples([sample])
+    lp = selected_token_logprobs(
+        model, batch.input_ids, batch.resp_index, position_ids=batch.position_ids, mask=batch.mask
+    )
+    assert lp.tolist() == [[0.0, 0.0]]
+    lp.sum().backward()
+    head = model.get_output_embeddings()
+    assert head.weight.grad is not None and float(head.weight.grad.abs().sum()) == 0.0
