@@ -47,9 +47,6 @@ class ReceiverDied(RuntimeError):
         super().__init__(message)
         self.positions = list(positions)
 
-    def __reduce__(self) -> Any:  # keep ``positions`` when Ray pickles the error
-        return (type(self), (str(self), self.positions))
-
 
 class WeightSyncCorrupted(RuntimeError):
     """The bytes an engine received differ from those the trainer sent (checksum mismatch)."""
@@ -215,6 +212,7 @@ class IncomingSync:
         self.group, self.receiver = group, receiver
         self.label = "weight sync" if version is None else f"weight sync {version}"
         self.checksums: list[int] = []
+        self.corruption: str | None = None  # the error of a damaged bucket, once one arrived
         self._tensors = self._receive()
 
     def __iter__(self) -> IncomingSync:
@@ -236,12 +234,12 @@ class IncomingSync:
             header, payload, sent = bucket
             found = bucket_checksum(header, payload)
             if found != sent:
-                index = self.num_buckets
-                self._discard_rest()
-                raise WeightSyncCorrupted(
-                    f"{self.label}: bucket {index} reached {self.receiver} damaged (CRC-32 {found:#010x}, sent "
-                    f"{sent:#010x}); {CORRUPTION_ADVICE}"
+                self.corruption = (
+                    f"{self.label}: bucket {self.num_buckets} reached {self.receiver} damaged (CRC-32 {found:#010x}, "
+                    f"sent {sent:#010x}); {CORRUPTION_ADVICE}"
                 )
+                self._discard_rest()
+                raise WeightSyncCorrupted(self.corruption)
             self.checksums.append(found)
             yield from unpack_bucket(Bucket(metas_from_header(header), payload))
 

@@ -20,7 +20,6 @@ import torch
 
 from raylign.rollout.weight_sync import (
     IncomingSync,
-    WeightSyncCorrupted,
     join_group_as_receiver,
     load_and_drain,
     with_tied_lm_head,
@@ -48,8 +47,11 @@ class WeightSyncWorkerExtension:
         incoming = IncomingSync(group, version, f"vLLM worker {getattr(self, 'rank', 0)}")
         try:
             load_and_drain(incoming, self.raylign_load_weights)
-        except WeightSyncCorrupted as err:  # vLLM's engine process would pass on its message only, not its kind
-            return {"corrupted": str(err)}
+        except Exception:
+            if incoming.corruption is None:
+                raise
+            # Returned, not raised: vLLM's engine process passes on an error's message only, not its kind.
+            return {"corrupted": incoming.corruption}
         return {"checksum": incoming.checksum, "num_buckets": incoming.num_buckets}
 
     def raylign_load_packed(self, packed: list) -> None:
