@@ -311,7 +311,8 @@ class ModelWorker:
 
     def _load_local_engine(self, state: dict[str, torch.Tensor], version: int | None) -> None:
         """Rank 0's gathered weights into every rank's engine; the other ranks receive them over gloo,
-        each bucket checked against its checksum (the in-process handover itself copies memory)."""
+        each bucket checked against its checksum. The handover to this rank's own engine carries no
+        checksum (hf: a memory copy; vLLM: its own channel to its engine process): the probe covers it."""
         from raylign.rollout.weight_sync import IncomingSync, load_and_drain, send_named_tensors
 
         def load(named_tensors) -> None:
