@@ -65,7 +65,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ): "the command's own run under torchrun, as long as training takes; its ranks' collectives are "
     "bounded by engine.dist_timeout_s, and torchrun ends when they do",
     (
-        "rollout/weight_sync.py",
+        "rollout/sync_wire.py",
         "_wait_all",
         "work.wait()",
     ): "gloo broadcasts, which fail by themselves after their group's timeout (rollout.sync_timeout_s, given "

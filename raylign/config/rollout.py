@@ -96,6 +96,24 @@ class RolloutConfig(Section):
         description="Timeout of the weight-sync group (5 s - 1 day): an engine whose trainer died waits this "
         "long before failing.",
     )
+    verify_every: int = Field(
+        1,
+        ge=0,
+        le=1_000_000,
+        description="Probe the engines after every N-th weight sync: a fixed sequence (up to 64 tokens of the "
+        "training prompts) is scored by every engine and by the policy, the largest log-prob difference is logged "
+        "(sync/probe_logprob_diff_max) and checked against verify_max_logprob_diff; the engines must also report "
+        "the version just sent. One short prefill on each side. 0: no probe (bucket checksums are checked on every "
+        "sync regardless).",
+    )
+    verify_max_logprob_diff: float | None = Field(
+        None,
+        gt=0.0,
+        description="Largest |engine - policy| log-prob on the probe before the run stops, naming the sync and the "
+        "engine. None: 1e-3 when the engines and the policy compute in float32 (they agree within 5e-5), 1.0 "
+        "when either uses bf16 or fp16 (single tokens differ by up to tenths); an engine with other weights is "
+        "off by more.",
+    )
     max_staleness: int = Field(
         0,
         ge=0,

@@ -56,6 +56,7 @@ from raylign.rl.placement import check_gpu_count, placement_groups, worker_nodes
 from raylign.rl.prompts import Prompt, load_prompts
 from raylign.rl.shared_dir import check_shared_directory
 from raylign.rl.stream import PromptPositions, RolloutFeed, sample_from, uniform_rewards
+from raylign.rl.verify import PROBE_TOKENS, probe_sequence, verify_sync
 from raylign.rollout.pool import GroupStream, stop_engines
 from raylign.trainers.guard import SkippedSteps
 from raylign.trainers.metrics import MetricsLogger, format_metrics
@@ -183,6 +184,9 @@ class RLTrainer:
         )
         self.metrics = MetricsLogger(self.out, cfg.train.logging, dump)
         self.skipped = SkippedSteps(cfg.train.max_skipped_steps)
+        if r.verify_every:
+            room = (r.max_model_len or PROBE_TOKENS + 1) - 1  # an engine scores a prompt of at most this
+            self.probe_tokens = probe_sequence([p.token_ids for p in self.train_prompts], min(PROBE_TOKENS, room))
         self._maybe_resume()
 
     def _episode_stream(self) -> EpisodeStream:
@@ -578,7 +582,19 @@ class RLTrainer:
             results = self.groups["policy"].call("sync_weights", version)
         self.syncs = version
         self._policy_ahead = False
+        every = self.cfg.rollout.verify_every
+        if every and version % every == 0:
+            return {**results[0], **self.verify_sync(version)}
         return results[0]
+
+    def verify_sync(self, version: int) -> dict[str, float]:
+        """Probe every engine against the policy right after weight sync ``version`` (:mod:`raylign.rl.verify`)."""
+        if self.cfg.placement.colocate:
+            names = [f"the colocated engine of policy rank {i}" for i in range(len(self.pool.engines))]
+        else:
+            names = [f"rollout engine {i}" for i in range(len(self.pool.engines))]
+        limit = self.cfg.rollout.verify_max_logprob_diff
+        return verify_sync(self.pool, self.groups["policy"], self.probe_tokens, version, names, limit)
 
     def _restart_engines(self, dead: list[int]) -> None:
         """Replace the engine actors ``dead`` (their processes died) by new ones holding the policy's

@@ -308,7 +308,10 @@ class ModelWorker:
             )
 
     def _load_local_engine(self, state: dict[str, torch.Tensor], version: int | None) -> None:
-        from raylign.rollout.weight_sync import load_and_drain, receive_named_tensors, send_named_tensors
+        """Rank 0's gathered weights into every rank's engine; the other ranks receive them over gloo,
+        each bucket checked against its checksum. The handover to this rank's own engine carries no
+        checksum (hf: a memory copy; vLLM: its own channel to its engine process): the probe covers it."""
+        from raylign.rollout.weight_sync import IncomingSync, load_and_drain, send_named_tensors
 
         def load(named_tensors) -> None:
             self._on_engine_loop(self._local_engine.update_weights(named_tensors, False, version))
@@ -319,7 +322,8 @@ class ModelWorker:
             send_named_tensors([self._weights_group], state.items(), int(self.cfg.rollout.bucket_mb * (1 << 20)))
             load(state.items())
         else:
-            load_and_drain(receive_named_tensors(self._weights_group), load)
+            receiver = f"policy rank {self.rank}'s colocated engine"
+            load_and_drain(IncomingSync(self._weights_group, version, receiver), load)
 
     def _on_engine_loop(self, coroutine: Any) -> Any:
         """Run one of the local engine's coroutines on its loop; waits at most rollout.generate_timeout_s."""
@@ -340,6 +344,25 @@ class ModelWorker:
     def generate_group(self, prompt_token_ids: list[int], sampling: Any, prompt_index: int = 0):
         """One prompt group from this rank's colocated engine (the rollout stream's call)."""
         return self._on_engine_loop(self._local_engine.generate_group(prompt_token_ids, sampling, prompt_index))
+
+    def score(self, token_ids: list[int]) -> Any:
+        """This rank's colocated engine's scores of a probe sequence (the rollout pool's ``score`` call)."""
+        return self._on_engine_loop(self._local_engine.score(token_ids))
+
+    @torch.no_grad()
+    def score_probe(self, token_ids: list[int]) -> tuple[str, list[float]]:
+        """The policy's ``log p(token_t | tokens before t)`` for ``t >= 1`` of one fixed sequence, at
+        temperature 1 (what the engines report for it), through the same forward as training; and the
+        dtype it computes in. A collective on sharded backends: every rank calls it."""
+        from raylign.hardware import resolve_dtype
+        from raylign.models import selected_token_logprobs
+
+        self.module.eval()
+        input_ids = torch.tensor([token_ids], device=self.device)
+        positions = torch.arange(1, len(token_ids), device=self.device)[None]
+        logprobs = selected_token_logprobs(self.module, input_ids, positions, temperature=1.0)
+        # The dtype the model was loaded in and computes in (FSDP2 may keep fp32 master weights beside it).
+        return resolve_dtype(self.cfg.model.dtype, self.device)[0], logprobs[0].float().cpu().tolist()
 
     def sleep(self, level: int = 1) -> None:
         if self._local_engine is not None:

@@ -20,11 +20,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from raylign.config.rollout import SamplingConfig
+
+if TYPE_CHECKING:
+    from raylign.rollout.weight_sync import SyncReceipt
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,24 @@ class Completion:
                 f"prompt {self.prompt_index}, sample {self.sample_index}: {len(self.token_versions)} "
                 f"token versions for {len(self.response_token_ids)} tokens"
             )
+
+
+@dataclass
+class TokenScores:
+    """An engine's scores of a fixed token sequence (the weight-sync probe): ``logprobs[t - 1]`` is
+    ``log p(token_t | tokens before t)`` for ``t >= 1``, the raw distribution (temperature 1, no
+    filtering), under weight ``version``, computed in ``dtype`` (e.g. "float32")."""
+
+    version: int
+    dtype: str
+    logprobs: list[float]
+
+
+def check_probe(token_ids: Sequence[int], vocab_size: int) -> None:
+    """A probe needs at least two tokens, all in the vocabulary."""
+    if len(token_ids) < 2:
+        raise ValueError(f"a probe sequence needs at least 2 tokens to score, got {len(token_ids)}")
+    check_prompts([token_ids], vocab_size, [0])
 
 
 class RolloutEngine(ABC):
@@ -134,8 +155,9 @@ class RolloutEngine(ABC):
         """
 
     @abstractmethod
-    async def receive_weights(self, keep_running: bool = False, version: int | None = None) -> float:
-        """Receive one full weight sync from the group and load it; returns seconds taken.
+    async def receive_weights(self, keep_running: bool = False, version: int | None = None) -> SyncReceipt:
+        """Receive one full weight sync from the group and load it; returns the version it now holds
+        and the checksum of what it received (:class:`~raylign.rollout.weight_sync.SyncReceipt`).
 
         Resets the prefix cache and sets ``weight_version`` to ``version`` (default: one more; the
         trainer passes its own count, so versions survive a restart of the engines). Sequences in flight finish under
@@ -143,6 +165,11 @@ class RolloutEngine(ABC):
         continue under the new weights (partial rollouts; engines that cannot pause
         mid-sequence finish them first).
         """
+
+    @abstractmethod
+    async def score(self, token_ids: list[int]) -> TokenScores:
+        """Log-probs of each token of ``token_ids`` after the first, given those before it, under the
+        weights held now (the probe that checks a weight sync; one prefill, nothing sampled)."""
 
     @abstractmethod
     async def leave_weight_sync_group(self) -> None:

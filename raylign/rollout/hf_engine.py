@@ -30,13 +30,16 @@ from raylign.hardware import resolve_and_log
 from raylign.rollout.base import (
     Completion,
     RolloutEngine,
+    TokenScores,
+    check_probe,
     cut_after_stop_string,
     request_seed,
 )
 from raylign.rollout.weight_sync import (
+    IncomingSync,
+    SyncReceipt,
     join_group_as_receiver,
     load_and_drain,
-    receive_named_tensors,
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -318,15 +321,28 @@ class HFEngine(RolloutEngine):
             raise ValueError(f"sync group of size {world_size} for an hf engine (one worker: size 2)")
         self._sync_group = join_group_as_receiver(host, port, 1, world_size, timeout_s)
 
-    async def receive_weights(self, keep_running: bool = False, version: int | None = None) -> float:
+    async def receive_weights(self, keep_running: bool = False, version: int | None = None) -> SyncReceipt:
         """``keep_running`` makes no difference here: the running batch finishes under the old weights."""
         if self._sync_group is None:
             raise RuntimeError("receive_weights before join_weight_sync_group")
         start = time.perf_counter()
         async with self._lock():
-            load_and_drain(receive_named_tensors(self._sync_group[1]), self._load_named_tensors)
+            incoming = IncomingSync(self._sync_group[1], version, "the hf engine")
+            load_and_drain(incoming, self._load_named_tensors)
             self.weight_version = self.weight_version + 1 if version is None else version
-        return time.perf_counter() - start
+        return SyncReceipt(self.weight_version, incoming.checksum, incoming.num_buckets, time.perf_counter() - start)
+
+    async def score(self, token_ids: list[int]) -> TokenScores:
+        check_probe(token_ids, self.vocab_size)
+        async with self._lock():  # after the running batch, never during a weight update
+            logprobs = await asyncio.to_thread(self._score_now, list(token_ids))
+            return TokenScores(self.weight_version, str(self.model.dtype).removeprefix("torch."), logprobs)
+
+    @torch.no_grad()
+    def _score_now(self, token_ids: list[int]) -> list[float]:
+        input_ids = torch.tensor([token_ids], device=self.device)
+        logits = self.model(input_ids=input_ids).logits[0, :-1].float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1).cpu().tolist()
 
     async def leave_weight_sync_group(self) -> None:
         self._sync_group = None

@@ -294,6 +294,10 @@ class RolloutPool:
     def reset_prefix_cache(self) -> None:
         self._call_all("reset_prefix_cache")
 
+    def score(self, token_ids: list[int]) -> list[Any]:
+        """Every engine's :class:`~raylign.rollout.base.TokenScores` of one token sequence, in engine order."""
+        return self._call_all("score", list(token_ids))
+
     def sleep(self, level: int = 1) -> None:
         self._call_all("sleep", level)
 

@@ -43,9 +43,12 @@ from raylign.hardware import resolve_and_log
 from raylign.rollout.base import (
     Completion,
     RolloutEngine,
+    TokenScores,
+    check_probe,
     log_once,
     request_seed,
 )
+from raylign.rollout.weight_sync import SyncReceipt, WeightSyncCorrupted
 
 VLLM_ENV_DEFAULTS = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -275,25 +278,58 @@ class VLLMEngine(RolloutEngine):
             )
         await self.llm.collective_rpc("raylign_join_sync_group", args=(host, port, world_size, timeout_s))
 
-    async def receive_weights(self, keep_running: bool = False, version: int | None = None) -> float:
+    async def receive_weights(self, keep_running: bool = False, version: int | None = None) -> SyncReceipt:
         start = time.perf_counter()
-        await self._between_steps(lambda: self.llm.collective_rpc("raylign_receive_weights"), keep_running, version)
-        return time.perf_counter() - start
 
-    async def _between_steps(self, load, keep_running: bool, version: int | None) -> None:
-        """Pause the scheduler, ``await load()``, reset the caches, label the new version, resume.
+        async def load() -> list[dict[str, Any]]:
+            received = await self.llm.collective_rpc("raylign_receive_weights", args=(version,))
+            for answer in received:
+                if "corrupted" in answer:  # before the version is updated: the engine does not hold it
+                    raise WeightSyncCorrupted(answer["corrupted"])
+            return received
+
+        received = await self._between_steps(load, keep_running, version)
+        # Every worker received the whole sync: (checksum, buckets) as each found them.
+        found = {(r["checksum"], r["num_buckets"]) for r in received}
+        if len(found) != 1:
+            raise RuntimeError(f"weight sync {version}: the engine's workers received different bytes: {sorted(found)}")
+        ((checksum, num_buckets),) = found
+        return SyncReceipt(self.weight_version, checksum, num_buckets, time.perf_counter() - start)
+
+    async def _between_steps(self, load, keep_running: bool, version: int | None) -> Any:
+        """Pause the scheduler, ``await load()``, reset the caches, label the new version, resume;
+        returns what ``load`` did.
 
         Without ``keep_running`` the sequences in flight finish first (new ones wait in the queue);
         with it they are frozen, then recomputed under the new weights once the caches are reset."""
         await self.llm.pause_generation(mode="keep" if keep_running else "wait", clear_cache=False)
         try:
-            await load()
+            loaded = await load()
             if not await self.llm.reset_prefix_cache(reset_running_requests=True):
                 raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
             self.weight_version = self.weight_version + 1 if version is None else version
             await self.llm.update_weight_version(str(self.weight_version))
         finally:
             await self.llm.resume_generation()
+        return loaded
+
+    async def score(self, token_ids: list[int]) -> TokenScores:
+        """Prompt log-probs of one request (one prefill, one token sampled and thrown away); vLLM
+        computes them from the raw logits and reads no prefix cache for such a request."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        check_probe(token_ids, self.vocab_size)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        version, final = self.weight_version, None
+        request = TokensPrompt(prompt_token_ids=list(token_ids))
+        async for output in self.llm.generate(request, params, request_id=f"probe-{next(self._request_ids)}"):
+            final = output
+        if final is None or final.prompt_logprobs is None:
+            raise RuntimeError("vLLM returned no prompt log-probs for the probe")
+        # prompt_logprobs[t]: {token: Logprob} for the prompt's token t (None for t = 0).
+        logprobs = [float(step[token].logprob) for token, step in zip(token_ids[1:], final.prompt_logprobs[1:])]
+        return TokenScores(version, str(self.llm.model_config.dtype).removeprefix("torch."), logprobs)
 
     async def leave_weight_sync_group(self) -> None:
         await self.llm.collective_rpc("raylign_leave_sync_group")

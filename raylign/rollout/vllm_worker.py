@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from raylign.rollout.weight_sync import (
+    IncomingSync,
     join_group_as_receiver,
     load_and_drain,
-    receive_named_tensors,
     with_tied_lm_head,
 )
 
@@ -37,12 +37,22 @@ class WeightSyncWorkerExtension:
     def raylign_leave_sync_group(self) -> None:
         self._raylign_sync = None
 
-    def raylign_receive_weights(self) -> None:
+    def raylign_receive_weights(self, version: int | None = None) -> dict[str, Any]:
+        """Receive and load one sync; what arrived, as plain values (they cross vLLM's message encoding):
+        its checksum and bucket count, or ``corrupted``: the error of a damaged bucket."""
         sync = getattr(self, "_raylign_sync", None)
         if sync is None:
             raise RuntimeError("receive_weights before join_weight_sync_group")
         _, group = sync
-        load_and_drain(receive_named_tensors(group), self.raylign_load_weights)
+        incoming = IncomingSync(group, version, f"vLLM worker {getattr(self, 'rank', 0)}")
+        try:
+            load_and_drain(incoming, self.raylign_load_weights)
+        except Exception:
+            if incoming.corruption is None:
+                raise
+            # Returned, not raised: vLLM's engine process passes on an error's message only, not its kind.
+            return {"corrupted": incoming.corruption}
+        return {"checksum": incoming.checksum, "num_buckets": incoming.num_buckets}
 
     def raylign_load_packed(self, packed: list) -> None:
         """Load tensors handed over as ``(name, dtype, shape, raw bytes)`` (see :func:`pack_tensors`)."""

@@ -5,12 +5,16 @@ weights) opens one small group per engine: a ``TCPStore`` it hosts plus a
 ``ProcessGroupGloo`` object (no ``init_process_group``, so the trainer's own default
 group and vLLM's groups are untouched). The engine's workers join as ranks
 ``1..world_size-1`` (one per tensor-parallel worker: each receives the full weights and
-its model's ``load_weights`` keeps its shard). A sync is, per bucket, three broadcasts
-from rank 0: ``[header_len, payload_len]`` (int64), the pickled metadata, the flat uint8
-payload; a header length of 0 ends the sync, -1 aborts it (the sender failed part-way;
-the engine raises, and holds partly updated weights until the next full sync). The engine loads the
-tensors as they arrive and then resets its prefix cache. One Ray call per engine per sync starts the receiving
+its model's ``load_weights`` keeps its shard). A sync is a stream of size-bounded buckets,
+each with its checksum (:mod:`raylign.rollout.sync_wire`). The engine loads the tensors as they
+arrive and then resets its prefix cache. One Ray call per engine per sync starts the receiving
 side; tensors never travel as individual remote calls.
+
+Verification. Every sync carries a version (the trainer's count of updates). The engine's
+answer to the sync is a :class:`SyncReceipt`: the version it now holds and the checksum of all
+it received, which the sender checks against its own; a bucket damaged on the way already
+fails on arrival. Whether the loaded weights compute what the trainer's do is checked
+separately, by a probe (:mod:`raylign.rl.verify`).
 
 Why one group per engine rather than one group with every engine's workers: an engine
 can be replaced (restart after a failure, elastic scaling) by opening one new group,
@@ -28,7 +32,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -37,13 +41,25 @@ import torch
 import torch.distributed as dist
 
 from raylign.cluster import get_within
-from raylign.rollout.buckets import Bucket, iter_packed_buckets, metas_from_header, unpack_bucket
+from raylign.rollout.buckets import Bucket, iter_packed_buckets
+from raylign.rollout.sync_wire import (  # noqa: F401 - the receiving side's names, re-exported
+    CORRUPTION_ADVICE,
+    TIMEOUT_SETTING,
+    IncomingSync,
+    ReceiverDied,
+    SentSync,
+    WeightSyncCorrupted,
+    WeightSyncMismatch,
+    load_and_drain,
+    receive_named_tensors,
+    send_buckets,
+    send_named_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
 TIED_EMBEDDING_NAME = "model.embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
-TIMEOUT_SETTING = "rollout.sync_timeout_s"
 
 
 def open_group_as_sender(host: str, world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
@@ -67,170 +83,6 @@ def join_group_as_receiver(
     return store, make_gloo_group(store, rank, world_size, timeout_s)
 
 
-def _broadcast(group: dist.ProcessGroupGloo, tensor: torch.Tensor) -> Any:
-    return group.broadcast([tensor], dist.BroadcastOptions())  # root 0 by default; returns a Work
-
-
-class ReceiverDied(RuntimeError):
-    """Receiving engines' processes died during a sync (the others were sent the abort marker)."""
-
-
-# How often a sender waiting on broadcasts asks whether the receiving engines are still alive.
-LIVENESS_CHECK_S = 0.2
-
-
-def _wait_all(works: Sequence[Any], dead_receivers: Callable[[], set[int]] | None = None) -> set[int]:
-    """Wait for broadcasts in flight, ``works[i]`` to group ``i``. Each fails by itself after its
-    group's timeout (the one given to :func:`make_gloo_group`, or to the colocated policy ranks'
-    group: rollout.sync_timeout_s).
-
-    A broadcast to a process that died is not failed by gloo until that timeout, so a sender
-    that can tell (``dead_receivers()``: the groups whose receiver died) polls instead, asking
-    every :data:`LIVENESS_CHECK_S`, and stops waiting for those groups; returns them."""
-    dead: set[int] = set()
-    if dead_receivers is not None:
-        delay, checked = 1e-4, time.monotonic()
-        while not all(work.is_completed() for i, work in enumerate(works) if i not in dead):
-            if time.monotonic() - checked > LIVENESS_CHECK_S:
-                dead |= dead_receivers() & set(range(len(works)))
-                checked = time.monotonic()
-            time.sleep(delay)
-            delay = min(2 * delay, 0.01)
-    for i, work in enumerate(works):
-        if i in dead:
-            continue
-        try:
-            work.wait()
-        except RuntimeError as err:
-            if dead_receivers is not None and _receiver_died(i, dead_receivers):
-                dead.add(i)  # gloo saw the connection close before the receiver's death was known
-                continue
-            if "timed out" not in str(err).lower():
-                raise
-            raise TimeoutError(
-                f"weight sync: the other side of a broadcast did not take part within the group's "
-                f"timeout; raise {TIMEOUT_SETTING} if it needs longer, or check the other side's logs "
-                f"(gloo: {err})"
-            ) from err
-    return dead
-
-
-# How long a broadcast that failed waits to learn whether its receiver died (then it is left out).
-DEATH_NOTICE_S = 30.0
-
-
-def _receiver_died(position: int, dead_receivers: Callable[[], set[int]]) -> bool:
-    deadline = time.monotonic() + DEATH_NOTICE_S
-    while time.monotonic() < deadline:
-        if position in dead_receivers():
-            return True
-        time.sleep(LIVENESS_CHECK_S)
-    return False
-
-
-class _Broadcasts:
-    """The sender's side of one sync: broadcasts to every group whose receiver is alive."""
-
-    def __init__(self, groups: Sequence[dist.ProcessGroupGloo], dead_receivers: Callable[[], set[int]] | None):
-        self.groups, self.dead_receivers = list(groups), dead_receivers
-        self.dead: set[int] = set()
-
-    def send(self, tensor: torch.Tensor) -> None:
-        live = [i for i in range(len(self.groups)) if i not in self.dead]
-        dead = _wait_all(
-            [_broadcast(self.groups[i], tensor) for i in live],
-            None
-            if self.dead_receivers is None
-            else lambda: {live.index(i) for i in self.dead_receivers() if i in live},
-        )
-        self.dead |= {live[i] for i in dead}
-
-    def bucket(self, bucket: Bucket) -> None:
-        """One bucket (three broadcasts); a receiver that dies meanwhile is left out from then on."""
-        header = torch.frombuffer(bytearray(bucket.header_bytes()), dtype=torch.uint8)
-        for tensor in (torch.tensor([header.numel(), bucket.buffer.numel()], dtype=torch.int64), header, bucket.buffer):
-            self.send(tensor)
-
-    def marker(self, marker: int) -> None:
-        self.send(torch.tensor([marker, 0], dtype=torch.int64))
-
-
-def send_bucket(groups: Sequence[dist.ProcessGroupGloo], bucket: Bucket) -> None:
-    """Broadcast one bucket to every group, the groups in parallel."""
-    _Broadcasts(groups, None).bucket(bucket)
-
-
-END_OF_SYNC, ABORT_SYNC = 0, -1
-
-
-def send_end_of_sync(groups: Sequence[dist.ProcessGroupGloo], marker: int = END_OF_SYNC) -> None:
-    _Broadcasts(groups, None).marker(marker)
-
-
-def send_named_tensors(
-    groups: Sequence[dist.ProcessGroupGloo],
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    bucket_bytes: int,
-    dead_receivers: Callable[[], set[int]] | None = None,
-) -> tuple[int, int, int]:
-    """Broadcast one whole sync in buckets, then its end marker; ``(buckets, tensors, bytes)`` sent.
-
-    If packing or sending fails, the receivers get the abort marker at once (rather than waiting
-    for the gloo timeout) and the error is re-raised. ``dead_receivers()``: the positions of the
-    groups whose receiver died; once one has, the others are sent the abort marker after the
-    bucket they are in, and :class:`ReceiverDied` is raised."""
-    num_buckets = num_tensors = num_bytes = 0
-    out = _Broadcasts(groups, dead_receivers)
-    try:
-        for bucket in iter_packed_buckets(named_tensors, bucket_bytes):
-            out.bucket(bucket)
-            if out.dead:
-                raise ReceiverDied(f"weight sync: the receivers of group(s) {sorted(out.dead)} died during the sync")
-            num_buckets += 1
-            num_tensors += len(bucket.metas)
-            num_bytes += bucket.buffer.numel()
-    except BaseException:
-        out.marker(ABORT_SYNC)
-        raise
-    out.marker(END_OF_SYNC)
-    if out.dead:  # died at the very end: it missed the end marker
-        raise ReceiverDied(f"weight sync: the receivers of group(s) {sorted(out.dead)} died during the sync")
-    return num_buckets, num_tensors, num_bytes
-
-
-def receive_named_tensors(group: dist.ProcessGroupGloo) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the tensors of one sync as they arrive (views into a new buffer per bucket)."""
-    while True:
-        sizes = torch.empty(2, dtype=torch.int64)
-        _wait_all([_broadcast(group, sizes)])
-        header_len, payload_len = (int(v) for v in sizes)
-        if header_len == END_OF_SYNC:
-            return
-        if header_len == ABORT_SYNC:
-            raise RuntimeError("weight sync aborted by the sender; the engine holds partly updated weights")
-        header = torch.empty(header_len, dtype=torch.uint8)
-        _wait_all([_broadcast(group, header)])
-        payload = torch.empty(payload_len, dtype=torch.uint8)  # new buffer per bucket, never reused
-        _wait_all([_broadcast(group, payload)])
-        yield from unpack_bucket(Bucket(metas_from_header(header.numpy().tobytes()), payload))
-
-
-def load_and_drain(stream: Iterator[tuple[str, torch.Tensor]], load: Any) -> None:
-    """Run ``load(stream)``; if it fails, still receive the rest of the sync, then re-raise.
-
-    Draining keeps the sender from blocking on broadcasts nobody receives, so the
-    error reaches the trainer at once instead of after the group timeout.
-    """
-    try:
-        load(stream)
-    except BaseException:
-        for _ in stream:
-            pass
-        raise
-    for _ in stream:  # a loader that stopped early must not leave buckets in flight
-        pass
-
-
 def with_tied_lm_head(
     named_tensors: Iterable[tuple[str, torch.Tensor]], tie_word_embeddings: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -246,6 +98,24 @@ def with_tied_lm_head(
         yield name, tensor
         if tie_word_embeddings and name == TIED_EMBEDDING_NAME:
             yield LM_HEAD_NAME, tensor
+
+
+def check_receipts(
+    receipts: Sequence[SyncReceipt], sent: SentSync, version: int | None, indices: Sequence[int], label: str
+) -> None:
+    """Each engine must hold ``version`` (when given) and have received exactly what was sent."""
+    for index, receipt in zip(indices, receipts):
+        if version is not None and receipt.version != version:
+            raise WeightSyncMismatch(
+                f"{label}: engine {index} reports weight version {receipt.version} after loading version {version}; "
+                "its version count is out of step with the trainer's (an engine restarted outside the run's control?)"
+            )
+        if (receipt.checksum, receipt.num_buckets) != (sent.checksum, sent.num_buckets):
+            raise WeightSyncCorrupted(
+                f"{label}: engine {index} received {receipt.num_buckets} bucket(s) with checksum "
+                f"{receipt.checksum:#010x}, the trainer sent {sent.num_buckets} with {sent.checksum:#010x}; "
+                f"{CORRUPTION_ADVICE}"
+            )
 
 
 def _dead_receivers(loading: list[Any]) -> set[int]:
@@ -271,6 +141,18 @@ class SyncStats:
     num_buckets: int
     num_tensors: int
     num_bytes: int
+    engine_version: int  # the weight version the engines report they hold now
+
+
+@dataclass
+class SyncReceipt:
+    """An engine's answer to a sync: the weight version it holds now, and :func:`combine_checksums`
+    of the buckets it received (what the sender computed, unless bytes changed on the way)."""
+
+    version: int
+    checksum: int
+    num_buckets: int
+    seconds: float
 
 
 def local_host_address() -> str:
@@ -354,17 +236,31 @@ class WeightSyncSender:
         if not self._groups:
             raise RuntimeError("WeightSyncSender.sync() before connect()")
         indices = list(range(len(self.engines))) if only is None else list(only)
+        label = "weight sync" if version is None else f"weight sync {version}"
         start = time.perf_counter()
         loading = [self.engines[i].receive_weights.remote(keep_running, version) for i in indices]
         try:
-            num_buckets, num_tensors, num_bytes = send_named_tensors(
-                [self._groups[i] for i in indices], named_tensors, self.bucket_bytes, lambda: _dead_receivers(loading)
+            sent = send_buckets(
+                [self._groups[i] for i in indices], self.pack(named_tensors), lambda: _dead_receivers(loading)
             )
+        except ReceiverDied as err:
+            self._await_aborted(loading)
+            dead = [indices[p] for p in err.positions]
+            raise ReceiverDied(
+                f"{label}: engine(s) {dead} died during the sync; the others were told to abort it", dead
+            ) from err
         except BaseException:
             self._await_aborted(loading)
             raise
-        self._results(loading, "loading the new weights", [f"engine {i}" for i in indices])
-        stats = SyncStats(time.perf_counter() - start, num_buckets, num_tensors, num_bytes)
+        receipts = self._receipts(loading, indices, label)
+        check_receipts(receipts, sent, version, indices, label)
+        stats = SyncStats(
+            time.perf_counter() - start,
+            sent.num_buckets,
+            sent.num_tensors,
+            sent.num_bytes,
+            max(r.version for r in receipts),
+        )
         logger.info(
             "weight sync: %d tensors, %.1f MiB in %d buckets to %d engine(s) in %.3f s",
             stats.num_tensors,
@@ -374,6 +270,31 @@ class WeightSyncSender:
             stats.seconds,
         )
         return stats
+
+    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
+        """The buckets of one sync, each with the checksum of its bytes as packed. Whatever happens
+        to the bytes after this (the network, memory, a test that overrides this method to flip
+        some) is what the engines' checksums catch."""
+        return iter_packed_buckets(named_tensors, self.bucket_bytes)
+
+    def _receipts(self, loading: list[Any], indices: list[int], label: str) -> list[SyncReceipt]:
+        """The engines' receipts, in order, within ``timeout_s`` in all; a damaged sync is named with its engine."""
+        deadline = time.monotonic() + self.timeout_s
+        receipts = []
+        for index, ref in zip(indices, loading):
+            try:
+                receipts.append(
+                    get_within(
+                        ref,
+                        max(0.0, deadline - time.monotonic()),
+                        f"{label}: loading the new weights",
+                        TIMEOUT_SETTING,
+                        [f"engine {index}"],
+                    )
+                )
+            except WeightSyncCorrupted as err:  # Ray's error for it is also an instance of the engine's
+                raise WeightSyncCorrupted(f"engine {index}: {getattr(err, 'cause', err)}") from None
+        return receipts
 
     def _await_aborted(self, loading: list[Any]) -> None:
         """Let the engines finish failing, so the next sync finds them idle; their errors follow from ours."""

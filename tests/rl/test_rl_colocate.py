@@ -92,4 +92,6 @@ def test_colocated_grpo_run_end_to_end(ray_session, rl_model_dir, prompt_file, t
         assert all(torch.isfinite(torch.tensor(v)) for k, v in record.items() if isinstance(v, float))
         assert record["time/sync_s"] > 0
     assert records[1]["mismatch/logprob_max_abs_diff"] <= LOGPROB_TOL
+    # Each sync was probed: the engine inside the policy worker scores the probe as the policy does.
+    assert all(r["sync/probe_logprob_diff_max"] <= LOGPROB_TOL for r in records)
     assert (trainer.out / "final" / "config.json").exists()

@@ -81,6 +81,15 @@ def test_each_step_syncs_weights_in_buckets(grpo_vllm_run):
         assert all(math.isfinite(r[k]) and r[k] >= 0 for k in ("sync/gather_s", "sync/total_s", "time/sync_s"))
 
 
+def test_each_sync_is_verified_by_the_probe(grpo_vllm_run):
+    # rollout.verify_every defaults to 1: after each step's sync the engine holds that step's version
+    # and scores the probe as the policy does, to fp32 rounding.
+    for r in read_metrics(grpo_vllm_run.out):
+        assert r["sync/engine_version"] == r["step"]
+        assert r["sync/probe_logprob_diff_max"] <= LOGPROB_TOL, r["step"]
+        assert r["sync/probe_s"] > 0
+
+
 def test_trainer_and_engine_agree_on_the_sampled_tokens(grpo_vllm_run):
     # Step 2 sampled with the weights synced after step 1; the trainer recomputed them with its own.
     for r in read_metrics(grpo_vllm_run.out):
