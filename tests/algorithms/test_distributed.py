@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
-import socket
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from raylign.algorithms import LossScale, compute_ppo_policy_loss, masked_whiten
+from tests.spawned_ranks import free_port, import_worker, spawn_and_join
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# Spawned ranks unpickle the worker function by module name, so the worker must be a top-level
-# module on sys.path (spawn hands the parent's sys.path to the children), whatever pytest's import mode.
-sys.path.insert(0, str(Path(__file__).parent))
-worker = importlib.import_module("algorithms_distributed_worker")
-sys.path.remove(str(Path(__file__).parent))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+worker = import_worker(__file__, "algorithms_distributed_worker")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +20,7 @@ def rank_results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("ranks")
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
-        mp.spawn(worker.run_rank, args=(free_port(), str(out_dir)), nprocs=worker.WORLD_SIZE, join=True)
+        spawn_and_join(worker.run_rank, (free_port(), str(out_dir)), worker.WORLD_SIZE, 300, "gloo ranks")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(worker.WORLD_SIZE)]
 
 

@@ -6,45 +6,21 @@ sample lengths, and the HF model with its own attention on the whole row.
 
 from __future__ import annotations
 
-import importlib
-import socket
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from raylign.models import token_logprobs
 from raylign.models.ring_attention import ring_attention, sample_ids_from_position_ids
 from raylign.models.sequence_parallel import RING_ATTENTION, shard_packed_batch
+from tests.spawned_ranks import free_port, import_worker, spawn_and_join
 
-# Spawned ranks unpickle the worker function by module name, so the worker must be a top-level
-# module on sys.path (spawn hands the parent's sys.path to the children), whatever pytest's import mode.
-sys.path.insert(0, str(Path(__file__).parent))
-worker = importlib.import_module("sequence_parallel_worker")
-sys.path.remove(str(Path(__file__).parent))
+worker = import_worker(__file__, "sequence_parallel_worker")
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 SPAWN_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def spawn_and_join(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
-    context = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError(f"the {nprocs} sequence-parallel ranks did not finish within {timeout_s} s")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +29,9 @@ def rank_results(tmp_path_factory, tiny_qwen2, tiny_llama):
     model_dirs = {"qwen2": str(tiny_qwen2), "llama": str(tiny_llama)}
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
-        spawn_and_join(worker.run_rank, (free_port(), str(out_dir), model_dirs), worker.WORLD_SIZE, SPAWN_TIMEOUT_S)
+        spawn_and_join(
+            worker.run_rank, (free_port(), str(out_dir), model_dirs), worker.WORLD_SIZE, SPAWN_TIMEOUT_S, "ranks"
+        )
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(worker.WORLD_SIZE)]
 
 

@@ -7,15 +7,10 @@ attention between them). The loss and gradient norm of every step and the final 
 
 from __future__ import annotations
 
-import importlib
-import socket
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from raylign.config.base import ConfigError, parse_config
@@ -23,29 +18,11 @@ from raylign.config.commands import SFTConfig
 from raylign.config.dpo import DPOConfig
 from raylign.tasks.strings import make_string_rows
 from raylign.trainers.metrics import read_metrics
+from tests.spawned_ranks import free_port, import_worker, spawn_and_join
 
 from .test_sft import write_jsonl
 
-# Spawned ranks unpickle the worker function by module name: a top-level module on sys.path.
-sys.path.insert(0, str(Path(__file__).parent))
-worker = importlib.import_module("sft_sequence_parallel_worker")
-sys.path.remove(str(Path(__file__).parent))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def spawn_and_join(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
-    context = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError(f"the {nprocs} SFT ranks did not finish within {timeout_s} s")
+worker = import_worker(__file__, "sft_sequence_parallel_worker")
 
 
 @pytest.mark.slow
@@ -55,7 +32,7 @@ def test_sft_with_rows_split_over_two_ranks_trains_like_whole_rows(tmp_path, tin
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
         args = (free_port(), str(tiny_model_dir), str(train_file), str(tmp_path))
-        spawn_and_join(worker.run_rank, args, worker.WORLD_SIZE, timeout_s=600)
+        spawn_and_join(worker.run_rank, args, worker.WORLD_SIZE, 600, "SFT ranks")
     whole, split = ([r for r in read_metrics(tmp_path / f"sp{n}") if "train/loss" in r] for n in (1, 2))
     assert [r["step"] for r in whole] == [r["step"] for r in split] == list(range(1, worker.STEPS + 1))
     for a, b in zip(whole, split, strict=True):

@@ -1,0 +1,47 @@
+"""Tests that run several gloo ranks as processes spawned by torch.multiprocessing.
+
+Spawned ranks unpickle their function by module name, so the code they run lives in a
+top-level module next to its test (spawn hands the parent's ``sys.path`` to the children):
+:func:`import_worker` imports it that way, whatever pytest's import mode.
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def import_worker(test_file: str, name: str) -> ModuleType:
+    """The module ``name`` from the folder of ``test_file``, importable by the spawned ranks."""
+    folder = str(Path(test_file).parent)
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_and_join(fn: Callable[..., Any], args: tuple, nprocs: int, timeout_s: float, what: str) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` processes; a rank's error is raised here, and ranks still
+    running after ``timeout_s`` are killed and reported as ``what``."""
+    context = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"the {nprocs} {what} did not finish within {timeout_s} s")
