@@ -126,7 +126,7 @@ def run_setting(model: str, prompts: Path, out: Path, max_staleness: int, partia
                 "output_dir": str(out),
                 "max_steps": args.steps,
                 "prompts_per_step": args.prompts_per_step,
-                "micro_batch_tokens": 8192,
+                "micro_batch_tokens": args.micro_batch_tokens,
                 "export": False,
                 "resume": False,
                 "log_samples": 0,
@@ -190,6 +190,13 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=256, help="most answers stop far earlier")
     parser.add_argument("--lr", type=float, default=1e-3, help="tiny model; smollm2 uses 1e-6")
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="train.micro_batch_tokens (default: 8192 for tiny; 2048 for smollm2, whose activations at 8192 "
+        "tokens outgrow 24 GiB)",
+    )
     parser.add_argument("--workdir", default=None, help="where runs go (default: a temporary folder)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
@@ -206,17 +213,20 @@ def main() -> None:
     )
     wanted = [s for s in SETTINGS if s[0] in args.settings.split(",")]
     report = {}
+    chosen_micro_batch_tokens = args.micro_batch_tokens
     for name in args.models.split(","):
         base = workdir / name
         base.mkdir(parents=True, exist_ok=True)
         prompts = base / "prompts.jsonl"
         if name == "tiny":
             model, args.format = str(warm_tiny_model(base, prompts)), "chat"
+            args.micro_batch_tokens = chosen_micro_batch_tokens or 8192
         else:
             from raylign.models import resolve_model_path
 
             warm_tiny_model(base, prompts)  # only for the prompt file
             model, args.format, args.lr = str(resolve_model_path("smollm2-135m-instruct")), "chat", 1e-6
+            args.micro_batch_tokens = chosen_micro_batch_tokens or 2048
         results = []
         for setting, k, partial in wanted:
             start = time.perf_counter()
