@@ -49,7 +49,7 @@ class SFTTrainer(OfflineTrainer):
             return shard_packed_batch(collate_packed(samples, pad, row_tokens=row), self.sp_rank, self.sp_size, pad)
         if self.cfg.data.packing:
             return collate_packed(samples, pad, self.cfg.data.pack_row_tokens)
-        return collate_padded(samples, self.tokenizer.pad_token_id)
+        return collate_padded(samples, pad)
 
     def batch_units(self, batch: Batch) -> float:
         return float(batch["target_mask" if "target_mask" in batch else "loss_mask"].sum())
