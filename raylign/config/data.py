@@ -128,8 +128,14 @@ class DataConfig(Section):
     )
     packing: bool = Field(
         True,
-        description="Concatenate samples of a micro-batch into one padding-free row (position ids restart per "
-        "sample) instead of padding them to the longest.",
+        description="Pack the samples of a micro-batch several to a row (first-fit, position ids restart per "
+        "sample, rows right-padded) instead of one sample per row padded to the longest.",
+    )
+    pack_row_tokens: int = Field(
+        0,
+        ge=0,
+        description="With packing, tokens per packed row; 0: the longest sample's length. Attention cost grows "
+        "with the square of a row's length.",
     )
     skip_bad_rows: bool = Field(
         False,

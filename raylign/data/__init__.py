@@ -5,7 +5,7 @@ tensors; trainers decide what to do with them.
 """
 
 from raylign.data.chat import ALLOWED_ROLES, tokenize_conversation, validate_messages
-from raylign.data.collate import balance_micro_batches, collate_packed, collate_padded
+from raylign.data.collate import balance_micro_batches, collate_packed, collate_padded, pack_rows
 from raylign.data.errors import DataError, RowDropped, RowError, RowRef
 from raylign.data.formatting import encode_plain, truncate_prompt_response
 from raylign.data.mixing import mix_datasets, mixture_counts, split_holdout
@@ -45,6 +45,7 @@ __all__ = [
     "mix_datasets",
     "mixture_counts",
     "optional_text",
+    "pack_rows",
     "rank_micro_batches",
     "read_rows",
     "require_key",

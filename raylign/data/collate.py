@@ -1,4 +1,4 @@
-"""Batching samples into tensors: right-padded, or packed into one padding-free row.
+"""Batching samples into tensors: right-padded, one sample per row, or packed several to a row.
 
 Packed batches carry no attention mask: position ids restart at 0 for every sample, and
 Transformers (5.x) turns such position ids into a block-diagonal causal mask so attention
@@ -60,24 +60,65 @@ def collate_padded(
     }
 
 
-def collate_packed(samples: Sequence[TokenSample]) -> dict[str, torch.Tensor]:
-    """``input_ids``, ``loss_mask``, ``position_ids`` as ``[1, sum of lengths]`` and ``seq_lens`` ``[B]``.
+def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
+    """First-fit decreasing: sample indices per row, each row holding at most ``row_tokens`` tokens.
 
-    Samples are concatenated; position ids restart at 0 for each. Call the model with
-    ``position_ids`` and ``use_cache=False`` and without ``attention_mask`` (see the module
-    docstring). Since every sample's first token has loss mask 0, shifting targets across the
-    whole row never trains one sample's first token on the previous sample's last.
+    ``row_tokens`` below the longest sample is raised to it. Rows are returned in order of their
+    first sample, samples within a row in their original order.
+    """
+    capacity = max([row_tokens, *lengths])
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(capacity - lengths[i])
+    return sorted((sorted(r) for r in rows), key=lambda r: r[0])
+
+
+def collate_packed(samples: Sequence[TokenSample], pad_token_id: int, row_tokens: int = 0) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``loss_mask``, ``position_ids`` as ``[rows, L]``; ``seq_starts`` and ``seq_lens`` ``[B]``.
+
+    Samples are placed first-fit decreasing into rows of at most ``row_tokens`` tokens (0, or
+    anything below the longest sample: rows as long as the longest sample; see :func:`pack_rows`)
+    and rows are right-padded with ``pad_token_id`` to the longest row ``L``. Position ids restart
+    at 0 for each sample and for the padding at a row's end; padding has loss mask 0. Sample ``i``
+    occupies positions ``seq_starts[i] .. seq_starts[i] + seq_lens[i] - 1`` of the flattened
+    ``[rows * L]`` batch. Attention cost grows with the square of a row's length, hence short rows.
+
+    Call the model with ``position_ids`` and ``use_cache=False`` and without ``attention_mask``
+    (see the module docstring). Since every sample's first token has loss mask 0, shifting targets
+    along a row never trains one sample's first token on the previous sample's last.
     """
     _check_lengths(samples)
-    input_ids = torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long)
-    loss_mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.long)
-    position_ids = torch.cat([torch.arange(len(s.input_ids)) for s in samples])
-    seq_lens = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)
+    lengths = [len(s.input_ids) for s in samples]
+    layout = pack_rows(lengths, row_tokens)
+    row_length = max(sum(lengths[i] for i in row) for row in layout)
+    input_ids = torch.full((len(layout), row_length), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(layout), row_length), dtype=torch.long)
+    position_ids = torch.zeros((len(layout), row_length), dtype=torch.long)
+    seq_starts = torch.zeros(len(samples), dtype=torch.long)
+    for r, row in enumerate(layout):
+        offset = 0
+        for i in row:
+            end = offset + lengths[i]
+            input_ids[r, offset:end] = torch.tensor(samples[i].input_ids)
+            loss_mask[r, offset:end] = torch.tensor(samples[i].loss_mask)
+            position_ids[r, offset:end] = torch.arange(lengths[i])
+            seq_starts[i] = r * row_length + offset
+            offset = end
+        position_ids[r, offset:] = torch.arange(row_length - offset)
     return {
-        "input_ids": input_ids.unsqueeze(0),
-        "loss_mask": loss_mask.unsqueeze(0),
-        "position_ids": position_ids.unsqueeze(0),
-        "seq_lens": seq_lens,
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+        "seq_starts": seq_starts,
+        "seq_lens": torch.tensor(lengths, dtype=torch.long),
     }
 
 

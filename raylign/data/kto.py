@@ -124,18 +124,23 @@ def mismatched_samples(samples: list[KTOSample], max_length: int) -> list[Sample
     return pairs
 
 
-def _collate_tokens(samples: list, pad_token_id: int, packing: bool) -> dict[str, torch.Tensor]:
-    return collate_packed(samples) if packing else collate_padded(samples, pad_token_id)
+def _collate_tokens(samples: list, pad_token_id: int, packing: bool, row_tokens: int) -> dict[str, torch.Tensor]:
+    return collate_packed(samples, pad_token_id, row_tokens) if packing else collate_padded(samples, pad_token_id)
 
 
 def collate_kto(
-    samples: list[KTOSample], pad_token_id: int, packing: bool, with_kl_pairs: bool, max_length: int
+    samples: list[KTOSample],
+    pad_token_id: int,
+    packing: bool,
+    with_kl_pairs: bool,
+    max_length: int,
+    row_tokens: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Token batch of the samples, ``desirable`` ``[B]`` (bool), and with ``with_kl_pairs`` the batch of
     :func:`mismatched_samples` under the same keys prefixed ``kl_``."""
-    batch = _collate_tokens(samples, pad_token_id, packing)
+    batch = _collate_tokens(samples, pad_token_id, packing, row_tokens)
     batch["desirable"] = torch.tensor([s.desirable for s in samples], dtype=torch.bool)
     if with_kl_pairs:
-        pairs = _collate_tokens(mismatched_samples(samples, max_length), pad_token_id, packing)
+        pairs = _collate_tokens(mismatched_samples(samples, max_length), pad_token_id, packing, row_tokens)
         batch.update({f"kl_{key}": value for key, value in pairs.items()})
     return batch

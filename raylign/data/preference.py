@@ -357,15 +357,17 @@ def pair_sequences(samples: Sequence[PairSample]) -> list[_Sequence]:
     return chosen + rejected
 
 
-def collate_pairs(samples: Sequence[PairSample], pad_token_id: int, packed: bool) -> dict[str, torch.Tensor]:
-    """One batch of ``2B`` sequences: rows ``0..B-1`` are the chosen sides, ``B..2B-1`` the rejected ones.
+def collate_pairs(
+    samples: Sequence[PairSample], pad_token_id: int, packed: bool, row_tokens: int = 0
+) -> dict[str, torch.Tensor]:
+    """One batch of ``2B`` sequences: sequences ``0..B-1`` are the chosen sides, ``B..2B-1`` the rejected ones.
 
-    Padded (``[2B, T]`` with ``attention_mask``) or packed (``[1, total]`` with ``seq_lens``
-    ``[2B]``), as :func:`collate_padded` / :func:`collate_packed`. Adds ``response_lengths``
+    Padded (``[2B, T]`` with ``attention_mask``) or packed (``[rows, L]`` with ``seq_starts`` and
+    ``seq_lens`` ``[2B]``), as :func:`collate_padded` / :func:`collate_packed`. Adds ``response_lengths``
     ``[2B]`` (scored tokens of each sequence) and, when every pair has one, ``margin`` ``[B]``.
     """
     sequences = pair_sequences(samples)
-    batch = collate_packed(sequences) if packed else collate_padded(sequences, pad_token_id)
+    batch = collate_packed(sequences, pad_token_id, row_tokens) if packed else collate_padded(sequences, pad_token_id)
     batch["response_lengths"] = torch.tensor([sum(s.loss_mask) for s in sequences], dtype=torch.long)
     margins = [s.margin for s in samples]
     if all(m is not None for m in margins):

@@ -264,16 +264,16 @@ def _labels_at_positions(sample: PRMSample) -> list[float]:
 
 
 def collate_prm(
-    samples: list[PRMSample], pad_token_id: int, packing: bool, soft_labels: bool
+    samples: list[PRMSample], pad_token_id: int, packing: bool, soft_labels: bool, row_tokens: int = 0
 ) -> dict[str, torch.Tensor]:
     """The token batch of :func:`collate_padded` / :func:`collate_packed` (``loss_mask`` = step separators)
     plus ``step_labels`` in the same layout: class ids (long) for hard labels, probabilities (float) for soft."""
-    batch = collate_packed(samples) if packing else collate_padded(samples, pad_token_id)
+    batch = collate_packed(samples, pad_token_id, row_tokens) if packing else collate_padded(samples, pad_token_id)
     labels = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-    if packing:
-        labels[0] = torch.tensor([v for s in samples for v in _labels_at_positions(s)])
-    else:
-        for row, sample in enumerate(samples):
-            labels[row, : len(sample.input_ids)] = torch.tensor(_labels_at_positions(sample))
+    flat_labels = labels.view(-1)
+    row_length = labels.shape[1]
+    for i, sample in enumerate(samples):
+        start = int(batch["seq_starts"][i]) if packing else i * row_length
+        flat_labels[start : start + len(sample.input_ids)] = torch.tensor(_labels_at_positions(sample))
     batch["step_labels"] = labels if soft_labels else labels.round().long()
     return batch

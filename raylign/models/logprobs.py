@@ -159,20 +159,34 @@ def sequence_logprobs(
     loss_mask: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    seq_starts: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed log-probabilities of the tokens ``loss_mask`` marks, one per sample, float32 ``[num samples]``.
 
-    A padded batch holds one sample per row (pass ``attention_mask``); a packed batch is one row of
-    ``seq_lens`` samples (pass ``position_ids`` and ``seq_lens``). Used by the DPO family and KTO.
+    A padded batch holds one sample per row (pass ``attention_mask``); a packed batch holds sample
+    ``i`` at flat positions ``seq_starts[i] ..`` (``seq_lens[i]`` tokens) of its ``[rows * L]``
+    tokens (pass ``position_ids``, ``seq_starts`` and ``seq_lens``, as from
+    :func:`raylign.data.collate_packed`). Used by the DPO family and KTO.
     """
     logprobs = token_logprobs(model, input_ids, attention_mask=attention_mask, position_ids=position_ids)
     scored = logprobs * loss_mask.to(logprobs.dtype)
     if seq_lens is None:
         return scored.sum(-1)
-    lengths = seq_lens.to(scored.device)
-    owner = torch.repeat_interleave(torch.arange(lengths.numel(), device=scored.device), lengths)
-    return torch.zeros(lengths.numel(), dtype=scored.dtype, device=scored.device).index_add(0, owner, scored[0])
+    if seq_starts is None:
+        raise ValueError("a packed batch needs seq_starts with seq_lens")
+    owner, positions = packed_token_positions(seq_starts.to(scored.device), seq_lens.to(scored.device))
+    totals = torch.zeros(seq_lens.numel(), dtype=scored.dtype, device=scored.device)
+    return totals.index_add(0, owner, scored.reshape(-1)[positions])
+
+
+def packed_token_positions(seq_starts: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(owner, positions)``, each ``[sum of seq_lens]``: every token of every packed sample, sample by
+    sample, as its sample index and its position in the flattened ``[rows * L]`` batch."""
+    owner = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=seq_lens.device), seq_lens)
+    first_of_owner = torch.repeat_interleave(seq_lens.cumsum(0) - seq_lens, seq_lens)
+    within = torch.arange(owner.numel(), device=seq_lens.device) - first_of_owner
+    return owner, seq_starts[owner] + within
 
 
 @contextmanager

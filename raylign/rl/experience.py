@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
-from raylign.data import balance_micro_batches
+from raylign.data import balance_micro_batches, pack_rows
 
 if TYPE_CHECKING:
     from raylign.config.rl import RLConfig
@@ -241,27 +241,6 @@ def token_versions(samples: list[Sample], width: int | None = None) -> torch.Ten
             raise ValueError(f"sample {i}: {len(versions)} token versions for {len(s.response_ids)} response tokens")
         out[i, : len(versions)] = torch.as_tensor(versions, dtype=torch.int64)
     return out
-
-
-def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
-    """First-fit decreasing: sample indices per row, each row holding at most ``row_tokens`` tokens.
-
-    ``row_tokens`` below the longest sample is raised to it. Rows are returned in order of their
-    first sample, samples within a row in their original order.
-    """
-    capacity = max([row_tokens, *lengths])
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        for r, room in enumerate(free):
-            if lengths[i] <= room:
-                rows[r].append(i)
-                free[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            free.append(capacity - lengths[i])
-    return sorted((sorted(r) for r in rows), key=lambda r: r[0])
 
 
 def pack_samples(

@@ -60,6 +60,7 @@ def sequence_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         batch["loss_mask"],
         attention_mask=batch.get("attention_mask"),
         position_ids=batch.get("position_ids"),
+        seq_starts=batch.get("seq_starts"),
         seq_lens=batch.get("seq_lens"),
     )
 
@@ -130,9 +131,7 @@ class DPOTrainer(OfflineTrainer):
         size = self.train_cfg.eval_batch_size
         for start in range(0, len(mine), size):
             indices = mine[start : start + size]
-            batch = self._to_device(
-                collate_pairs([samples[i] for i in indices], self.tokenizer.pad_token_id, packed=self.cfg.data.packing)
-            )
+            batch = self._to_device(self._collate_pairs([samples[i] for i in indices]))
             logps = sequence_logps(self.reference, batch).tolist()
             for j, i in enumerate(indices):
                 values[2 * i], values[2 * i + 1] = logps[j], logps[len(indices) + j]
@@ -140,6 +139,10 @@ class DPOTrainer(OfflineTrainer):
         if self.is_main and samples:
             log.info("computed the reference log-probs of %d pairs", len(samples))
         return [ReferencedPair(s, values[2 * i], values[2 * i + 1]) for i, s in enumerate(samples)]
+
+    def _collate_pairs(self, pairs: list[PairSample]) -> Batch:
+        data = self.cfg.data
+        return collate_pairs(pairs, self.tokenizer.pad_token_id, packed=data.packing, row_tokens=data.pack_row_tokens)
 
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.engine.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -154,7 +157,7 @@ class DPOTrainer(OfflineTrainer):
 
     def collate(self, samples: list) -> Batch:
         pairs = [s.pair if isinstance(s, ReferencedPair) else s for s in samples]
-        batch = collate_pairs(pairs, self.tokenizer.pad_token_id, packed=self.cfg.data.packing)
+        batch = self._collate_pairs(pairs)
         if samples and isinstance(samples[0], ReferencedPair):
             logps = [s.ref_chosen_logp for s in samples] + [s.ref_rejected_logp for s in samples]
             batch["reference_logps"] = torch.tensor(logps, dtype=torch.float32)

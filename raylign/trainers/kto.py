@@ -41,6 +41,7 @@ def completion_logps(model: nn.Module, batch: Batch, prefix: str = "") -> torch.
         batch[prefix + "loss_mask"],
         attention_mask=batch.get(prefix + "attention_mask"),
         position_ids=batch.get(prefix + "position_ids"),
+        seq_starts=batch.get(prefix + "seq_starts"),
         seq_lens=batch.get(prefix + "seq_lens"),
     )
 
@@ -76,6 +77,7 @@ class KTOTrainer(OfflineTrainer):
             self.cfg.data.packing,
             with_kl_pairs=self.cfg.kto.estimate_kl,
             max_length=self.cfg.data.max_length,
+            row_tokens=self.cfg.data.pack_row_tokens,
         )
 
     def batch_units(self, batch: Batch) -> float:

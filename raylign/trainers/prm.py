@@ -100,7 +100,11 @@ class PRMTrainer(OfflineTrainer):
 
     def collate(self, samples: list) -> Batch:
         return collate_prm(
-            samples, self.tokenizer.pad_token_id, self.cfg.data.packing, soft_labels=self.cfg.prm.label_type == "soft"
+            samples,
+            self.tokenizer.pad_token_id,
+            self.cfg.data.packing,
+            soft_labels=self.cfg.prm.label_type == "soft",
+            row_tokens=self.cfg.data.pack_row_tokens,
         )
 
     def batch_units(self, batch: Batch) -> float:

@@ -64,8 +64,8 @@ def last_token_scores(model: torch.nn.Module, head: torch.nn.Module, batch: Batc
     with _capture_output(head) as captured:
         model(input_ids=batch["input_ids"], **attention_kwargs(batch.get("attention_mask"), batch.get("position_ids")))
     scores = captured["output"].squeeze(-1).float()
-    if "seq_lens" in batch:  # packed: one row, samples back to back
-        return scores[0, batch["seq_lens"].cumsum(0) - 1]
+    if "seq_lens" in batch:  # packed: sample i ends at flat position seq_starts[i] + seq_lens[i] - 1
+        return scores.reshape(-1)[batch["seq_starts"] + batch["seq_lens"] - 1]
     last = batch["attention_mask"].sum(-1) - 1  # right padded
     return scores[torch.arange(scores.shape[0], device=scores.device), last]
 
@@ -91,7 +91,8 @@ class RMTrainer(OfflineTrainer):
         self.loss_kwargs = {"center_coef": self.cfg.rm.center_coef} if self.cfg.rm.loss == "bradley_terry" else {}
 
     def collate(self, samples: list) -> Batch:
-        return collate_pairs(samples, self.tokenizer.pad_token_id, packed=self.cfg.data.packing)
+        data = self.cfg.data
+        return collate_pairs(samples, self.tokenizer.pad_token_id, packed=data.packing, row_tokens=data.pack_row_tokens)
 
     def batch_units(self, batch: Batch) -> float:
         return float(num_pairs(batch))

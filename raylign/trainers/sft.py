@@ -43,11 +43,13 @@ class SFTTrainer(OfflineTrainer):
         return data.train, data.eval, data_stats_dict(data.stats)
 
     def collate(self, samples: list) -> Batch:
-        if self.sp_size > 1:
-            return shard_packed_batch(collate_packed(samples), self.sp_rank, self.sp_size, self.tokenizer.pad_token_id)
+        pad = self.tokenizer.pad_token_id
+        if self.sp_size > 1:  # one row holding every sample, which the group then cuts into chunks
+            row = sum(len(s.input_ids) for s in samples)
+            return shard_packed_batch(collate_packed(samples, pad, row_tokens=row), self.sp_rank, self.sp_size, pad)
         if self.cfg.data.packing:
-            return collate_packed(samples)
-        return collate_padded(samples, self.tokenizer.pad_token_id)
+            return collate_packed(samples, pad, self.cfg.data.pack_row_tokens)
+        return collate_padded(samples, pad)
 
     def batch_units(self, batch: Batch) -> float:
         return float(batch["target_mask" if "target_mask" in batch else "loss_mask"].sum())

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from raylign.config.data import DataConfig
-from raylign.data import balance_micro_batches, build_sft_datasets, collate_packed, collate_padded
+from raylign.data import balance_micro_batches, build_sft_datasets, collate_packed, collate_padded, pack_rows
 
 
 @dataclass
@@ -32,18 +32,50 @@ def test_padded_batch_rounds_length_up_to_a_multiple():
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0]]
 
 
-def test_packed_batch_by_hand():
-    batch = collate_packed([Seq([5, 6, 7], [0, 1, 1]), Seq([8, 9], [0, 1])])
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
-    assert batch["loss_mask"].tolist() == [[0, 1, 1, 0, 1]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
-    assert batch["seq_lens"].tolist() == [3, 2]
+def test_pack_rows_first_fit_decreasing_by_hand():
+    # Capacity 5 (the longest sample): 5 -> row A (full), 4 -> row B (1 left), 3 -> row C (2 left),
+    # 2 -> neither A nor B fits it, C does. Rows are listed by their first sample.
+    assert pack_rows([5, 3, 4, 2], 0) == [[0], [1, 3], [2]]
+    # Capacity 9: 5 -> A (4 left), 4 -> A (0 left), 3 -> B (6 left), 2 -> B.
+    assert pack_rows([5, 3, 4, 2], 9) == [[0, 2], [1, 3]]
+    # A capacity below the longest sample is raised to it (7: samples of 3 and 4 then share a row);
+    # one huge capacity gives one row.
+    assert pack_rows([7, 3, 4], 3) == [[0], [1, 2]]
+    assert pack_rows([2, 2, 2], 1000) == [[0, 1, 2]]
+
+
+def test_packed_batch_fills_rows_as_long_as_the_longest_sample():
+    # Lengths 3, 2, 1: capacity 3 -> sample 0 fills row A, sample 1 opens row B (1 left), sample 2 fits B.
+    batch = collate_packed([Seq([5, 6, 7], [0, 1, 1]), Seq([8, 9], [0, 1]), Seq([4], [0])], pad_token_id=3)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 4]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [0, 1, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2], [0, 1, 0]]
+    assert batch["seq_starts"].tolist() == [0, 3, 5]
+    assert batch["seq_lens"].tolist() == [3, 2, 1]
     assert "attention_mask" not in batch
+
+
+def test_packed_rows_are_right_padded_with_positions_restarting():
+    # Lengths 2, 4, 3, 3 with a budget of 6 tokens: 4 -> row A (2 left), 3 -> row B (3 left), 3 -> B (full),
+    # 2 -> A (full); rows listed by first sample: A = [0, 1], B = [2, 3]. Length 1 and 1: one row of 2.
+    batch = collate_packed(
+        [Seq([1, 2], [0, 1]), Seq([3, 4, 5, 6], [0, 1, 1, 1]), Seq([7, 8, 9], [0, 0, 1]), Seq([10, 11, 12], [0, 1, 1])],
+        pad_token_id=0,
+        row_tokens=6,
+    )
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    assert batch["seq_starts"].tolist() == [0, 2, 6, 9]
+    # Lengths 4, 1, 2 with rows as long as the longest (4): 4 -> A, 2 -> B (2 left), 1 -> B; B is padded.
+    batch = collate_packed([Seq([3, 4, 5, 6], [0, 1, 1, 1]), Seq([7], [0]), Seq([8, 9], [0, 1])], pad_token_id=0)
+    assert batch["input_ids"].tolist() == [[3, 4, 5, 6], [7, 8, 9, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 1], [0, 0, 1, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3], [0, 0, 1, 0]]
+    assert batch["seq_starts"].tolist() == [0, 4, 5]
 
 
 def test_mismatched_mask_length_names_the_sample():
     with pytest.raises(ValueError, match="sample 1: 2 input ids but 1 mask entries"):
-        collate_packed([Seq([1], [0]), Seq([1, 2], [0])])
+        collate_packed([Seq([1], [0]), Seq([1, 2], [0])], pad_token_id=0)
 
 
 def test_micro_batches_respect_the_budget_and_balance_tokens():
@@ -114,19 +146,15 @@ def test_packed_and_padded_batches_give_the_same_per_sample_loss(tiny_model_dir,
             for i, n in enumerate(lengths)
         ]
 
-        packed = collate_packed(chat_samples)
+        packed = collate_packed(chat_samples, tokenizer.pad_token_id)
+        assert packed["input_ids"].shape[0] > 1  # several rows, each holding samples back to back
         # use_cache=False: Transformers isolates packed samples only when no KV cache is passed around
         packed_logits = model(
             input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False
-        ).logits
-        seq_lens = packed["seq_lens"].tolist()
-        packed_rows = list(
-            zip(
-                torch.split(packed_logits[0], seq_lens),
-                [t.tolist() for t in torch.split(packed["input_ids"][0], seq_lens)],
-                [t.tolist() for t in torch.split(packed["loss_mask"][0], seq_lens)],
-            )
-        )
+        ).logits.flatten(0, 1)
+        flat_ids, flat_mask = packed["input_ids"].flatten(), packed["loss_mask"].flatten()
+        spans = [slice(a, a + n) for a, n in zip(packed["seq_starts"].tolist(), packed["seq_lens"].tolist())]
+        packed_rows = [(packed_logits[s], flat_ids[s].tolist(), flat_mask[s].tolist()) for s in spans]
 
     reference = _per_sample_losses(alone)
     assert _per_sample_losses(padded_rows) == pytest.approx(reference, abs=1e-5)

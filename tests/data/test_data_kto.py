@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from raylign.config.data import DataConfig, DatasetSpec
 from raylign.data import RowError
@@ -97,4 +96,7 @@ def test_collated_batch_carries_labels_and_the_mismatched_batch(write_dataset, t
     assert batch["kl_input_ids"].shape[0] == 3 and batch["kl_loss_mask"].shape == batch["kl_input_ids"].shape
     packed = collate_kto(samples, tokenizer.pad_token_id, packing=True, with_kl_pairs=False, max_length=128)
     assert "kl_input_ids" not in packed and packed["seq_lens"].tolist() == [len(s.input_ids) for s in samples]
-    assert torch.equal(packed["loss_mask"][0], torch.tensor([m for s in samples for m in s.loss_mask]))
+    flat_mask = packed["loss_mask"].flatten().tolist()
+    for sample, start in zip(samples, packed["seq_starts"].tolist(), strict=True):
+        assert flat_mask[start : start + len(sample.loss_mask)] == sample.loss_mask
+    assert packed["loss_mask"].sum() == sum(sum(s.loss_mask) for s in samples)  # padding is never scored

@@ -265,12 +265,14 @@ def test_padded_batch_holds_every_chosen_side_then_every_rejected_side(write_dat
     assert batch["margin"].tolist() == [1.0, 0.5]
 
 
-def test_packed_batch_concatenates_the_same_sequences_with_their_lengths(write_dataset, tokenizer):
+def test_packed_batch_holds_the_same_sequences_at_their_starts(write_dataset, tokenizer):
     pairs = _two_pairs(write_dataset, tokenizer)
     batch = collate_pairs(pairs, pad_token_id=tokenizer.pad_token_id, packed=True)
     expected = [p.prompt_ids + p.chosen_ids for p in pairs] + [p.prompt_ids + p.rejected_ids for p in pairs]
-    assert batch["input_ids"].tolist() == [[t for ids in expected for t in ids]]
     assert batch["seq_lens"].tolist() == [len(ids) for ids in expected]
-    assert batch["position_ids"].tolist() == [[i for ids in expected for i in range(len(ids))]]
+    flat_ids, flat_positions = batch["input_ids"].flatten().tolist(), batch["position_ids"].flatten().tolist()
+    for ids, start in zip(expected, batch["seq_starts"].tolist(), strict=True):
+        assert flat_ids[start : start + len(ids)] == ids
+        assert flat_positions[start : start + len(ids)] == list(range(len(ids)))
     assert "attention_mask" not in batch
     assert torch.equal(batch["loss_mask"].sum(), batch["response_lengths"].sum())

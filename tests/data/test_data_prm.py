@@ -201,6 +201,7 @@ def test_padded_batch_has_labels_at_the_separators(write_dataset, prm_tokenizer)
 def test_packed_batch_keeps_soft_labels_in_order(write_dataset, prm_tokenizer):
     a, b = _two_samples(write_dataset, prm_tokenizer)
     batch = collate_prm([a, b], prm_tokenizer.pad_token_id, packing=True, soft_labels=True)
-    assert batch["input_ids"].shape == (1, len(a.input_ids) + len(b.input_ids))
+    # Two samples never share a row as long as the longer one: one row each, padded to the longer.
+    assert batch["input_ids"].shape == (2, max(len(a.input_ids), len(b.input_ids)))
     assert batch["step_labels"].dtype == torch.float32
     assert batch["step_labels"][batch["loss_mask"].bool()].tolist() == [1.0, 0.0, 1.0]

@@ -274,8 +274,29 @@ def test_sequence_logprobs_sum_the_marked_tokens_of_each_sample_packed_or_padded
     padded_mask = attention * (torch.arange(padded_ids.shape[1]) >= 2).long()
     with torch.no_grad():
         packed = sequence_logprobs(
-            model, packed_ids, packed_mask, position_ids=positions, seq_lens=torch.tensor(LENGTHS)
+            model,
+            packed_ids,
+            packed_mask,
+            position_ids=positions,
+            seq_starts=torch.tensor(LENGTHS).cumsum(0) - torch.tensor(LENGTHS),
+            seq_lens=torch.tensor(LENGTHS),
         )
         padded = sequence_logprobs(model, padded_ids, padded_mask, attention_mask=attention)
     torch.testing.assert_close(packed, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(padded, expected, atol=1e-4, rtol=0)
+
+
+def test_sequence_logprobs_of_samples_packed_into_several_padded_rows(model, samples):
+    # Lengths 5, 9, 3 in rows of 9: sample 1 fills row 1; samples 0 and 2 share row 0 with one pad token after.
+    s0, s1, s2 = samples
+    pad = torch.tensor([PAD_ID])
+    ids = torch.stack([torch.cat([s0, s2, pad]), s1])
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0], list(range(9))])
+    mask = (positions >= 2).long()
+    mask[0, 8] = 0  # the pad token is never scored
+    expected = torch.stack([reference_logprobs_and_entropy(model, s)[0][2:].sum() for s in samples])
+    with torch.no_grad():
+        got = sequence_logprobs(
+            model, ids, mask, position_ids=positions, seq_starts=torch.tensor([0, 9, 5]), seq_lens=torch.tensor(LENGTHS)
+        )
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -6,21 +6,9 @@ import pytest
 import torch
 
 from raylign.models import selected_token_logprobs, token_logprobs
-from raylign.rl.experience import gather_responses, pack_rows, pack_samples
+from raylign.rl.experience import gather_responses, pack_samples
 
 from .rl_helpers import fp32_model, make_sample, response_logprobs
-
-
-def test_pack_rows_first_fit_decreasing_by_hand():
-    # Capacity 5 (the longest sample): 5 -> row A (full), 4 -> row B (1 left), 3 -> row C (2 left),
-    # 2 -> neither A nor B fits it, C does. Rows are listed by their first sample.
-    assert pack_rows([5, 3, 4, 2], 0) == [[0], [1, 3], [2]]
-    # Capacity 9: 5 -> A (4 left), 4 -> A (0 left), 3 -> B (6 left), 2 -> B.
-    assert pack_rows([5, 3, 4, 2], 9) == [[0, 2], [1, 3]]
-    # A capacity below the longest sample is raised to it (7: samples of 3 and 4 then share a row);
-    # one huge capacity gives one row.
-    assert pack_rows([7, 3, 4], 3) == [[0], [1, 2]]
-    assert pack_rows([2, 2, 2], 1000) == [[0, 1, 2]]
 
 
 def test_pack_samples_layout_by_hand():

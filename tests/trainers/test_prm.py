@@ -186,9 +186,9 @@ def test_prm_finds_the_first_wrong_step_of_held_out_chains(tmp_path):
     train = [arithmetic_chain(rng) for _ in range(4000)]
     held_out = [arithmetic_chain(rng) for _ in range(200)]
     out = tmp_path / "run"
-    # Every chain is 29 tokens long, so padded batches hold no padding, while one packed row of 32
-    # chains (928 tokens) makes attention quadratic in its length: twice the time per step. Packed
-    # PRM batches are covered by the tests above and by tests/models/test_heads.py.
+    # Every chain is 29 tokens long, so padded batches hold no padding (and packed rows, as long as
+    # the longest chain, would hold one chain each). Packed PRM batches are covered by the tests
+    # above, tests/data/test_row_packing.py and tests/models/test_heads.py.
     cfg = prm_config(
         model_dir,
         write_jsonl(tmp_path / "train.jsonl", train),
