@@ -50,12 +50,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -63,15 +59,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from child_runs import REPO, fmt, launch, median_after_warmup, write_steps
+
 REWARD_FILE = REPO / "examples" / "rewards" / "letter_match.py"
 PHASES = ("generate", "reward", "experience", "train", "sync")
-CHILD_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-}
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 @dataclass
@@ -349,54 +341,16 @@ def run_side(side: str, spec_file: Path) -> None:
     torch.set_flush_denormal(True)  # HF generate on CPU is erratic with denormals; both sides' workers set it
     w = Workload(**json.loads(spec_file.read_text()))
     records = run_raylign_side(w) if side == "raylign" else run_trl_side(w)
-    (Path(w.output_dir) / "steps.json").write_text(json.dumps(records))
+    write_steps(Path(w.output_dir), records)
 
 
 # ---- driver ----------------------------------------------------------------------------------
-
-
-def median_after_warmup(records: list[dict[str, float]], key: str) -> float:
-    """Median of ``key`` over every step but the first (warm-up); NaN when absent."""
-    values = [r[key] for r in records[1:] if key in r]
-    return statistics.median(values) if values else float("nan")
-
-
-def launch(side: str, w: Workload) -> dict[str, Any]:
-    """Run ``side`` in a child process; its per-step records and wall time, or the error it ended with."""
-    out = Path(w.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    spec = out / "spec.json"
-    spec.write_text(json.dumps(asdict(w)))
-    log_file = out / "run.log"
-    start = time.perf_counter()
-    with log_file.open("w") as log:
-        done = subprocess.run(
-            [sys.executable, __file__, "--side", side, "--spec", str(spec)],
-            env={**os.environ, **CHILD_ENV},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-        )
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        return {"error": last_error_line(log_file), "log": str(log_file), "wall_s": wall}
-    return {"records": json.loads((out / "steps.json").read_text()), "wall_s": wall}
-
-
-def last_error_line(log_file: Path) -> str:
-    lines = [line.strip() for line in log_file.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "Exception" in line]
-    return (errors or lines or ["no output"])[-1][:300]
 
 
 def summarize(result: dict[str, Any]) -> dict[str, float]:
     records = result.get("records", [])
     keys = ("step_s", *PHASES, "reward_mean", "response_length")
     return {k: median_after_warmup(records, k) for k in keys} | {"steps": len(records), "wall_s": result["wall_s"]}
-
-
-def fmt(value: float, width: int = 7, digits: int = 2) -> str:
-    return f"{'n/a':>{width}s}" if math.isnan(value) else f"{value:{width}.{digits}f}"
 
 
 def print_report(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: tuple[float, ...]) -> None:
@@ -539,7 +493,7 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, A
             args.max_staleness,
         )
         print(f"running {side} on {name} ...", flush=True)
-        result = launch(side, w)
+        result = launch(__file__, side, asdict(w), Path(w.output_dir), VLLM_ENV)
         if "error" in result:
             row["errors"][side] = f"{result['error']} (log: {result['log']})"
         row[side] = summarize(result)

@@ -1,0 +1,72 @@
+"""What the raylign-against-TRL benchmarks share: one side per child process, medians after warm-up.
+
+A benchmark writes its workload to ``spec.json``, runs itself again as a child with ``--side NAME
+--spec spec.json``, and the child writes ``steps.json`` (``{"records": [...], ...}``) next to it.
+Running each side in a fresh process keeps one side's threads, caches and allocator state out of
+the other's timings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CHILD_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def launch(
+    script: str, side: str, spec: dict[str, Any], out: Path, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run ``script --side side`` in a child process with ``spec`` as its workload: what the child wrote to
+    ``steps.json`` plus ``wall_s``, or ``error`` (the log's last error line), ``log`` and ``wall_s``."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec_file = out / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    log_file = out / "run.log"
+    start = time.perf_counter()
+    with log_file.open("w") as log:
+        done = subprocess.run(
+            [sys.executable, script, "--side", side, "--spec", str(spec_file)],
+            env={**os.environ, **CHILD_ENV, **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        return {"error": last_error_line(log_file), "log": str(log_file), "wall_s": wall}
+    return {**json.loads((out / "steps.json").read_text()), "wall_s": wall}
+
+
+def write_steps(out: Path, records: list[dict[str, float]], **extra: Any) -> None:
+    """The child's side of :func:`launch`: its per-step records and anything else the driver needs."""
+    (out / "steps.json").write_text(json.dumps({"records": records, **extra}))
+
+
+def last_error_line(log_file: Path) -> str:
+    lines = [line.strip() for line in log_file.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "Exception" in line]
+    return (errors or lines or ["no output"])[-1][:300]
+
+
+def median_after_warmup(records: list[dict[str, float]], key: str) -> float:
+    """Median of ``key`` over every step but the first (warm-up); NaN when absent."""
+    values = [r[key] for r in records[1:] if key in r]
+    return statistics.median(values) if values else float("nan")
+
+
+def fmt(value: float, width: int = 7, digits: int = 2) -> str:
+    return f"{'n/a':>{width}s}" if math.isnan(value) else f"{value:{width}.{digits}f}"
