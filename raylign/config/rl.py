@@ -7,7 +7,7 @@ set in the YAML file or on the command line overrides the preset.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -120,7 +120,14 @@ class PlacementConfig(Section):
     cpus_per_worker: float = Field(
         1.0,
         gt=0,
-        description="Ray CPU slots per training worker; also its torch compute threads (rounded down, at least 1).",
+        description="Ray CPU slots reserved per training worker (placement only: see threads_per_worker).",
+    )
+    threads_per_worker: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="Torch compute threads of a training worker. auto: the phases take turns, so each phase's "
+        "workers share the cores of their node that nothing else keeps busy meanwhile (with rollout.max_staleness "
+        ">= 1 the engines generate beside training and keep rollout.num_engines x rollout.num_cpus_per_engine of "
+        "them), at least 1 each; on GPUs one per placement.cpus_per_worker. A number pins it for every phase.",
     )
     ray_address: str | None = Field(None, description="Join this Ray cluster; None starts a local Ray.")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of a local Ray (default: enough for the run).")
