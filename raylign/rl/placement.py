@@ -116,9 +116,9 @@ def threads_per_worker(cores: float, busy_cores: float, workers: int) -> int:
 
 
 def phase_threads(
-    cfg: RLConfig, worker_nodes: list[str], node_cores: dict[str, float], engine_nodes: list[str], has_gpus: bool
+    cfg: RLConfig, rank_nodes: list[str], node_cores: dict[str, float], engine_nodes: list[str], has_gpus: bool
 ) -> list[int]:
-    """Torch threads of each rank of one worker group (rank r on node ``worker_nodes[r]``) during its
+    """Torch threads of each rank of one worker group (rank r on node ``rank_nodes[r]``) during its
     phases: its forward passes and updates, which no other group computes beside.
 
     ``placement.threads_per_worker`` when pinned; on GPUs one per reserved CPU slot
@@ -129,12 +129,12 @@ def phase_threads(
     """
     p, r = cfg.placement, cfg.rollout
     if p.threads_per_worker != "auto":
-        return [p.threads_per_worker] * len(worker_nodes)
+        return [p.threads_per_worker] * len(rank_nodes)
     if has_gpus:
-        return [max(1, int(p.cpus_per_worker))] * len(worker_nodes)
+        return [max(1, int(p.cpus_per_worker))] * len(rank_nodes)
     generating = Counter(engine_nodes) if r.max_staleness > 0 and not p.colocate else Counter()
-    peers = Counter(worker_nodes)
+    peers = Counter(rank_nodes)
     return [
         threads_per_worker(node_cores[node], generating[node] * r.num_cpus_per_engine, peers[node])
-        for node in worker_nodes
+        for node in rank_nodes
     ]
