@@ -19,6 +19,23 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
 torch.set_num_threads(1)
 torch.set_flush_denormal(True)
 
+
+def _own_cores() -> None:
+    """Under pytest-xdist, give each worker process its own share of the cores, inherited by the Ray
+    actors and subprocesses its tests start: RL workers size their torch threads to the cores they may
+    run on (``placement.threads_per_worker: auto``), and two test processes that each took every core
+    would slow each other down many times over."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    index, count_ = int(worker.removeprefix("gw")), int(count)
+    if len(cores) >= count_:
+        os.sched_setaffinity(0, cores[index::count_])
+
+
+_own_cores()
+
 import pytest  # noqa: E402
 
 from tests import case_counts  # noqa: E402

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from raylign.config.agent import AgentConfig
 from raylign.config.base import Section, deep_merge
@@ -120,8 +120,16 @@ class PlacementConfig(Section):
     cpus_per_worker: float = Field(
         1.0,
         gt=0,
-        description="Ray CPU slots per training worker; also its torch compute threads (rounded down, at least 1).",
+        description="Ray CPU slots reserved per training worker (placement only: see threads_per_worker).",
     )
+    threads_per_worker: int | Literal["auto"] = Field(
+        "auto",
+        description="Torch compute threads of a training worker. auto: the phases take turns, so each phase's "
+        "workers share the cores of their node that nothing else keeps busy meanwhile (with rollout.max_staleness "
+        ">= 1 the engines generate beside training and keep rollout.num_engines x rollout.num_cpus_per_engine of "
+        "them), at least 1 each; on GPUs one per placement.cpus_per_worker. A number pins it for every phase.",
+    )
+
     ray_address: str | None = Field(None, description="Join this Ray cluster; None starts a local Ray.")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of a local Ray (default: enough for the run).")
     startup_timeout_s: float = Field(
@@ -141,6 +149,13 @@ class PlacementConfig(Section):
         "passes, a weight sync, a checkpoint save or export; past it the run "
         "stops naming the ranks that did not answer.",
     )
+
+    @field_validator("threads_per_worker")
+    @classmethod
+    def _at_least_one_thread(cls, threads: int | str) -> int | str:
+        if threads != "auto" and int(threads) < 1:
+            raise ValueError(f"a worker computes on at least 1 thread (got {threads}); or auto")
+        return threads
 
 
 class RLTrainConfig(Section):

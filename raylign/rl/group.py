@@ -79,6 +79,13 @@ class WorkerGroup:
         """Rank r gets ``per_rank[r]``; results in rank order."""
         return self._results(method, [getattr(w, method).remote(arg) for w, arg in zip(self.workers, per_rank)])
 
+    def call_in_phase(self, method: str, per_rank: list[Any], threads: list[int]) -> tuple[list[Any], list[int]]:
+        """:meth:`call_sharded`, rank r computing on ``threads[r]`` torch threads; the results and the
+        threads each rank reported (``ModelWorker.in_phase``), in rank order."""
+        refs = [w.in_phase.remote(n, method, arg) for w, n, arg in zip(self.workers, threads, per_rank)]
+        answers = self._results(method, refs)
+        return [result for result, _ in answers], [used for _, used in answers]
+
     def _results(self, method: str, refs: list[Any]) -> list[Any]:
         """The ranks' answers, waiting at most ``placement.worker_call_timeout_s``."""
         names = [f"rank {rank} of {len(refs)}" for rank in range(len(refs))]

@@ -1,4 +1,5 @@
-"""Where the model workers of an RL run go: Ray placement groups, and the GPUs a run needs.
+"""Where the model workers of an RL run go: Ray placement groups, the GPUs a run needs, and the
+torch threads each worker computes with.
 
 Separate placement gives every role its own placement group (its ranks packed onto as few
 nodes as possible). Colocated placement (the hybrid engine) gives one group whose bundle r
@@ -9,6 +10,7 @@ policy rank's rollout engine lives in the policy worker's process on the same GP
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 from raylign.config.rl import RLConfig
@@ -104,3 +106,35 @@ def worker_nodes(groups: list[Any]) -> set[str]:
     from ray.util.placement_group import placement_group_table
 
     return {node for group in groups for node in placement_group_table(group)["bundles_to_node_id"].values()}
+
+
+def threads_per_worker(cores: float, busy_cores: float, workers: int) -> int:
+    """Torch compute threads for each of ``workers`` processes that compute at the same time on a
+    node of ``cores`` cores, while other work keeps ``busy_cores`` of them busy: an equal share of
+    the free cores, ``floor((cores - busy_cores) / workers)``, at least 1."""
+    return max(1, math.floor((cores - busy_cores) / workers))
+
+
+def phase_threads(
+    cfg: RLConfig, rank_nodes: list[str], node_cores: dict[str, float], engine_nodes: list[str], has_gpus: bool
+) -> list[int]:
+    """Torch threads of each rank of one worker group (rank r on node ``rank_nodes[r]``) during its
+    phases: its forward passes and updates, which no other group computes beside.
+
+    ``placement.threads_per_worker`` when pinned; on GPUs one per reserved CPU slot
+    (``placement.cpus_per_worker``, at least 1); otherwise each rank's share of its node's cores
+    (``node_cores``) with the group's other ranks on that node, less the cores the rollout engines on
+    that node (``engine_nodes``) keep busy when they generate beside training (``rollout.max_staleness``
+    >= 1): ``rollout.num_cpus_per_engine`` each.
+    """
+    p, r = cfg.placement, cfg.rollout
+    if p.threads_per_worker != "auto":
+        return [p.threads_per_worker] * len(rank_nodes)
+    if has_gpus:
+        return [max(1, int(p.cpus_per_worker))] * len(rank_nodes)
+    generating = Counter(engine_nodes) if r.max_staleness > 0 and not p.colocate else Counter()
+    peers = Counter(rank_nodes)
+    return [
+        threads_per_worker(node_cores[node], generating[node] * r.num_cpus_per_engine, peers[node])
+        for node in rank_nodes
+    ]

@@ -52,7 +52,7 @@ from raylign.rl.experience import (
     token_versions,
 )
 from raylign.rl.metric import Metric, average_updates, combine
-from raylign.rl.placement import check_gpu_count, placement_groups, worker_nodes
+from raylign.rl.placement import check_gpu_count, phase_threads, placement_groups, worker_nodes
 from raylign.rl.prompts import Prompt, load_prompts
 from raylign.rl.shared_dir import check_shared_directory
 from raylign.rl.stream import PromptPositions, RolloutFeed, sample_from, uniform_rewards
@@ -78,6 +78,8 @@ class RLTrainer:
         self.engine_restarts = 0  # engine actors replaced after their process died
         self._policy_ahead = False  # the policy has been updated since the engines' last weight sync
         self.shaping = RewardShaping(cfg)  # running reward statistics, checkpointed
+        self.threads: dict[str, list[int]] = {}  # torch threads of each role's ranks in its phases (setup)
+        self._threads_used: dict[str, list[int]] = {}  # phase -> the threads its ranks reported, this step
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -159,6 +161,7 @@ class RLTrainer:
             self.engines = launch_engines(self.model_path, cfg.rollout, startup_timeout_s=timeout)
             self.pool = RolloutPool(self.engines, cfg.rollout.generate_timeout_s)
             self.groups["policy"].call("connect_engines", self.engines)
+        self.threads = self._decide_threads(has_gpus)
         self.positions = PromptPositions(self.sampler)
         r, a = cfg.rollout, cfg.algorithm
         self.episodes = self._episode_stream() if cfg.agent.enabled else None
@@ -188,6 +191,41 @@ class RLTrainer:
             room = (r.max_model_len or PROBE_TOKENS + 1) - 1  # an engine scores a prompt of at most this
             self.probe_tokens = probe_sequence([p.token_ids for p in self.train_prompts], min(PROBE_TOKENS, room))
         self._maybe_resume()
+
+    def _decide_threads(self, has_gpus: bool) -> dict[str, list[int]]:
+        """Torch threads of each role's ranks during their phases (:func:`raylign.rl.placement.phase_threads`),
+        from the nodes Ray put the workers and engines on; set in the workers now (a colocated engine
+        generates with the policy's) and logged."""
+        import ray
+
+        p, r = self.cfg.placement, self.cfg.rollout
+        infos = {role: group.call("placement_info") for role, group in self.groups.items()}
+        cores = {info["node"]: info["cores"] for ranks in infos.values() for info in ranks}
+        if p.ray_address is not None:  # a cluster's node may offer Ray fewer CPUs than it has
+            offered = {n["NodeID"]: n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]}
+            cores = {node: min(n, offered.get(node, n)) for node, n in cores.items()}
+        engine_nodes = ray.get([e.node_id.remote() for e in self.engines], timeout=p.startup_timeout_s)
+        threads = {
+            role: phase_threads(self.cfg, [info["node"] for info in ranks], cores, engine_nodes, has_gpus)
+            for role, ranks in infos.items()
+        }
+        for role, group in self.groups.items():
+            group.call_sharded("set_threads", threads[role])
+        if p.threads_per_worker != "auto":
+            how = "placement.threads_per_worker"
+        elif has_gpus:
+            how = "auto on GPUs: one per placement.cpus_per_worker"
+        else:
+            beside = r.num_engines * r.num_cpus_per_engine if r.max_staleness > 0 and not p.colocate else 0
+            how = (
+                f"auto: the phases take turns, and each phase's ranks share their node's cores "
+                f"({', '.join(f'{n:g}' for n in cores.values())}) less those of the rollout engines that "
+                f"generate beside training ({beside:g})"
+            )
+        log.info(
+            "torch threads per rank in its phases: %s (%s)", "; ".join(f"{k} {v}" for k, v in threads.items()), how
+        )
+        return threads
 
     def _episode_stream(self) -> EpisodeStream:
         """Agent episodes of ``agent.env`` on the engines (:mod:`raylign.rl.episodes`)."""
@@ -297,6 +335,7 @@ class RLTrainer:
         cfg = self.cfg
         timings: dict[str, float] = {"time/reward_s": 0.0}
         self._timings = timings
+        self._threads_used = {}
         start = time.perf_counter()
         self.events.append(("rollout", self.step + 1, time.time()))
         samples, gen_metrics = self.rollout()
@@ -328,6 +367,7 @@ class RLTrainer:
             **train_metrics,
             **sync_metrics,
             **timings,
+            **{f"threads/{phase}": float(min(used)) for phase, used in self._threads_used.items()},
             "time/step_s": elapsed,
             "throughput/tokens_per_s": tokens / elapsed,
             "reward/worker_restarts": float(self.reward.restarts if self.reward is not None else 0),
@@ -415,7 +455,7 @@ class RLTrainer:
         per_rank = [
             [pack_samples([samples[i] for i in micro], row_tokens=rows) for micro in rank_plan] for rank_plan in plan
         ]
-        results = group.call_sharded(method, per_rank)
+        results = self._phase_call(role, method, per_rank, "experience")
         out = torch.zeros(len(samples), max(len(s.response_ids) for s in samples))
         for rank_plan, rank_results in zip(plan, results):
             for micro, values in zip(rank_plan, rank_results):
@@ -474,9 +514,8 @@ class RLTrainer:
                 for role, method in (("policy", "train_policy"), ("critic", "train_critic")):
                     if role not in self.groups:
                         continue
-                    per_rank = self.groups[role].call_sharded(
-                        method, self._shard(samples, idx, exp, len(self.groups[role]))
-                    )
+                    shards = self._shard(samples, idx, exp, len(self.groups[role]))
+                    per_rank = self._phase_call(role, method, shards, "train")
                     update.update({f"{role}/{name}": metric for name, metric in combine(per_rank).items()})
                 updates.append(update)
         metrics = average_updates(updates)
@@ -485,6 +524,13 @@ class RLTrainer:
             if f"policy/mismatch_{key}" in metrics:
                 metrics[f"mismatch/logprob_{key}"] = metrics.pop(f"policy/mismatch_{key}")
         return metrics
+
+    def _phase_call(self, role: str, method: str, per_rank: list[Any], phase: str) -> list[Any]:
+        """``method`` on the role's ranks (rank r given ``per_rank[r]``), each computing on the threads
+        decided for it (``self.threads``); the fewest a rank reported goes to the step's ``threads/<phase>``."""
+        results, used = self.groups[role].call_in_phase(method, per_rank, self.threads[role])
+        self._threads_used.setdefault(phase, []).extend(used)
+        return results
 
     def _count_skipped(self, metrics: dict[str, float]) -> None:
         """A step some of whose updates were dropped for a non-finite loss or gradient norm is counted

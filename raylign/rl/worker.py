@@ -58,9 +58,12 @@ class ModelWorker:
         os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
         torch.set_flush_denormal(True)
         self.cfg = RLConfig.model_validate(cfg)
-        # As many compute threads as the CPU slots Ray reserved for this worker (OpenMP stays at
-        # OMP_NUM_THREADS for anything it starts).
-        torch.set_num_threads(max(1, int(self.cfg.placement.cpus_per_worker)))
+        # Until the controller sets them for the phases (set_threads, in_phase): as many compute threads
+        # as pinned, or as the CPU slots Ray reserved for this worker.
+        p = self.cfg.placement
+        torch.set_num_threads(
+            max(1, int(p.cpus_per_worker)) if p.threads_per_worker == "auto" else p.threads_per_worker
+        )
         self.role, self.rank, self.world_size, self.total_steps = role, rank, world_size, total_steps
         self.temperature = self.cfg.sampling.temperature or 1.0
         # The algorithm's choices, bound once: the update itself does not look at their names.
@@ -132,6 +135,19 @@ class ModelWorker:
         who = f"{self.role} rank {self.rank} on node {ray.util.get_node_ip_address()}"
         host, port = rendezvous
         return join_rendezvous_store(host, port, self.world_size, self.cfg.engine.dist_timeout_s, who)
+
+    # ---- compute threads -----------------------------------------------------------------
+
+    def set_threads(self, threads: int) -> None:
+        """Compute on ``threads`` torch threads from now on (the colocated engine too: it runs in this process)."""
+        torch.set_num_threads(threads)
+
+    def in_phase(self, threads: int, method: str, *args: Any) -> tuple[Any, int]:
+        """``method(*args)`` computed on ``threads`` torch threads (the controller's share of the cores
+        free during this phase); its result, and the threads torch reports at its end."""
+        torch.set_num_threads(threads)
+        result = getattr(self, method)(*args)
+        return result, torch.get_num_threads()
 
     # ---- forward passes ----------------------------------------------------------------
 
@@ -389,12 +405,14 @@ class ModelWorker:
         self.engine.export_hf(Path(directory), tokenizer)
 
     def placement_info(self) -> dict[str, Any]:
-        """Where Ray put this worker: node id and address, the GPU ids it was given (empty on CPU),
-        and the rendezvous it used (``host:port``, hosted by rank 0; None for the reference)."""
+        """Where Ray put this worker: node id, the cores this process may run on, the node's address, the
+        GPU ids it was given (empty on CPU) and the rendezvous it used (``host:port``, hosted by rank 0;
+        None for the reference)."""
         import ray
 
         return {
             "node": ray.get_runtime_context().get_node_id(),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
             "ip": ray.util.get_node_ip_address(),
             "gpus": [str(g) for g in ray.get_gpu_ids()],
             "rendezvous": None if self.rendezvous is None else f"{self.rendezvous[0]}:{self.rendezvous[1]}",

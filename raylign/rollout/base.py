@@ -194,6 +194,12 @@ class RolloutEngine(ABC):
     async def weight_version_now(self) -> int:
         return self.weight_version
 
+    async def node_id(self) -> str:
+        """The id of the Ray node this engine's actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     async def shutdown(self) -> None:  # noqa: B027 - an optional hook
         """Release what the engine started outside its own process (a no-op unless it did)."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 
 import pytest
 import torch
@@ -52,6 +53,9 @@ def test_async_samples_are_one_update_old(ray_session, rl_model_dir, prompt_file
         assert record["policy/grad_norm"] > 0
     # The ratio runs against the engine's log-probs of weights one update old: no longer 1 (KL > 0).
     assert records[2]["policy/approx_kl"] > 0
+    # The engine generates beside training and keeps its one reserved core (rollout.num_cpus_per_engine):
+    # the policy trains on the others, at least one.
+    assert {r["threads/train"] for r in records} == {max(1, len(os.sched_getaffinity(0)) - 1)}
 
 
 def test_a_reproducible_stream_killed_mid_step_resumes_to_the_same_weights(

@@ -132,6 +132,7 @@ def test_with_a_kl_term_the_experience_carries_the_reference_logprobs(ray_sessio
     cfg = resolve(tmp_path, data)
     trainer = RLTrainer(cfg)
     trainer.groups = {"reference": WorkerGroup("reference", cfg.model_dump(mode="json"), 1, 1, None, env=ENV)}
+    trainer.threads = {"reference": [1]}  # what setup() would decide with placement.threads_per_worker: 1
     samples = _samples()
     try:
         exp = trainer.make_experience(samples)
@@ -225,6 +226,7 @@ def test_logged_losses_are_the_whole_batch_losses_whatever_the_micro_batches(
     samples = _samples()
     dump = cfg.model_dump(mode="json")
     trainer.groups = {role: WorkerGroup(role, dump, workers, 1, None, env=ENV) for role in ("policy", "critic")}
+    trainer.threads = {role: [1] * workers for role in trainer.groups}  # as setup() with threads_per_worker: 1
     try:
         old = _perturbed_logprobs(fp32_model(rl_model_dir), samples)
         values = trainer._forward_all("critic", "compute_values", samples)
@@ -294,6 +296,7 @@ def test_an_update_with_a_non_finite_loss_is_skipped_on_every_rank(ray_session, 
     trainer.skipped = SkippedSteps(cfg.train.max_skipped_steps)  # what setup() would make
     samples = _samples()
     trainer.groups = {"policy": WorkerGroup("policy", cfg.model_dump(mode="json"), 2, 1, None, env=ENV)}
+    trainer.threads = {"policy": [1, 1]}  # what setup() would decide with placement.threads_per_worker: 1
     try:
         before = trainer._forward_all("policy", "compute_logprobs", samples)
         mask = response_tensor([[1.0] * len(s.response_ids) for s in samples])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +99,20 @@ def test_each_step_logs_finite_training_metrics(runs):
         assert record["rollout/weight_lag"] == 0  # synchronous: samples come from the weights being trained
         # The parts are disjoint intervals inside the step.
         assert sum(record[k] for k in TIMING_PARTS) <= record["time/step_s"] + 1e-6
+
+
+def test_while_a_phase_runs_alone_its_workers_compute_on_every_core(runs):
+    """Synchronous rollout: generation, experience and training take turns, and each role has one
+    rank, so under the default placement.threads_per_worker (auto) the worker of each phase computes
+    with all the cores this machine lets the run use. Presets without a KL term have no forward pass
+    before training (on-policy: the training forward's own log-probs are the behaviour's)."""
+    cores = len(os.sched_getaffinity(0))
+    for record in runs.first_records + runs.second_records:
+        assert record["threads/train"] == cores
+        if runs.preset in USES_REFERENCE:
+            assert record["threads/experience"] == cores
+        else:
+            assert "threads/experience" not in record
 
 
 def test_rewards_gave_the_policy_a_gradient(runs):
