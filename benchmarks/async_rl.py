@@ -121,7 +121,7 @@ def run_setting(model: str, prompts: Path, out: Path, max_staleness: int, partia
             "sampling": {"n": args.group_size, "max_new_tokens": args.max_new_tokens, "temperature": 1.0},
             "data": {"train": [str(prompts)], "format": args.format},
             "optim": {"lr": args.lr, "scheduler": "constant"},
-            "placement": {"cpus_per_worker": 1},
+            "placement": {"cpus_per_worker": 1, "threads_per_worker": args.threads},
             "train": {
                 "output_dir": str(out),
                 "max_steps": args.steps,
@@ -196,6 +196,12 @@ def main() -> None:
         default=None,
         help="train.micro_batch_tokens (default: 8192 for tiny; 2048 for smollm2, whose activations at 8192 "
         "tokens outgrow 24 GiB)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=lambda v: v if v == "auto" else int(v),
+        default=1,
+        help="placement.threads_per_worker: 1 (default, the recorded tables) or auto (threads follow the phases)",
     )
     parser.add_argument("--workdir", default=None, help="where runs go (default: a temporary folder)")
     parser.add_argument("--json", default=None, help="also write the results here")
