@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,23 +31,34 @@ CHILD_ENV = {
 
 
 def launch(
-    script: str, side: str, spec: dict[str, Any], out: Path, env: dict[str, str] | None = None
+    script: str,
+    side: str,
+    spec: dict[str, Any],
+    out: Path,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 3 * 3600,
 ) -> dict[str, Any]:
     """Run ``script --side side`` in a child process with ``spec`` as its workload: what the child wrote to
-    ``steps.json`` plus ``wall_s``, or ``error`` (the log's last error line), ``log`` and ``wall_s``."""
+    ``steps.json`` plus ``wall_s``, or ``error`` (the log's last error line, or that the side ran past
+    ``timeout_s`` and was killed), ``log`` and ``wall_s``."""
     out.mkdir(parents=True, exist_ok=True)
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
     log_file = out / "run.log"
     start = time.perf_counter()
     with log_file.open("w") as log:
-        done = subprocess.run(
-            [sys.executable, script, "--side", side, "--spec", str(spec_file)],
-            env={**os.environ, **CHILD_ENV, **(env or {})},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-        )
+        try:
+            done = subprocess.run(
+                [sys.executable, script, "--side", side, "--spec", str(spec_file)],
+                env={**os.environ, **CHILD_ENV, **(env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            error = f"side {side!r} ran past {timeout_s:.0f} s and was killed"
+            return {"error": error, "log": str(log_file), "wall_s": time.perf_counter() - start}
     wall = time.perf_counter() - start
     if done.returncode != 0:
         return {"error": last_error_line(log_file), "log": str(log_file), "wall_s": wall}
@@ -70,3 +84,20 @@ def median_after_warmup(records: list[dict[str, float]], key: str) -> float:
 
 def fmt(value: float, width: int = 7, digits: int = 2) -> str:
     return f"{'n/a':>{width}s}" if math.isnan(value) else f"{value:{width}.{digits}f}"
+
+
+def in_workdir(workdir: Path | None, prefix: str, body: Callable[[Path], list[dict[str, Any]]]) -> None:
+    """Run ``body`` (which returns the report's rows) in ``workdir``, or in a temporary folder removed
+    afterwards. The folder is kept when it was given, or when a row has ``errors``: the failing side's
+    log is the evidence."""
+    keep = workdir is not None
+    folder = workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = body(folder)
+        if any(row["errors"] for row in rows):
+            keep = True
+            print(f"\nlogs kept in {folder}")
+    finally:
+        if not keep:
+            shutil.rmtree(folder, ignore_errors=True)

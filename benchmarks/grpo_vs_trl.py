@@ -51,15 +51,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from child_runs import REPO, fmt, launch, median_after_warmup, write_steps
+from child_runs import REPO, fmt, in_workdir, launch, median_after_warmup, write_steps
 
 REWARD_FILE = REPO / "examples" / "rewards" / "letter_match.py"
 PHASES = ("generate", "reward", "experience", "train", "sync")
@@ -511,18 +509,14 @@ def main() -> None:
         run_side(args.side, args.spec)
         return
     load_before = os.getloadavg()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="grpo_vs_trl-"))
-    keep = args.workdir is not None
-    try:
+
+    def body(workdir: Path) -> list[dict[str, Any]]:
         names = ["tiny", "smollm2"] if args.model == "both" else [args.model]
         rows = [run_model(name, args, workdir) for name in names]
         print_report(rows, args, load_before)
-        if any(row["errors"] for row in rows):
-            keep = True  # the failing side's log is the evidence
-            print(f"\nlogs kept in {workdir}")
-    finally:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        return rows
+
+    in_workdir(args.workdir, "grpo_vs_trl-", body)
 
 
 if __name__ == "__main__":

@@ -70,15 +70,13 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from child_runs import fmt, launch, median_after_warmup, write_steps
+from child_runs import fmt, in_workdir, launch, median_after_warmup, write_steps
 
 TRAINERS = ("sft", "dpo")
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
@@ -524,10 +522,8 @@ def main() -> None:
         run_side(args.side, args.spec)
         return
     load_before = os.getloadavg()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="offline_vs_trl-"))
-    keep = args.workdir is not None
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
+
+    def body(workdir: Path) -> list[dict[str, Any]]:
         hw = machine(args.dtype)
         model = prepare_model(args.model, workdir, args.max_length)
         files = write_rows(workdir, args.batch_size * args.steps, args.max_length)
@@ -539,12 +535,9 @@ def main() -> None:
         if args.json is not None:
             report = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": hw, "rows": rows}
             args.json.write_text(json.dumps(report, indent=2))
-        if any(row["errors"] for row in rows):
-            keep = True  # the failing side's log is the evidence
-            print(f"\nlogs kept in {workdir}")
-    finally:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        return rows
+
+    in_workdir(args.workdir, "offline_vs_trl-", body)
 
 
 if __name__ == "__main__":

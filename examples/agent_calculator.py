@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         "data": {"train": [str(prompts)], "eval": [str(held_out)], "seed": args.seed},
         "algorithm": {"kl_mode": "none", "kl_coef": 0.0},
         "optim": {"lr": args.rl_lr, "scheduler": "constant", "warmup_steps": min(5, args.rl_steps // 2)},
-        "placement": {"cpus_per_worker": min(4, os.cpu_count() or 1)},
+        "placement": {"threads_per_worker": min(4, os.cpu_count() or 1)},
         "train": {
             "output_dir": str(out / "rl"),
             "max_steps": args.rl_steps,

@@ -158,8 +158,9 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, dict[str, float]]:
             "data": {"train": [str(prompts)], "eval": [str(held_out)], "seed": cfg.seed},
             # A short warm-up of the learning rate: Adam's first steps move every weight by about lr at once.
             "optim": {"lr": cfg.rl_lr, "scheduler": "constant", "warmup_steps": 10},
-            # The phases take turns, so each worker may compute on every core (up to 4: the model is tiny).
-            "placement": {"cpus_per_worker": min(4, os.cpu_count() or 1)},
+            # The phases take turns, so each worker computes on every core, but on at most 4: a model this
+            # small has too little work per matrix product to keep more threads busy.
+            "placement": {"threads_per_worker": min(4, os.cpu_count() or 1)},
             "train": {
                 "output_dir": str(out / "rl"),
                 "max_steps": cfg.rl_steps,
