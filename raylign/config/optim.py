@@ -20,3 +20,10 @@ class OptimConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warmup length in optimizer steps.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables.")
+    master_weights: bool = Field(
+        True,
+        description="A bf16 model is updated through fp32 master copies of its weights. false: the optimizer "
+        "updates the bf16 weights themselves (fp32 arithmetic and moments, the result rounded stochastically so "
+        "that updates below bf16's resolution survive on average): 6 bytes less per parameter (no fp32 weight "
+        "and gradient copies) for noisier weights and bf16 gradient accumulation. local and fsdp2 engines only.",
+    )

@@ -53,6 +53,11 @@ def create_engine(
 
         return FSDP2Engine(model, engine_cfg, optim_cfg, total_steps)
     if engine_cfg.backend == "deepspeed":
+        if not optim_cfg.master_weights:
+            raise ValueError(
+                "optim.master_weights: false needs engine.backend 'local' or 'fsdp2': DeepSpeed's bf16 mode always "
+                "keeps fp32 master partitions"
+            )
         from raylign.engine.deepspeed import DeepSpeedZeroEngine
 
         return DeepSpeedZeroEngine(model, engine_cfg, optim_cfg, total_steps)

@@ -7,7 +7,9 @@ micro-batches until ``step``.
 
 A bf16 model is trained with fp32 sharded master weights: the engine upcasts it before
 sharding and a ``MixedPrecisionPolicy`` casts each layer's gathered weights to bf16 for
-compute, so the forward pass runs in bf16 while small AdamW updates are not rounded away.
+compute, so the forward pass runs in bf16 while small AdamW updates are not rounded away. With
+``optim.master_weights: false`` the shards stay bf16 and the optimizer rounds each update into them
+stochastically (:class:`~raylign.engine.optim.StochasticRoundingAdamW`).
 Exports and :meth:`full_state_dict` hand weights back in bf16.
 
 Checkpoints are sharded (torch.distributed.checkpoint) and must be loaded on the same
@@ -86,7 +88,8 @@ class FSDP2Engine(TrainEngine):
         self.model_dtype = floating_dtype(model)
         self.max_grad_norm = optim_cfg.max_grad_norm
         self.offload_policy = offload_policy(engine_cfg, self.device)
-        model.float()  # sharded fp32 master weights; no-op for fp32 models
+        if optim_cfg.master_weights:
+            model.float()  # sharded fp32 master weights; no-op for fp32 models
         if not isinstance(self.offload_policy, CPUOffloadPolicy):
             model.to(self.device)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))

@@ -3,7 +3,9 @@
 For laptops, tests and small models. A bf16 (or fp16) model keeps its low-precision weights for
 the forward pass, but the optimizer updates fp32 master copies that are copied back after each
 step: without them an AdamW update smaller than the weight's rounding step (about
-``|w| / 256`` in bf16) would be lost, and small learning rates would not train at all.
+``|w| / 256`` in bf16) would be lost, and small learning rates would not train at all. With
+``optim.master_weights: false`` there are no copies: the optimizer rounds each update into the bf16
+weights stochastically (:class:`~raylign.engine.optim.StochasticRoundingAdamW`).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class LocalEngine(TrainEngine):
         self.max_grad_norm = optim_cfg.max_grad_norm
         self.module = model.to(self.device)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.master = Fp32MasterWeights(trainable) if self.model_dtype != torch.float32 else None
+        with_master = self.model_dtype != torch.float32 and optim_cfg.master_weights
+        self.master = Fp32MasterWeights(trainable) if with_master else None
         self.optimizer = build_adamw(self.master.named_masters if self.master else trainable, optim_cfg)
         self.scheduler = build_scheduler(self.optimizer, optim_cfg, total_steps)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw as adamw_update
 from torch.optim.lr_scheduler import LambdaLR
 
 from raylign.config.optim import OptimConfig
@@ -44,10 +45,87 @@ def build_param_groups(
     return [g for g in groups if g["params"]]
 
 
-def build_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig) -> torch.optim.AdamW:
-    """torch AdamW (decoupled weight decay, Loshchilov & Hutter 2019) over :func:`build_param_groups`."""
+def build_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """torch AdamW (decoupled weight decay, Loshchilov & Hutter 2019) over :func:`build_param_groups`;
+    :class:`StochasticRoundingAdamW` when ``optim.master_weights`` is off (it updates bf16 weights in place).
+    """
     groups = build_param_groups(named_params, cfg.weight_decay)
+    if not cfg.master_weights:
+        return StochasticRoundingAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def stochastic_round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded to one of its two neighbouring bf16 values at random, up with probability equal
+    to how far ``x`` lies towards the upper one, so that ``E[round(x)] = x`` (Gupta et al. 2015).
+
+    bf16 is the top 16 bits of fp32: adding a uniform integer in ``[0, 2^16)`` to the bit pattern and
+    dropping the low 16 bits carries into the kept bits with exactly that probability, for either sign.
+    """
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device)
+    return ((bits + noise) & -(1 << 16)).view(torch.float32).to(torch.bfloat16)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The shard this rank holds of an FSDP2 DTensor (sharing its storage), or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class StochasticRoundingAdamW(torch.optim.Optimizer):
+    """AdamW on bf16 weights without fp32 master copies (``optim.master_weights: false``).
+
+    Each step runs torch's own AdamW arithmetic on an fp32 copy of one parameter at a time, with the
+    moments kept in fp32, and writes the result back to the bf16 weight with
+    :func:`stochastic_round_to_bf16`. With round-to-nearest an update smaller than half the weight's
+    rounding step (about ``|w| / 256``) would be lost every time, so small learning rates would not
+    train; rounded stochastically it survives in expectation, at the price of noise in each weight.
+    fp32 parameters are updated exactly as by ``torch.optim.AdamW``.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("StochasticRoundingAdamW.step takes no closure")
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+                weight = _local(param)
+                updated = weight.float()
+                adamw_update(
+                    [updated],
+                    [_local(param.grad).float()],
+                    [_local(state["exp_avg"])],
+                    [_local(state["exp_avg_sq"])],
+                    [],
+                    [state["step"]],
+                    foreach=False,
+                    amsgrad=False,
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=False,
+                )
+                weight.copy_(stochastic_round_to_bf16(updated) if weight.dtype == torch.bfloat16 else updated)
 
 
 def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
