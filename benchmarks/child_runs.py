@@ -12,10 +12,12 @@ import json
 import math
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +30,71 @@ CHILD_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "sve", "bf16")
+
+
+def machine(dtype: str) -> dict[str, Any]:
+    """What this machine can do, measured now: CPU model, instruction set, cores this process may use,
+    one-thread matmul GFLOP/s at ``dtype``, memory-copy and TCP-loopback GB/s."""
+    import torch
+
+    from raylign.hardware import cpu_flags, cpu_model, matmul_gflops
+
+    return {
+        "cpu": cpu_model(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "flags": [f for f in ISA_FLAGS if f in cpu_flags()],
+        "cores": len(os.sched_getaffinity(0)),
+        "matmul_gflops_1thread": matmul_gflops(getattr(torch, dtype), size=512, repeats=5),
+        "copy_gb_s": copy_gb_s(),
+        "loopback_gb_s": loopback_gb_s(),
+    }
+
+
+def copy_gb_s(megabytes: int = 256, repeats: int = 3) -> float:
+    """Best-of-``repeats`` rate of one tensor copy (bytes copied per second, one thread), in GB/s."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(megabytes << 20, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # warm-up: the pages exist
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return src.numel() / best / 1e9
+
+
+def loopback_gb_s(megabytes: int = 256, timeout_s: float = 60.0) -> float:
+    """Rate of ``megabytes`` sent over a TCP connection to 127.0.0.1 (the transport of the weight sync
+    between processes on one machine), in GB/s."""
+    payload = memoryview(bytearray(megabytes << 20))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(timeout_s)
+        sender = socket.create_connection(server.getsockname(), timeout=timeout_s)
+        receiver, _ = server.accept()
+    receiver.settimeout(timeout_s)
+    thread = threading.Thread(target=sender.sendall, args=(payload,), daemon=True)
+    buffer = memoryview(bytearray(1 << 22))
+    received = 0
+    with sender, receiver:
+        start = time.perf_counter()
+        thread.start()
+        while received < len(payload):
+            count = receiver.recv_into(buffer)
+            if count == 0:
+                raise RuntimeError(f"loopback bandwidth: the connection closed after {received} bytes")
+            received += count
+        elapsed = time.perf_counter() - start
+        thread.join(timeout_s)
+    return received / elapsed / 1e9
 
 
 def launch(

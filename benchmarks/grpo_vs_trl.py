@@ -9,8 +9,14 @@ warm-up), AdamW betas (0.9, 0.95) without weight decay, gradient clipping at 1.0
 advantages normalised by the group's std, clipped surrogate with eps 0.2, per-sequence token
 mean (raylign ``seq_mean_token_mean`` = TRL ``loss_type="grpo"``), the k3 KL term to the initial
 policy with the same coefficient (``--kl-coef``; 0 turns the reference model off on both sides),
-chat-template prompts, no gradient checkpointing, one compute thread per process (raylign's
-phases run in separate Ray actors, one phase after another).
+chat-template prompts, no gradient checkpointing, and the compute threads: with ``--threads 1`` (the
+default) one per process on both sides (raylign's phases run in separate Ray actors, one phase
+after another); with ``--threads default`` each side's own default (raylign's threads follow its
+phases, each phase using the cores nothing else keeps busy; TRL's torch uses every core).
+
+Beside each phase's median the report prints its floor: the least time the phase's work can take
+on this machine, from FLOP or byte counts of the step and the machine's matmul, memory-copy and
+TCP-loopback rates measured at the start of the same invocation (see ``phase_floors``).
 
 Each side runs in its own child process of this script, one after the other, and reports the
 time of every step; the first step is warm-up, the table shows the median of the rest.
@@ -57,7 +63,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from child_runs import REPO, fmt, in_workdir, launch, median_after_warmup, write_steps
+from child_runs import REPO, fmt, in_workdir, launch, machine, median_after_warmup, write_steps
 
 REWARD_FILE = REPO / "examples" / "rewards" / "letter_match.py"
 PHASES = ("generate", "reward", "experience", "train", "sync")
@@ -84,6 +90,7 @@ class Workload:
     seed: int
     colocate: bool = False
     max_staleness: int = 0
+    threads: str = "1"
 
 
 # ---- shared inputs ---------------------------------------------------------------------------
@@ -138,7 +145,7 @@ def raylign_config(w: Workload):
             },
             "reward": {"sources": [{"kind": "function", "path": str(REWARD_FILE)}]},
             "rollout": {"engine": w.engine, "dtype": w.dtype, "max_staleness": w.max_staleness},
-            "placement": {"colocate": w.colocate},
+            "placement": {"colocate": w.colocate, "threads_per_worker": 1 if w.threads == "1" else "auto"},
             "sampling": {"n": w.group_size, "max_new_tokens": w.max_new_tokens, "temperature": 1.0},
             "data": {"train": [w.prompt_file], "format": "chat"},
             "optim": {
@@ -177,6 +184,10 @@ def run_raylign_side(w: Workload) -> list[dict[str, float]]:
             **{p: r[f"time/{p}_s"] for p in PHASES},
             "reward_mean": r["reward/mean"],
             "response_length": r["response_length/mean"],
+            "response_length_max": r["response_length/max"],
+            "prompt_tokens": r["throughput/tokens_per_s"] * r["time/step_s"]
+            - r["throughput/generated_tokens_per_s"] * r["time/generate_s"],
+            "sync_bytes": r.get("sync/num_bytes", float("nan")),
         }
         for r in read_metrics(w.output_dir)
         if "time/step_s" in r
@@ -327,6 +338,7 @@ def run_trl_side(w: Workload) -> list[dict[str, float]]:
         record.update(
             reward_mean=log.get("reward", float("nan")),
             response_length=log.get("completions/mean_length", float("nan")),
+            response_length_max=log.get("completions/max_length", float("nan")),
         )
     return records
 
@@ -347,8 +359,59 @@ def run_side(side: str, spec_file: Path) -> None:
 
 def summarize(result: dict[str, Any]) -> dict[str, float]:
     records = result.get("records", [])
-    keys = ("step_s", *PHASES, "reward_mean", "response_length")
+    keys = ("step_s", *PHASES, "reward_mean", "response_length", "response_length_max", "prompt_tokens", "sync_bytes")
     return {k: median_after_warmup(records, k) for k in keys} | {"steps": len(records), "wall_s": result["wall_s"]}
+
+
+def model_sizes(model_path: str) -> dict[str, int]:
+    """Parameters of the model by role, counted on the meta device (nothing is loaded): ``head`` is the
+    output layer (vocabulary x hidden, the embedding itself when tied), ``trunk`` every matrix a token
+    passes through before it, ``bytes`` the weights at their stored size."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return {"total": total, "head": head, "trunk": total - embed - (0 if tied else head)}
+
+
+def phase_floors(
+    sizes: dict[str, int],
+    side: dict[str, float],
+    prompt_tokens: float,
+    samples: int,
+    kl: bool,
+    hw: dict[str, Any],
+    threads: int,
+    bytes_per_weight: int,
+) -> dict[str, float]:
+    """Seconds per step no implementation can beat on this machine, per phase, from the work of the
+    step (``side``'s medians; ``prompt_tokens`` per sample) and the rates measured in this run:
+
+    - one forward pass over the step's samples is ``F = 2 (trunk x (prompt + response tokens) + head x
+      response tokens)`` FLOP (the output layer is needed at response positions only);
+    - train = 3F (forward and backward) at ``threads`` x the one-thread matmul rate; experience = F,
+      the reference forward, when there is a KL term (one optimizer step per generation needs no
+      separate behaviour forward); generate = F, or, when larger, the weights read once per decoding
+      step for the longest response at the memory-copy rate; sync = the bytes sent at the TCP-loopback
+      rate (raylign's engines are separate processes); reward has no floor here.
+    """
+    rate = hw["matmul_gflops_1thread"] * 1e9 * threads
+    response = side["response_length"] * samples
+    forward = 2 * (sizes["trunk"] * (prompt_tokens * samples + response) + sizes["head"] * response)
+    decode = side["response_length_max"] * sizes["total"] * bytes_per_weight / (hw["copy_gb_s"] * 1e9)
+    return {
+        "generate": max(forward / rate, decode),
+        "reward": float("nan"),
+        "experience": forward / rate if kl else 0.0,
+        "train": 3 * forward / rate,
+        "sync": side["sync_bytes"] / (hw["loopback_gb_s"] * 1e9),
+    }
 
 
 def print_report(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: tuple[float, ...]) -> None:
@@ -360,7 +423,8 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace, load_befo
     )
     who = "raylign only (--skip-trl)" if args.skip_trl else "Both sides ran back to back in this invocation"
     print(
-        f"{who}, one compute thread per process, on a machine shared with other work (load average before: "
+        f"{who}, {'one compute thread per process' if args.threads == '1' else 'default threads'}, load average "
+        "before: "
         f"{', '.join(f'{x:.1f}' for x in load_before)}): timings are noisy.\n"
     )
     head = (
@@ -394,9 +458,32 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace, load_befo
                 + f" {fmt(s['reward_mean'], 8, 3)} {fmt(s['response_length'], 8, 1)} {s['steps']:6d}"
                 f" {fmt(s['wall_s'], 7, 0)}"
             )
+    print_floors(rows, args)
     for row in rows:
         for side, message in row["errors"].items():
             print(f"\n{row['model']} {side} failed: {message}")
+
+
+def print_floors(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Each phase's median against the floor of :func:`phase_floors`: floor/measured is the share of
+    the machine's capacity the phase used (1.0 is the limit)."""
+    hw = rows[0]["machine"]
+    print(
+        f"\nWhere the time goes, against this machine's limits measured in this run: {hw['cpu']} "
+        f"({hw['capability']}, {' '.join(hw['flags'])}), {hw['cores']} cores; matmul at {args.dtype} on one "
+        f"thread {hw['matmul_gflops_1thread']:.0f} GFLOP/s, memory copy {hw['copy_gb_s']:.1f} GB/s, TCP "
+        f"loopback {hw['loopback_gb_s']:.2f} GB/s. Floors at {rows[0]['threads_used']} thread(s) per phase "
+        "(benchmarks/grpo_vs_trl.py: phase_floors); floor/measured is the share of the machine a phase used."
+    )
+    print(f"{'model':8s} {'side':8s} {'phase':10s} {'measured s':>10s} {'floor s':>9s} {'floor/measured':>14s}")
+    for row in rows:
+        for side in ("raylign",) if args.skip_trl else ("raylign", "trl"):
+            measured, floors = row[side], row["floors"][side]
+            for phase in PHASES:
+                print(
+                    f"{row['model']:8s} {side:8s} {phase:10s} {fmt(measured[phase], 10)} {fmt(floors[phase], 9, 3)} "
+                    f"{fmt(floors[phase] / measured[phase] if measured[phase] > 0 else float('nan'), 14)}"
+                )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -441,6 +528,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="model dtype of both sides (bf16 matmuls are much faster on this CPU)",
     )
     parser.add_argument("--seed", type=int, default=42, help="seed of both sides")
+    parser.add_argument(
+        "--threads",
+        choices=["1", "default"],
+        default="1",
+        help="1: one compute thread per process on both sides; default: each side's own default (raylign's "
+        "threads follow its phases, TRL's torch uses every core)",
+    )
     parser.add_argument("--skip-trl", action="store_true", help="run raylign only")
     parser.add_argument(
         "--workdir",
@@ -459,8 +553,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """Both sides on model ``name``, back to back: a report row with each side's medians and errors."""
+def run_model(name: str, args: argparse.Namespace, workdir: Path, hw: dict[str, Any]) -> dict[str, Any]:
+    """Both sides on model ``name``, back to back: a report row with each side's medians, the floor of
+    each phase, and errors."""
+    threads = 1 if args.threads == "1" else hw["cores"]
     base = workdir / name
     base.mkdir(parents=True, exist_ok=True)
     model = prepare_model(name, base)
@@ -489,9 +585,10 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, A
             args.seed,
             args.colocate,
             args.max_staleness,
+            args.threads,
         )
         print(f"running {side} on {name} ...", flush=True)
-        result = launch(__file__, side, asdict(w), Path(w.output_dir), VLLM_ENV)
+        result = launch(__file__, side, asdict(w), Path(w.output_dir), {**VLLM_ENV, "OMP_NUM_THREADS": str(threads)})
         if "error" in result:
             row["errors"][side] = f"{result['error']} (log: {result['log']})"
         row[side] = summarize(result)
@@ -500,6 +597,15 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, A
             f"{row[side]['wall_s']:.0f} s in all",
             flush=True,
         )
+    samples = args.prompts_per_step * args.group_size
+    sizes = model_sizes(str(model))
+    prompt_tokens = row["raylign"]["prompt_tokens"] / samples
+    bytes_per_weight = 2 if args.dtype == "bfloat16" else 4
+    row["machine"], row["threads_used"] = hw, threads
+    row["floors"] = {
+        side: phase_floors(sizes, row[side], prompt_tokens, samples, args.kl_coef > 0, hw, threads, bytes_per_weight)
+        for side in ("raylign", "trl")
+    }
     return row
 
 
@@ -512,7 +618,8 @@ def main() -> None:
 
     def body(workdir: Path) -> list[dict[str, Any]]:
         names = ["tiny", "smollm2"] if args.model == "both" else [args.model]
-        rows = [run_model(name, args, workdir) for name in names]
+        hw = machine(args.dtype)  # before the runs, on a machine nothing of this benchmark keeps busy yet
+        rows = [run_model(name, args, workdir, hw) for name in names]
         print_report(rows, args, load_before)
         return rows
 

@@ -76,11 +76,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from child_runs import fmt, in_workdir, launch, median_after_warmup, write_steps
+from child_runs import fmt, in_workdir, launch, machine, median_after_warmup, write_steps
 
 TRAINERS = ("sft", "dpo")
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "sve", "bf16")
 
 
 @dataclass
@@ -343,20 +342,6 @@ def run_side(side: str, spec_file: Path) -> None:
 
 
 # ---- driver ----------------------------------------------------------------------------------
-
-
-def machine(dtype: str) -> dict[str, Any]:
-    """CPU model, instruction set and one-thread matmul GFLOP/s at ``dtype``, measured now."""
-    import torch
-
-    from raylign.hardware import cpu_flags, cpu_model, matmul_gflops
-
-    return {
-        "cpu": cpu_model(),
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "flags": [f for f in ISA_FLAGS if f in cpu_flags()],
-        "matmul_gflops_1thread": matmul_gflops(getattr(torch, dtype), size=512, repeats=5),
-    }
 
 
 def floor_flop(trainer: str, params: int, tokens: float, precompute_reference: bool) -> float:

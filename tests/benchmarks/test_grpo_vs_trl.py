@@ -1,0 +1,64 @@
+"""benchmarks/grpo_vs_trl.py: the floor of each phase, by hand, and the report end to end (raylign side)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from raylign.models.tiny import build_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "grpo_vs_trl.py"
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import grpo_vs_trl  # noqa: E402
+
+
+def test_phase_floors_by_hand():
+    """trunk 1000, head 200, 1400 weights in all at 4 bytes; 4 samples of 5 prompt and 10 response
+    tokens (longest 16); 1 GFLOP/s a thread x 2 threads, copy 1 GB/s, loopback 2 GB/s.
+    One forward: 2 (1000 x 60 + 200 x 40) = 136000 FLOP = 68 us at 2 GFLOP/s; decoding reads
+    16 x 5600 bytes = 89.6 us at 1 GB/s, which is the larger; sync 5600 bytes / 2 GB/s = 2.8 us."""
+    sizes = {"trunk": 1000, "head": 200, "total": 1400}
+    side = {"response_length": 10.0, "response_length_max": 16.0, "sync_bytes": 5600.0}
+    hw = {"matmul_gflops_1thread": 1.0, "copy_gb_s": 1.0, "loopback_gb_s": 2.0}
+    floors = grpo_vs_trl.phase_floors(sizes, side, 5.0, 4, True, hw, 2, 4)
+    assert floors["generate"] == pytest.approx(89.6e-6)
+    assert floors["experience"] == pytest.approx(68e-6)
+    assert floors["train"] == pytest.approx(3 * 68e-6)
+    assert floors["sync"] == pytest.approx(2.8e-6)
+    without_kl = grpo_vs_trl.phase_floors(sizes, side, 5.0, 4, False, hw, 2, 4)
+    assert without_kl["experience"] == 0.0
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_sizes_split_the_weights_into_trunk_and_output_layer(tmp_path, tied):
+    path = build_tiny_model(tmp_path / "m", hidden_size=64, num_heads=2, num_kv_heads=1, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    trunk = sum(p.numel() for p in model.model.layers.parameters()) + model.model.norm.weight.numel()
+    vocab = model.config.vocab_size
+    sizes = grpo_vs_trl.model_sizes(str(path))
+    assert sizes == {"total": sum(p.numel() for p in model.parameters()), "head": vocab * 64, "trunk": trunk}
+
+
+@pytest.mark.slow
+def test_report_prints_every_phase_against_its_floor(tmp_path):
+    command = [sys.executable, str(SCRIPT), "--engine", "hf", "--skip-trl", "--steps", "2"]
+    command += ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--workdir", str(tmp_path)]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = done.stdout.split("Where the time goes")[1]
+    assert "GFLOP/s" in report and "GB/s" in report
+    rows = {line.split()[2]: line.split()[3:] for line in report.splitlines() if line.startswith("tiny     raylign")}
+    assert sorted(rows) == sorted(grpo_vs_trl.PHASES)
+    for phase in ("generate", "experience", "train", "sync"):
+        measured, floor, share = (float(x) for x in rows[phase])
+        assert measured > 0 and floor >= 0 and 0 <= share <= 1, (phase, rows[phase])
