@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ from raylign.rl.experience import Sample
 from raylign.rl.prompts import Prompt
 from raylign.rollout.base import Completion
 from raylign.rollout.pool import EngineDied, FinishedGroup, RolloutPool
+
+log = logging.getLogger("raylign")
 
 
 @dataclass
@@ -201,3 +204,27 @@ def sample_from_episode(ep: Episode, prompt: Prompt, tokenizer: Any) -> Sample:
         turn_rewards=list(ep.turn_rewards),
         episode=ep,
     )
+
+
+def agent_episode_stream(cfg: Any, pool: RolloutPool, tokenizer: Any) -> tuple[EpisodeStream, Any]:
+    """The episode stream of an agent run (``cfg`` an RLConfig with ``agent`` enabled) and, for
+    ``agent.client``, the OpenAI-compatible endpoint it serves its client through (None for
+    ``agent.env``, whose environments run in this process)."""
+    from raylign.agents.endpoint import EndpointServer, EpisodeRecorder, build_app
+    from raylign.agents.env import load_callable, load_environment
+    from raylign.agents.episode import EpisodeLimits
+
+    g, timeout = cfg.agent, cfg.rollout.generate_timeout_s
+    limits = EpisodeLimits(g.max_turns, g.max_total_tokens, g.episode_timeout_s, g.step_timeout_s, g.drift)
+    if g.env is not None:
+        env_class, env_args = load_environment(g.env), dict(g.env_args)
+        runner = EpisodeRunner(lambda: env_class(**env_args), tokenizer, limits, timeout)
+        return EpisodeStream(pool, runner, timeout), None
+    recorder = EpisodeRecorder()
+    client = ClientEpisodeRunner(load_callable(g.client, "agent.client"), recorder, "", g.api_key or "none", limits)
+    stream = EpisodeStream(pool, client, timeout)
+    app = build_app(stream.complete, tokenizer, recorder, api_key=g.api_key)
+    endpoint = EndpointServer(app, g.endpoint_host, g.endpoint_port).start()
+    client.base_url = endpoint.url
+    log.info("OpenAI-compatible endpoint for agent.client: %s", endpoint.url)
+    return stream, endpoint

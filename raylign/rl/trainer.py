@@ -11,15 +11,12 @@ engines keep generating while the policy trains.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from raylign.agents.episode import episode_metrics
@@ -35,7 +32,7 @@ from raylign.engine.checkpoint import (
     write_atomically,
 )
 from raylign.rl.advantages import RewardShaping, compute_advantages
-from raylign.rl.episodes import EpisodeStream, sample_from_episode
+from raylign.rl.episodes import EpisodeStream, agent_episode_stream, sample_from_episode
 from raylign.rl.evaluation import pass_at_k_metrics
 from raylign.rl.experience import (
     Experience,
@@ -54,6 +51,14 @@ from raylign.rl.experience import (
 from raylign.rl.metric import Metric, average_updates, combine
 from raylign.rl.placement import check_gpu_count, phase_threads, placement_groups, worker_nodes
 from raylign.rl.prompts import Prompt, load_prompts
+from raylign.rl.records import (
+    drop_records_after,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+    write_samples,
+    write_trajectories,
+)
 from raylign.rl.shared_dir import check_shared_directory
 from raylign.rl.stream import PromptPositions, RolloutFeed, sample_from, uniform_rewards
 from raylign.rl.verify import PROBE_TOKENS, probe_sequence, verify_sync
@@ -94,7 +99,7 @@ class RLTrainer:
         cfg = self.cfg
         check_writable(self.out, "train.output_dir")
         save_yaml(cfg, self.out / "config.yaml")
-        _seed(cfg.train.seed)
+        seed_everything(cfg.train.seed)
         self.model_path = str(resolve_model_path(cfg.model.path))
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path, padding_side="left")
         self.train_prompts = load_prompts(cfg.data.train, cfg.data, self.tokenizer)
@@ -164,7 +169,9 @@ class RLTrainer:
         self.threads = self._decide_threads(has_gpus)
         self.positions = PromptPositions(self.sampler)
         r, a = cfg.rollout, cfg.algorithm
-        self.episodes = self._episode_stream() if cfg.agent.enabled else None
+        self.episodes: EpisodeStream | None = None
+        if cfg.agent.enabled:
+            self.episodes, self.endpoint = agent_episode_stream(cfg, self.pool, self.tokenizer)
         stream: GroupStream | EpisodeStream
         if self.episodes is not None:
             stream = self.episodes
@@ -227,36 +234,6 @@ class RLTrainer:
         )
         return threads
 
-    def _episode_stream(self) -> EpisodeStream:
-        """Agent episodes of ``agent.env`` on the engines (:mod:`raylign.rl.episodes`)."""
-        from raylign.agents.env import load_environment
-        from raylign.agents.episode import EpisodeLimits, EpisodeRunner
-
-        g, timeout = self.cfg.agent, self.cfg.rollout.generate_timeout_s
-        limits = EpisodeLimits(g.max_turns, g.max_total_tokens, g.episode_timeout_s, g.step_timeout_s, g.drift)
-        if g.env is not None:
-            env_class, env_args = load_environment(g.env), dict(g.env_args)
-            return EpisodeStream(
-                self.pool, EpisodeRunner(lambda: env_class(**env_args), self.tokenizer, limits, timeout), timeout
-            )
-        return self._endpoint_stream(limits)
-
-    def _endpoint_stream(self, limits: Any) -> EpisodeStream:
-        """Episodes of ``agent.client`` through the OpenAI-compatible endpoint, served here."""
-        from raylign.agents.client import ClientEpisodeRunner
-        from raylign.agents.endpoint import EndpointServer, EpisodeRecorder, build_app
-        from raylign.agents.env import load_callable
-
-        g = self.cfg.agent
-        recorder = EpisodeRecorder()
-        runner = ClientEpisodeRunner(load_callable(g.client, "agent.client"), recorder, "", g.api_key or "none", limits)
-        stream = EpisodeStream(self.pool, runner, self.cfg.rollout.generate_timeout_s)
-        app = build_app(stream.complete, self.tokenizer, recorder, api_key=g.api_key)
-        self.endpoint = EndpointServer(app, g.endpoint_host, g.endpoint_port).start()
-        runner.base_url = self.endpoint.url
-        log.info("OpenAI-compatible endpoint for agent.client: %s", self.endpoint.url)
-        return stream
-
     def _episode_samples(self, episodes: list, prompt: Prompt, position: int) -> list[Sample]:
         return [sample_from_episode(e, prompt, self.tokenizer) for e in episodes]
 
@@ -277,13 +254,13 @@ class RLTrainer:
             self.syncs = int(state["syncs"]) - 1
         else:  # a checkpoint of an earlier version: the prompts it had in flight are generated again
             self.feed.requeued = list(state.get("next_indices") or [])
-        _set_rng(state["rng"])
+        set_rng_state(state["rng"])
         if "skipped" in state:
             self.skipped.load_state_dict(state["skipped"])
         self.shaping.load_state_dict(state.get("reward_shaping", {}))
         self.metrics.resume_from(self.step)
         for name in ("samples.jsonl", "trajectories.jsonl"):
-            _drop_records_after(self.out / name, self.step)
+            drop_records_after(self.out / name, self.step)
         self.sync_weights()
         log.info(
             "resumed from %s at step %d; %d prompt group(s) in flight at the checkpoint start again",
@@ -566,48 +543,11 @@ class RLTrainer:
         ]
 
     def _write_samples(self, samples: list[Sample]) -> None:
+        step = self.step + 1
         if self.episodes is not None:
-            self._write_trajectories(samples)
-        if not self.cfg.train.log_samples:
-            return
-        with open(self.out / "samples.jsonl", "a") as f:
-            for s in samples[: self.cfg.train.log_samples]:
-                f.write(
-                    json.dumps(
-                        {
-                            "step": self.step + 1,
-                            "prompt": s.prompt_text,
-                            "response": s.response_text,
-                            "label": s.label,
-                            "reward": s.reward,
-                            "finish_reason": s.finish_reason,
-                        },
-                        default=str,
-                    )
-                    + "\n"
-                )
-
-    def _write_trajectories(self, samples: list[Sample]) -> None:
-        """A few whole episodes of the step, each turn's text marked with where its tokens came from."""
-        count = self.cfg.agent.log_trajectories
-        if not count:
-            return
-        with open(self.out / "trajectories.jsonl", "a") as f:
-            for s in samples[:count]:
-                ep = s.episode
-                record = {
-                    "step": self.step + 1,
-                    "label": s.label,
-                    "reward": s.reward,
-                    "turn_rewards": [r for _, r in ep.turn_rewards],
-                    "end_reason": ep.end_reason,
-                    "turns": ep.turns,
-                    "tool_calls": ep.tool_calls,
-                    "tool_failures": ep.tool_failures,
-                    "prompt": s.prompt_text,
-                    "segments": ep.segments(self.tokenizer),
-                }
-                f.write(json.dumps(record, default=str) + "\n")
+            count = self.cfg.agent.log_trajectories
+            write_trajectories(self.out / "trajectories.jsonl", samples, step, count, self.tokenizer)
+        write_samples(self.out / "samples.jsonl", samples, step, self.cfg.train.log_samples)
 
     def sync_weights(self) -> dict[str, float]:
         """The policy's weights to every engine, labelled with the next version. An engine that died
@@ -741,7 +681,7 @@ class RLTrainer:
         state = {
             "step": self.step,
             "sampler": self.sampler.state_dict(),
-            "rng": _get_rng(),
+            "rng": rng_state(),
             "syncs": self.syncs,
             "feed": self.feed.state_dict(),
             "positions": self.positions.state_dict(),
@@ -791,49 +731,12 @@ class RLTrainer:
             ray.shutdown()
 
 
-def _drop_records_after(path: Path, step: int) -> None:
-    """Remove the records of steps past ``step`` from the JSON-lines file ``path``: the run stopped
-    after writing them and is about to write them again (a line cut short by the kill goes too: it
-    was written after the checkpoint). Replaced atomically."""
-    if not path.exists():
-        return
-
-    def step_of(line: str) -> float:
-        try:
-            return float(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            return math.inf
-
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and step_of(line) <= step]
-    if len(kept) < len(lines):
-        partial = path.with_suffix(".jsonl.partial")
-        partial.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept))
-        partial.replace(path)
-
-
 def _prompt_itself(prompt: Prompt) -> Prompt:
     return prompt
 
 
 def _rewarded_by_env(samples: list[Sample]) -> None:
     """Agent episodes carry their rewards (the sum of their turns'): nothing to score."""
-
-
-def _seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _get_rng() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def _set_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
 
 
 def run_rl(cfg: RLConfig) -> dict[str, float]:
