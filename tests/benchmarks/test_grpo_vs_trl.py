@@ -1,7 +1,9 @@
-"""benchmarks/grpo_vs_trl.py: the floor of each phase, by hand, and the report end to end (raylign side)."""
+"""benchmarks/grpo_vs_trl.py: the floor of each phase, by hand, the workloads, and the report end to end
+(raylign and bare vLLM; TRL's side is the same child-process glue as offline_vs_trl's)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -47,6 +49,16 @@ def test_model_sizes_split_the_weights_into_trunk_and_output_layer(tmp_path, tie
     assert sizes == {"total": sum(p.numel() for p in model.parameters()), "head": vocab * 64, "trunk": trunk}
 
 
+def test_gsm_task_takes_the_word_problems_in_turn_and_trl_scores_them_with_math_verify(tmp_path):
+    path = grpo_vs_trl.write_prompts(tmp_path / "p.jsonl", 52, task="gsm")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    problems = [json.loads(line) for line in grpo_vs_trl.GSM_PROMPTS.read_text().splitlines()]
+    assert len(rows) == 52 and len(problems) == 50
+    assert rows[0]["prompt"] == problems[0]["prompt"] and rows[50] == {k: problems[0][k] for k in ("prompt", "label")}
+    completions = [[{"role": "assistant", "content": "so \\boxed{285}"}], [{"role": "assistant", "content": "284"}]]
+    assert grpo_vs_trl.math_for_trl(None, completions, ["285", "285"]) == [1.0, 0.0]
+
+
 @pytest.mark.slow
 def test_report_prints_every_phase_against_its_floor(tmp_path):
     command = [sys.executable, str(SCRIPT), "--engine", "hf", "--skip-trl", "--steps", "2"]
@@ -62,3 +74,7 @@ def test_report_prints_every_phase_against_its_floor(tmp_path):
     for phase in ("generate", "experience", "train", "sync"):
         measured, floor, share = (float(x) for x in rows[phase])
         assert measured > 0 and floor >= 0 and 0 <= share <= 1, (phase, rows[phase])
+    generation = report.split("raylign/bare")[1].splitlines()[1].split()
+    raylign_tok_s, trl_tok_s, bare_tok_s, ratio = generation[1:]
+    assert trl_tok_s == "n/a" and float(raylign_tok_s) > 0 and float(bare_tok_s) > 0
+    assert float(ratio) == pytest.approx(float(raylign_tok_s) / float(bare_tok_s), abs=0.01)
