@@ -3,10 +3,13 @@
 The task is reversing 3-4 letters over an 8-letter alphabet; the reward is the fraction of
 answer letters in the right place (examples/rewards/letter_match.py). A short SFT warm-up
 teaches the answer format and leaves the model about a quarter right, so the reward has
-room to rise. Learning is judged on the mean reward of the first and last five steps:
+room to rise. Learning is judged on the mean reward of the first and last five of 60 steps:
 each step averages 128-256 samples whose rewards have a standard deviation of about 0.3, so
-a five-step mean has a noise of about 0.01; the margin of 0.06 is six times that, and half
-of the rise measured on this machine (about 0.12 in 40 steps for both algorithms).
+a five-step mean has a noise of about 0.01. The runs themselves differ more than that from one
+seed or CPU to another: the reward often dips for a few steps first, and in 40 steps the rise
+was 0.06-0.12. In 60 steps, over train.seed 1-3 on an AMD EPYC with AVX512-BF16, it was
+0.17-0.28 for GRPO (synchronous and two updates stale) and 0.15-0.20 for PPO; the margin of
+0.07 is under half the smallest of these and seven times the noise.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from raylign.trainers.metrics import read_metrics
 from raylign.trainers.sft import SFTTrainer
 
 REWARD_FILE = Path(__file__).resolve().parents[2] / "examples" / "rewards" / "letter_match.py"
-MARGIN = 0.06
+MARGIN = 0.07
+STEPS = 60
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +117,7 @@ def run_rl(
             "critic": {"optim": {"lr": 1e-3, "scheduler": "constant"}},
             "train": {
                 "output_dir": str(out),
-                "max_steps": 40,
+                "max_steps": STEPS,
                 "prompts_per_step": prompts_per_step,
                 "export": False,
                 "logging": {"progress_bar": False, "tensorboard": False},
@@ -125,7 +129,7 @@ def run_rl(
 
 
 def assert_learned(rewards: list[float]) -> None:
-    assert len(rewards) == 40
+    assert len(rewards) == STEPS
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last >= first + MARGIN, (first, last, rewards)
 
