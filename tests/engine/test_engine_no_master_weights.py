@@ -96,22 +96,28 @@ def engine_bytes(engine) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def fixed_batch_losses(engine, steps: int = 30) -> list[float]:
+    """The loss before each of ``steps`` updates on one fixed batch."""
+    ids = token_batch(5, batch=4, length=16)
+    losses = []
+    for _ in range(steps):
+        loss = engine.module(input_ids=ids, labels=ids).loss
+        losses.append(loss.item())
+        engine.backward(loss)
+        engine.step()
+    return losses
+
+
 def test_local_engine_without_masters_keeps_bf16_weights_fp32_moments_and_learns():
     """Between steps: bf16 weight 2 + fp32 master 4 + two fp32 moments 8 = 14 bytes per parameter with
     masters, 10 without. On one fixed batch both runs bring the loss down alike."""
-    ids = token_batch(5, batch=4, length=16)
     results = {}
     for master_weights in (True, False):
         torch.manual_seed(0)
         model = tiny_model(dtype=torch.bfloat16)
         cfg = OptimConfig(lr=3e-3, scheduler="constant", max_grad_norm=1.0, master_weights=master_weights)
         engine = create_engine(model, local_cfg(), cfg, total_steps=30)
-        losses = []
-        for _ in range(30):
-            loss = engine.module(input_ids=ids, labels=ids).loss
-            losses.append(loss.item())
-            engine.backward(loss)
-            engine.step()
+        losses = fixed_batch_losses(engine)
         n_params = sum(p.numel() for p in model.parameters())
         assert all(p.dtype == torch.bfloat16 for p in model.parameters())
         results[master_weights] = (losses, engine_bytes(engine) / n_params)
@@ -138,21 +144,16 @@ from torch.distributed.tensor import DTensor
 from raylign.config.engine import EngineConfig
 from raylign.config.optim import OptimConfig
 from raylign.engine import create_engine
-from tests.engine.engine_testing import tiny_model, token_batch
+from tests.engine.engine_testing import tiny_model
+from tests.engine.test_engine_no_master_weights import fixed_batch_losses
 
-ids = token_batch(5, batch=4, length=16)
 engine = create_engine(
     tiny_model(dtype=torch.bfloat16),
     EngineConfig(backend="fsdp2"),
     OptimConfig(lr=3e-3, scheduler="constant", master_weights=False),
     total_steps=30,
 )
-losses = []
-for _ in range(30):
-    loss = engine.module(input_ids=ids, labels=ids).loss
-    losses.append(loss.item())
-    engine.backward(loss)
-    engine.step()
+losses = fixed_batch_losses(engine)
 params = list(engine.module.parameters())
 assert all(isinstance(p, DTensor) and p.dtype == torch.bfloat16 for p in params)
 moments = [v for s in engine.optimizer.state.values() for k, v in s.items() if k != "step"]
