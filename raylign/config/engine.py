@@ -32,6 +32,12 @@ class EngineConfig(Section):
         "dtype of bf16 models).",
     )
     dist_timeout_s: int = Field(1800, ge=10, description="torch.distributed collective timeout in seconds.")
+    load_sharded: bool = Field(
+        True,
+        description="fsdp2: build the model on the meta device, shard it, then read each rank's rows of every "
+        "weight from the model's safetensors files, so no rank ever holds the whole model; false loads the whole "
+        "model on every rank first. Models with LoRA adapters always load whole (the adapters are not in the files).",
+    )
     sequence_parallel_size: int = Field(
         1,
         ge=1,

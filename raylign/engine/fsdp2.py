@@ -12,12 +12,18 @@ compute, so the forward pass runs in bf16 while small AdamW updates are not roun
 stochastically (:class:`~raylign.engine.optim.StochasticRoundingAdamW`).
 Exports and :meth:`full_state_dict` hand weights back in bf16.
 
+A model whose parameters are on the meta device (``load_causal_lm(..., empty=True)``, chosen by
+``engine.load_sharded``) is sharded first and then filled by :func:`load_sharded_weights`: each
+rank reads only its own rows of every weight from the safetensors files, so no rank ever holds the
+whole model, in the checkpoint's dtype or in fp32.
+
 Checkpoints are sharded (torch.distributed.checkpoint) and must be loaded on the same
 world size; :meth:`export_hf` gathers full weights to rank 0 for anything else.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -32,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from raylign.config.engine import EngineConfig
 from raylign.config.optim import OptimConfig
@@ -72,6 +79,73 @@ def offload_policy(engine_cfg: EngineConfig, device: torch.device) -> OffloadPol
     return OffloadPolicy()
 
 
+def load_sharded_weights(model: torch.nn.Module, device: torch.device) -> int:
+    """Give an FSDP2 model sharded on the meta device its memory on ``device`` and fill each rank's
+    shard of every parameter from the safetensors files of ``model.config._name_or_path``, reading
+    only that shard's rows (FSDP2 shards dim 0 in ``torch.chunk``'s pieces) and casting them to the
+    shard's dtype. Buffers (rotary frequencies) keep the values they were built with. Returns the
+    bytes this rank read."""
+    from safetensors import safe_open
+
+    folder = Path(model.config._name_or_path)
+    files = _weight_files(folder)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    read = 0
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+        for name, param in model.named_parameters():
+            if name not in files:
+                raise ValueError(
+                    f"engine.load_sharded: the safetensors files in {folder} hold no weight {name!r} (names there "
+                    f"must equal the model's parameter names); set engine.load_sharded: false to load it whole"
+                )
+            local = param.to_local() if isinstance(param, DTensor) else param
+            start, stop = _rows_of_rank(param)
+            if local.shape[0] != stop - start:
+                raise RuntimeError(f"fsdp2: shard of {name!r} has {local.shape[0]} rows, expected {stop - start}")
+            # Opened for each weight: the file is memory-mapped, and pages read stay resident until it closes.
+            with safe_open(str(files[name]), framework="pt", device="cpu") as handle:
+                stored = handle.get_slice(name)
+                if list(stored.get_shape()) != list(param.shape):
+                    shapes = f"{stored.get_shape()}, the model {list(param.shape)}"
+                    raise ValueError(f"{files[name]}: weight {name!r} has shape {shapes}")
+                if stop > start:
+                    rows = stored[start:stop]
+                    local.copy_(rows)
+                    read += rows.numel() * rows.element_size()
+                    del rows
+    return read
+
+
+def _rows_of_rank(param: torch.Tensor) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of a dim-0-sharded parameter this rank holds (torch.chunk's split)."""
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0]
+    world, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
+    rows = param.shape[0]
+    chunk = -(-rows // world)
+    start = min(rows, rank * chunk)
+    return start, min(rows, start + chunk)
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Weight name -> the safetensors file of ``folder`` holding it (one file, or a sharded index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(
+            f"engine.load_sharded: {folder} has neither model.safetensors nor model.safetensors.index.json"
+        )
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt", device="cpu") as handle:
+        return dict.fromkeys(handle.keys(), single)
+
+
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, offload: OffloadPolicy) -> None:
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
@@ -88,13 +162,17 @@ class FSDP2Engine(TrainEngine):
         self.model_dtype = floating_dtype(model)
         self.max_grad_norm = optim_cfg.max_grad_norm
         self.offload_policy = offload_policy(engine_cfg, self.device)
+        empty = any(p.is_meta for p in model.parameters())
         if optim_cfg.master_weights:
-            model.float()  # sharded fp32 master weights; no-op for fp32 models
-        if not isinstance(self.offload_policy, CPUOffloadPolicy):
+            model.float()  # sharded fp32 master weights; no-op for fp32 models (and only metadata on meta)
+        if not isinstance(self.offload_policy, CPUOffloadPolicy) and not empty:
             model.to(self.device)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         precision = mixed_precision_policy(self.model_dtype, engine_cfg.reduce_dtype)
         shard_model(model, self.mesh, precision, self.offload_policy)
+        if empty:
+            on_cpu = isinstance(self.offload_policy, CPUOffloadPolicy)
+            self.bytes_read = load_sharded_weights(model, torch.device("cpu") if on_cpu else self.device)
         self.module = model
         self.optimizer = build_adamw(model.named_parameters(), optim_cfg)
         self.scheduler = build_scheduler(self.optimizer, optim_cfg, total_steps)

@@ -1,7 +1,7 @@
 """Models and tokenizers: local loading, the shipped SmolLM2, score heads, LoRA, per-token log-probs."""
 
 from raylign.models.heads import last_token_indices, load_score_model, sequence_scores, token_scores
-from raylign.models.loading import load_causal_lm, load_tokenizer, resolve_model_path, torch_dtype
+from raylign.models.loading import load_causal_lm, load_tokenizer, loads_sharded, resolve_model_path, torch_dtype
 from raylign.models.logprobs import (
     entropy_from_logits,
     logits_only_at,
@@ -23,6 +23,7 @@ __all__ = [
     "has_packed_samples",
     "last_token_indices",
     "load_causal_lm",
+    "loads_sharded",
     "load_score_model",
     "load_tokenizer",
     "logits_only_at",

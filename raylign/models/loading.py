@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -134,13 +135,42 @@ def apply_training_options(model: PreTrainedModel, cfg: ModelConfig, task_type: 
     return get_peft_model(model, lora)
 
 
-def load_causal_lm(cfg: ModelConfig, device: torch.device | str | None = None) -> torch.nn.Module:
+def loads_sharded(model_cfg: ModelConfig, engine_cfg: Any) -> bool:
+    """Whether the trained model of ``model_cfg`` is built empty for the engine to read its shards
+    (``engine.load_sharded`` with the fsdp2 backend, no LoRA)."""
+    return engine_cfg.backend == "fsdp2" and engine_cfg.load_sharded and model_cfg.lora.rank == 0
+
+
+def load_causal_lm(cfg: ModelConfig, device: torch.device | str | None = None, empty: bool = False) -> torch.nn.Module:
     """Load the causal LM of ``cfg``: dtype, attention kernel, gradient checkpointing, LoRA.
 
     Returns a ``PreTrainedModel``, or a ``peft.PeftModel`` wrapping one when ``cfg.lora.rank > 0``
-    (only the adapter weights are then trainable).
+    (only the adapter weights are then trainable). ``empty``: the model's parameters are left on the
+    meta device (no memory, no values; buffers such as rotary frequencies are real), for an engine
+    that reads each rank's shard of the weights itself from ``model.config._name_or_path``
+    (:func:`raylign.engine.fsdp2.load_sharded_weights`).
     """
     folder = resolve_model_path(cfg.path)
+    if empty:
+        if cfg.lora.rank > 0:
+            raise ValueError(
+                "an empty (meta-device) model cannot take LoRA adapters: their weights are not in the files"
+            )
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+        kwargs = from_pretrained_kwargs(cfg)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(
+                config,
+                dtype=kwargs["dtype"],
+                attn_implementation=kwargs["attn_implementation"],
+                trust_remote_code=cfg.trust_remote_code,
+            )
+        model.tie_weights()  # from_pretrained ties embeddings after loading; from_config leaves them apart
+        model.config._name_or_path = str(folder)
+        return apply_training_options(model, cfg, task_type="CAUSAL_LM")
     model = AutoModelForCausalLM.from_pretrained(folder, **from_pretrained_kwargs(cfg))
     if device is not None:
         model.to(device)  # type: ignore[arg-type]  # transformers' decorator hides Module.to's signature

@@ -100,7 +100,7 @@ class ModelWorker:
         if rendezvous is not None:  # read by DeepSpeed, which otherwise looks for MPI
             os.environ.update({"MASTER_ADDR": rendezvous[0], "MASTER_PORT": str(rendezvous[1])})
         torch.manual_seed(self.cfg.train.seed)
-        from raylign.models import load_causal_lm, load_score_model
+        from raylign.models import load_causal_lm, load_score_model, loads_sharded
 
         if self.role == "reference":
             model_cfg = self.cfg.reference or self.cfg.model.model_copy(
@@ -117,7 +117,8 @@ class ModelWorker:
             critic_cfg = self.cfg.model.model_copy(update={"path": self.cfg.critic.path or self.cfg.model.path})
             model, optim = load_score_model(critic_cfg, num_labels=1), self.cfg.critic.optim
         else:
-            model, optim = load_causal_lm(self.cfg.model), self.cfg.optim
+            empty = loads_sharded(self.cfg.model, self.cfg.engine)
+            model, optim = load_causal_lm(self.cfg.model, empty=empty), self.cfg.optim
         self.engine = create_engine(model, self.cfg.engine, optim, self.total_steps)
         self.module = self.engine.module
         self.device = self.engine.device

@@ -28,7 +28,7 @@ from raylign.config.dpo import DPOConfig
 from raylign.config.model import ModelConfig
 from raylign.data.preference import PairSample, build_pair_datasets, collate_pairs, num_pairs
 from raylign.engine.distributed import all_reduce_scalars
-from raylign.models import load_causal_lm, load_tokenizer, sequence_logprobs
+from raylign.models import load_causal_lm, load_tokenizer, loads_sharded, sequence_logprobs
 from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
 
 log = logging.getLogger("raylign")
@@ -89,7 +89,7 @@ class DPOTrainer(OfflineTrainer):
         return load_tokenizer(m.tokenizer_path or m.path, padding_side="right")
 
     def build_model(self) -> torch.nn.Module:
-        return load_causal_lm(self.cfg.model)
+        return load_causal_lm(self.cfg.model, empty=loads_sharded(self.cfg.model, self.cfg.engine))
 
     def build_datasets(self) -> tuple[list, list, dict[str, Any]]:
         data = build_pair_datasets(self.cfg.data, self.tokenizer)

@@ -29,7 +29,7 @@ from raylign.algorithms import kto_loss
 from raylign.config.kto import KTOConfig
 from raylign.config.model import LoraConfig
 from raylign.data.kto import build_kto_datasets, collate_kto
-from raylign.models import load_causal_lm, load_tokenizer, sequence_logprobs
+from raylign.models import load_causal_lm, load_tokenizer, loads_sharded, sequence_logprobs
 from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
 
 
@@ -55,7 +55,7 @@ class KTOTrainer(OfflineTrainer):
         return load_tokenizer(m.tokenizer_path or m.path, padding_side="right")
 
     def build_model(self) -> nn.Module:
-        return load_causal_lm(self.cfg.model)
+        return load_causal_lm(self.cfg.model, empty=loads_sharded(self.cfg.model, self.cfg.engine))
 
     def build_datasets(self) -> tuple[list, list, dict[str, Any]]:
         data = build_kto_datasets(self.cfg.data, self.tokenizer)

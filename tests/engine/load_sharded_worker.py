@@ -1,0 +1,66 @@
+"""One rank of an FSDP2 model loaded whole (``--mode full``) or shard by shard (``--mode sharded``).
+
+Run under ``python -m torch.distributed.run --nproc_per_node 2``. Each rank measures how far its
+resident memory rose while the model was loaded and sharded (the high-water mark ``ru_maxrss``
+against the resident size before), then all ranks train one step on a fixed batch and rank 0
+gathers the weights as they were loaded and writes ``<out>/<mode>.json`` and ``<out>/<mode>.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from raylign.config.engine import EngineConfig
+from raylign.config.model import ModelConfig
+from raylign.config.optim import OptimConfig
+from raylign.engine import create_engine, init_distributed
+from raylign.models import load_causal_lm
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_resident_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["full", "sharded"], required=True)
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    init_distributed(600)
+    rank = dist.get_rank()
+    sharded = args.mode == "sharded"
+    before = resident_bytes()
+    model = load_causal_lm(ModelConfig(path=args.model_dir, dtype="float32"), empty=sharded)
+    engine = create_engine(
+        model, EngineConfig(backend="fsdp2", load_sharded=sharded), OptimConfig(lr=1e-3), total_steps=1
+    )
+    rise = peak_resident_bytes() - before
+    weights = engine.full_state_dict()  # collective: every rank takes part
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = engine.module(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    metrics = engine.step()
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {"rise": rise, "bytes_read": getattr(engine, "bytes_read", None)})
+    if rank == 0:
+        out = Path(args.out)
+        torch.save(weights, out / f"{args.mode}.pt")
+        result = {"ranks": ranks, "loss": loss.item(), "grad_norm": metrics["grad_norm"]}
+        (out / f"{args.mode}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
