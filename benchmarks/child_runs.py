@@ -168,3 +168,19 @@ def in_workdir(workdir: Path | None, prefix: str, body: Callable[[Path], list[di
     finally:
         if not keep:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_benchmark(
+    parse_args: Callable[[], Any],
+    run_side: Callable[[str, Path], None],
+    prefix: str,
+    body: Callable[[Any, Path, tuple[float, ...]], list[dict[str, Any]]],
+) -> None:
+    """A benchmark script's entry: as a child (``--side``), run that side; otherwise run
+    ``body(args, workdir, load average before)`` under :func:`in_workdir`."""
+    args = parse_args()
+    if args.side is not None:
+        run_side(args.side, args.spec)
+        return
+    load_before = os.getloadavg()
+    in_workdir(args.workdir, prefix, lambda workdir: body(args, workdir, load_before))

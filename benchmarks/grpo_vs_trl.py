@@ -67,14 +67,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from child_runs import REPO, fmt, in_workdir, launch, machine, median_after_warmup, write_steps
+from child_runs import REPO, fmt, launch, machine, median_after_warmup, run_benchmark, write_steps
 
 REWARD_FILE = REPO / "examples" / "rewards" / "letter_match.py"
 GSM_PROMPTS = REPO / "examples" / "data" / "gsm_eval.jsonl"
@@ -724,21 +723,17 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path, hw: dict[str, 
     return row
 
 
+def compare(args: argparse.Namespace, workdir: Path, load_before: tuple[float, ...]) -> list[dict[str, Any]]:
+    """Every model asked for, both sides (and bare vLLM), the report printed; the report's rows."""
+    names = ["tiny", "smollm2"] if args.model == "both" else [args.model]
+    hw = machine(args.dtype)  # before the runs, on a machine nothing of this benchmark keeps busy yet
+    rows = [run_model(name, args, workdir, hw) for name in names]
+    print_report(rows, args, load_before)
+    return rows
+
+
 def main() -> None:
-    args = parse_args()
-    if args.side is not None:
-        run_side(args.side, args.spec)
-        return
-    load_before = os.getloadavg()
-
-    def body(workdir: Path) -> list[dict[str, Any]]:
-        names = ["tiny", "smollm2"] if args.model == "both" else [args.model]
-        hw = machine(args.dtype)  # before the runs, on a machine nothing of this benchmark keeps busy yet
-        rows = [run_model(name, args, workdir, hw) for name in names]
-        print_report(rows, args, load_before)
-        return rows
-
-    in_workdir(args.workdir, "grpo_vs_trl-", body)
+    run_benchmark(parse_args, run_side, "grpo_vs_trl-", compare)
 
 
 if __name__ == "__main__":

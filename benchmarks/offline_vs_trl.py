@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import time
@@ -76,7 +75,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from child_runs import fmt, in_workdir, launch, machine, median_after_warmup, write_steps
+from child_runs import fmt, launch, machine, median_after_warmup, run_benchmark, write_steps
 
 TRAINERS = ("sft", "dpo")
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
@@ -501,28 +500,24 @@ def run_trainer(trainer: str, args: argparse.Namespace, model: Path, data: Path,
     return results
 
 
+def compare(args: argparse.Namespace, workdir: Path, load_before: tuple[float, ...]) -> list[dict[str, Any]]:
+    """Every trainer on both sides, the report printed (and written with --json); the report's rows."""
+    hw = machine(args.dtype)
+    model = prepare_model(args.model, workdir, args.max_length)
+    files = write_rows(workdir, args.batch_size * args.steps, args.max_length)
+    rows = []
+    for trainer in args.trainers:
+        results = run_trainer(trainer, args, model, files[trainer], workdir)
+        rows.append(summarize(trainer, results, args, hw["matmul_gflops_1thread"]))
+    print_report(rows, args, hw, load_before)
+    if args.json is not None:
+        report = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": hw, "rows": rows}
+        args.json.write_text(json.dumps(report, indent=2))
+    return rows
+
+
 def main() -> None:
-    args = parse_args()
-    if args.side is not None:
-        run_side(args.side, args.spec)
-        return
-    load_before = os.getloadavg()
-
-    def body(workdir: Path) -> list[dict[str, Any]]:
-        hw = machine(args.dtype)
-        model = prepare_model(args.model, workdir, args.max_length)
-        files = write_rows(workdir, args.batch_size * args.steps, args.max_length)
-        rows = []
-        for trainer in args.trainers:
-            results = run_trainer(trainer, args, model, files[trainer], workdir)
-            rows.append(summarize(trainer, results, args, hw["matmul_gflops_1thread"]))
-        print_report(rows, args, hw, load_before)
-        if args.json is not None:
-            report = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": hw, "rows": rows}
-            args.json.write_text(json.dumps(report, indent=2))
-        return rows
-
-    in_workdir(args.workdir, "offline_vs_trl-", body)
+    run_benchmark(parse_args, run_side, "offline_vs_trl-", compare)
 
 
 if __name__ == "__main__":
