@@ -124,6 +124,14 @@ def _tied_output_key(model: PreTrainedModel) -> str | None:
     return None
 
 
+def without_tied_output(state_dict: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``state_dict`` without the output embedding when ``model``'s config ties it to the input
+    embedding (state dicts list the one tensor under both names): what a checkpoint stores and a
+    weight sync sends, once."""
+    tied_key = _tied_output_key(base_hf_model(model))
+    return {k: v for k, v in state_dict.items() if k != tied_key}
+
+
 def _architecture_name(model: PreTrainedModel) -> str:
     """The transformers class name, seen through FSDP2's dynamic ``FSDP<Class>`` subclass."""
     for cls in type(model).__mro__:
@@ -164,9 +172,7 @@ def write_hf_folder(
         shutil.rmtree(temp)
     temp.mkdir(parents=True)
     hf_model = base_hf_model(model)
-    tied_key = _tied_output_key(hf_model)
-    weights = {k: v for k, v in state_dict.items() if k != tied_key}
-    weights = {k: _standalone_cpu(v) for k, v in weights.items()}
+    weights = {k: _standalone_cpu(v) for k, v in without_tied_output(state_dict, model).items()}
     _write_safetensors(temp, weights)
     config = copy.deepcopy(hf_model.config)
     config.architectures = [_architecture_name(hf_model)]

@@ -284,8 +284,11 @@ class ModelWorker:
         """Collective over the policy ranks: gather full weights, then rank 0 pushes them in buckets
         to the engine actors (all, or the engines ``only``), or (colocated) every rank loads them into
         its own engine; the engines label them ``version`` (the controller's count of updates)."""
+        from raylign.engine.export import without_tied_output
+
         start = time.perf_counter()
-        state = self.engine.full_state_dict()
+        # A tied output head travels once, as the embedding: the engines load it under both names.
+        state = without_tied_output(self.engine.full_state_dict(), self.engine.hf_model)
         gathered = time.perf_counter()
         if self._local_engine is not None:
             self._load_local_engine(state, version)

@@ -6,8 +6,12 @@ each. Instead consecutive tensors are packed into one flat ``uint8`` buffer of a
 receiver rebuilds each tensor as a view into that buffer from the metadata
 (name, dtype, shape, byte offset).
 
-Every bucket gets a freshly allocated buffer: the receiver's views stay valid while the
-next bucket is being received (vLLM keeps references until a layer is complete).
+Buffers come from a :class:`BufferPool`, which hands a buffer out again only once no tensor
+refers to its memory: the receiver's views stay valid while later buckets are received (vLLM
+keeps references until a layer is complete), and a sender's bucket is not overwritten while it is
+being broadcast. Reuse matters: the first write to new memory costs a page fault per 4 KiB page
+(measured on one core: 32 MiB copied into a new buffer 14 ms, 2.3 GB/s; into a used one 1.6 ms,
+21 GB/s; glibc returns buffers this large to the kernel when they are freed).
 
 Each bucket carries the CRC-32 of its bytes (header, then payload) as packed; the receiver
 computes it again on what arrived (:func:`bucket_checksum`), and a sync's checksum is the CRC-32
@@ -46,6 +50,44 @@ class Bucket:
 
     def header_bytes(self) -> bytes:
         return pickle.dumps([(m.name, m.dtype, m.shape, m.offset, m.nbytes) for m in self.metas])
+
+
+def _storage_users(tensor: torch.Tensor) -> int | None:
+    """How many tensors share ``tensor``'s memory (None where this torch cannot say)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if use_count is None else int(use_count(tensor.untyped_storage()._cdata))
+
+
+class BufferPool:
+    """Flat uint8 CPU buffers for buckets, reused once nothing refers to them.
+
+    :meth:`take` returns a view of ``nbytes`` into a kept buffer that no tensor refers to any more
+    (counted on the buffer's storage, so views of views count too), or into a new one as large as
+    the largest asked for so far; at most ``keep`` buffers are kept. Where torch cannot count a
+    storage's users every call gets new memory."""
+
+    def __init__(self, keep: int = 3):
+        self.keep = keep
+        self._buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, its storage's users when idle)
+        self._largest = 0
+        self.allocated = 0  # new buffers made (for tests and figures)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        self._largest = max(self._largest, nbytes)
+        for buffer, idle in self._buffers:
+            if buffer.numel() >= nbytes and _storage_users(buffer) == idle:
+                return buffer[:nbytes]
+        buffer = torch.empty(self._largest, dtype=torch.uint8)
+        self.allocated += 1
+        idle = _storage_users(buffer)
+        if idle is not None:
+            if len(self._buffers) >= self.keep:  # forget the smallest idle buffer, or keep this one out
+                free = [i for i, (b, n) in enumerate(self._buffers) if _storage_users(b) == n]
+                if free:
+                    del self._buffers[min(free, key=lambda i: self._buffers[i][0].numel())]
+            if len(self._buffers) < self.keep:
+                self._buffers.append((buffer, idle))
+        return buffer[:nbytes]
 
 
 def bucket_checksum(header: bytes, payload: torch.Tensor) -> int:
@@ -102,15 +144,15 @@ def group_into_buckets(
         yield group
 
 
-def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> Bucket:
-    """Copy ``named_tensors`` into one new CPU uint8 buffer and record where each lies."""
+def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]], pool: BufferPool | None = None) -> Bucket:
+    """Copy ``named_tensors`` into one CPU uint8 buffer (from ``pool``, else new) and record where each lies."""
     metas: list[TensorMeta] = []
     offset = 0
     for name, tensor in named_tensors:
         nbytes = _tensor_nbytes(tensor)
         metas.append(TensorMeta(name, _dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
         offset += _aligned(nbytes)
-    buffer = torch.empty(offset, dtype=torch.uint8)
+    buffer = torch.empty(offset, dtype=torch.uint8) if pool is None else pool.take(offset)
     for meta, (_, tensor) in zip(metas, named_tensors):
         if meta.nbytes:
             flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -120,9 +162,14 @@ def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> Bucket:
     return bucket
 
 
-def iter_packed_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+def iter_packed_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, pool: BufferPool | None = None
+) -> Iterator[Bucket]:
+    """The buckets of ``named_tensors``, packed one at a time into buffers of ``pool`` (a new pool
+    for this iteration when None)."""
+    pool = pool or BufferPool()
     for group in group_into_buckets(named_tensors, bucket_bytes):
-        yield pack_bucket(group)
+        yield pack_bucket(group, pool)
 
 
 def metas_from_header(header: bytes) -> list[TensorMeta]:

@@ -35,6 +35,7 @@ from raylign.rollout.base import (
     cut_after_stop_string,
     request_seed,
 )
+from raylign.rollout.buckets import BufferPool
 from raylign.rollout.weight_sync import (
     IncomingSync,
     SyncReceipt,
@@ -320,6 +321,7 @@ class HFEngine(RolloutEngine):
         if world_size != 2:
             raise ValueError(f"sync group of size {world_size} for an hf engine (one worker: size 2)")
         self._sync_group = join_group_as_receiver(host, port, 1, world_size, timeout_s)
+        self._sync_buffers = BufferPool()  # the buckets' buffers, kept from sync to sync
 
     async def receive_weights(self, keep_running: bool = False, version: int | None = None) -> SyncReceipt:
         """``keep_running`` makes no difference here: the running batch finishes under the old weights."""
@@ -327,10 +329,11 @@ class HFEngine(RolloutEngine):
             raise RuntimeError("receive_weights before join_weight_sync_group")
         start = time.perf_counter()
         async with self._lock():
-            incoming = IncomingSync(self._sync_group[1], version, "the hf engine")
+            incoming = IncomingSync(self._sync_group[1], version, "the hf engine", self._sync_buffers)
             load_and_drain(incoming, self._load_named_tensors)
             self.weight_version = self.weight_version + 1 if version is None else version
-        return SyncReceipt(self.weight_version, incoming.checksum, incoming.num_buckets, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        return SyncReceipt(self.weight_version, incoming.checksum, incoming.num_buckets, seconds, incoming.waited_s)
 
     async def score(self, token_ids: list[int]) -> TokenScores:
         check_probe(token_ids, self.vocab_size)

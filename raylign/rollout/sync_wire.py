@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from raylign.rollout.buckets import (
     Bucket,
+    BufferPool,
     bucket_checksum,
     combine_checksums,
     iter_packed_buckets,
@@ -64,6 +65,9 @@ CORRUPTION_ADVICE = (
 
 # How often a sender waiting on broadcasts asks whether the receiving engines are still alive.
 LIVENESS_CHECK_S = 0.2
+# The longest nap between two looks at broadcasts in flight: a bucket's broadcast takes milliseconds,
+# and each nap's overshoot is time the sync loses.
+POLL_MAX_S = 0.001
 
 
 def _wait_all(works: Sequence[Any], dead_receivers: Callable[[], set[int]] | None = None) -> set[int]:
@@ -82,7 +86,7 @@ def _wait_all(works: Sequence[Any], dead_receivers: Callable[[], set[int]] | Non
                 dead |= dead_receivers() & set(range(len(works)))
                 checked = time.monotonic()
             time.sleep(delay)
-            delay = min(2 * delay, 0.01)
+            delay = min(2 * delay, POLL_MAX_S)
     for i, work in enumerate(works):
         if i in dead:
             continue
@@ -115,6 +119,15 @@ def _receiver_died(position: int, dead_receivers: Callable[[], set[int]]) -> boo
     return False
 
 
+@dataclass
+class _Posted:
+    """One bucket's broadcasts in flight: per broadcast, the groups it went to and gloo's handles.
+    Holding the bucket keeps its buffer from being reused before they are done."""
+
+    bucket: Bucket
+    broadcasts: list[tuple[list[int], list[Any], torch.Tensor]]
+
+
 class _Broadcasts:
     """The sender's side of one sync: broadcasts to every group whose receiver is alive."""
 
@@ -122,25 +135,35 @@ class _Broadcasts:
         self.groups, self.dead_receivers = list(groups), dead_receivers
         self.dead: set[int] = set()
 
-    def send(self, tensor: torch.Tensor) -> None:
+    def _post(self, tensor: torch.Tensor) -> tuple[list[int], list[Any], torch.Tensor]:
         live = [i for i in range(len(self.groups)) if i not in self.dead]
+        return live, [_broadcast(self.groups[i], tensor) for i in live], tensor
+
+    def _wait(self, live: list[int], works: list[Any]) -> None:
+        """Wait for broadcasts posted to the groups ``live``; a receiver that died is left out from then on."""
+        pending = [(i, work) for i, work in zip(live, works) if i not in self.dead]
+        live, works = [i for i, _ in pending], [work for _, work in pending]
         dead = _wait_all(
-            [_broadcast(self.groups[i], tensor) for i in live],
+            works,
             None
             if self.dead_receivers is None
             else lambda: {live.index(i) for i in self.dead_receivers() if i in live},
         )
         self.dead |= {live[i] for i in dead}
 
-    def bucket(self, bucket: Bucket) -> None:
-        """One bucket (three broadcasts); a receiver that dies meanwhile is left out from then on."""
+    def start(self, bucket: Bucket) -> _Posted:
+        """Post one bucket's three broadcasts; gloo's threads send them while the caller packs the next."""
         header = torch.frombuffer(bytearray(bucket.header_bytes()), dtype=torch.uint8)
         sizes = torch.tensor([header.numel(), bucket.buffer.numel(), bucket.checksum], dtype=torch.int64)
-        for tensor in (sizes, header, bucket.buffer):
-            self.send(tensor)
+        return _Posted(bucket, [self._post(tensor) for tensor in (sizes, header, bucket.buffer)])
+
+    def finish(self, posted: _Posted) -> None:
+        for live, works, _ in posted.broadcasts:
+            self._wait(live, works)
 
     def marker(self, marker: int) -> None:
-        self.send(torch.tensor([marker, 0, 0], dtype=torch.int64))
+        live, works, _ = self._post(torch.tensor([marker, 0, 0], dtype=torch.int64))
+        self._wait(live, works)
 
 
 END_OF_SYNC, ABORT_SYNC = 0, -1
@@ -162,7 +185,7 @@ def send_buckets(
     dead_receivers: Callable[[], set[int]] | None = None,
 ) -> SentSync:
     """Broadcast one whole sync, bucket by bucket (each with the checksum it was packed with), then
-    its end marker.
+    its end marker. The next bucket is packed while the one before is on the wire.
 
     If packing or sending fails, the receivers get the abort marker at once (rather than waiting
     for the gloo timeout) and the error is re-raised. ``dead_receivers()``: the positions of the
@@ -170,16 +193,26 @@ def send_buckets(
     bucket they are in, and :class:`ReceiverDied` is raised."""
     sent, checksums = SentSync(), []
     out = _Broadcasts(groups, dead_receivers)
+    posted: _Posted | None = None
+
+    def finish(posted: _Posted) -> None:
+        out.finish(posted)
+        if out.dead:
+            raise ReceiverDied(f"weight sync: the receivers of group(s) {sorted(out.dead)} died", sorted(out.dead))
+        checksums.append(posted.bucket.checksum)
+        sent.num_buckets += 1
+        sent.num_tensors += len(posted.bucket.metas)
+        sent.num_bytes += posted.bucket.buffer.numel()
+
     try:
-        for bucket in buckets:
-            out.bucket(bucket)
-            if out.dead:
-                raise ReceiverDied(f"weight sync: the receivers of group(s) {sorted(out.dead)} died", sorted(out.dead))
-            checksums.append(bucket.checksum)
-            sent.num_buckets += 1
-            sent.num_tensors += len(bucket.metas)
-            sent.num_bytes += bucket.buffer.numel()
+        for bucket in buckets:  # packing this bucket overlapped the broadcasts of the one before
+            if posted is not None:
+                finish(posted)
+            posted = out.start(bucket)
+        if posted is not None:
+            finish(posted)
     except BaseException:
+        # Posted after the broadcasts in flight (gloo keeps a group's order), which finish first.
         out.marker(ABORT_SYNC)
         raise
     out.marker(END_OF_SYNC)
@@ -200,19 +233,29 @@ def send_named_tensors(
 
 
 class IncomingSync:
-    """The tensors of one sync, yielded as they arrive (views into a new buffer per bucket), each
-    bucket checked against the checksum the sender packed it with.
+    """The tensors of one sync, yielded as they arrive (views into a bucket's buffer), each bucket
+    checked against the checksum the sender packed it with.
 
-    After a complete iteration :attr:`checksum` and :attr:`num_buckets` describe what arrived.
+    After a complete iteration :attr:`checksum` and :attr:`num_buckets` describe what arrived, and
+    :attr:`waited_s` says how long the consumer waited for buckets to arrive and be checked.
     A bucket that arrived damaged raises :class:`WeightSyncCorrupted` once the rest of the sync has
     been taken in (and discarded), so the sender finishes instead of waiting for the group timeout.
-    ``version`` and ``receiver`` only name the sync and the receiving side in errors."""
+    ``version`` and ``receiver`` only name the sync and the receiving side in errors. ``pool``: where
+    the buckets' buffers come from; a receiver that keeps one from sync to sync writes into memory
+    it already has (see :class:`~raylign.rollout.buckets.BufferPool`)."""
 
-    def __init__(self, group: dist.ProcessGroupGloo, version: int | None = None, receiver: str = "this engine"):
-        self.group, self.receiver = group, receiver
+    def __init__(
+        self,
+        group: dist.ProcessGroupGloo,
+        version: int | None = None,
+        receiver: str = "this engine",
+        pool: BufferPool | None = None,
+    ):
+        self.group, self.receiver, self.pool = group, receiver, pool or BufferPool()
         self.label = "weight sync" if version is None else f"weight sync {version}"
         self.checksums: list[int] = []
         self.corruption: str | None = None  # the error of a damaged bucket, once one arrived
+        self.waited_s = 0.0  # how long the consumer waited for buckets to arrive and be checked
         self._tensors = self._receive()
 
     def __iter__(self) -> IncomingSync:
@@ -230,22 +273,37 @@ class IncomingSync:
         return combine_checksums(self.checksums)
 
     def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        while (bucket := self._next_bucket()) is not None:
+        buckets = self._checked_buckets()
+        while True:
+            start = time.perf_counter()
+            bucket = next(buckets, None)
+            self.waited_s += time.perf_counter() - start
+            if bucket is None:
+                return
+            found, tensors = bucket
+            self.checksums.append(found)
+            yield from tensors
+
+    def _checked_buckets(self) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
+        """Each bucket's checksum and tensors, taken in and checked, in reused buffers
+        (:class:`~raylign.rollout.buckets.BufferPool`: one is written again only once the model let go
+        of every tensor in it)."""
+        index = 0
+        while (bucket := self._next_bucket(index, self.pool)) is not None:
             header, payload, sent = bucket
             found = bucket_checksum(header, payload)
             if found != sent:
                 self.corruption = (
-                    f"{self.label}: bucket {self.num_buckets} reached {self.receiver} damaged (CRC-32 {found:#010x}, "
+                    f"{self.label}: bucket {index} reached {self.receiver} damaged (CRC-32 {found:#010x}, "
                     f"sent {sent:#010x}); {CORRUPTION_ADVICE}"
                 )
-                self._discard_rest()
+                self._discard_rest(index + 1)
                 raise WeightSyncCorrupted(self.corruption)
-            self.checksums.append(found)
-            yield from unpack_bucket(Bucket(metas_from_header(header), payload))
+            yield found, unpack_bucket(Bucket(metas_from_header(header), payload))
+            index += 1
 
-    def _next_bucket(self) -> tuple[bytes, torch.Tensor, int] | None:
-        """``(header bytes, payload, checksum sent)`` of the next bucket; None at the end of the sync."""
-        index = self.num_buckets
+    def _next_bucket(self, index: int, pool: BufferPool) -> tuple[bytes, torch.Tensor, int] | None:
+        """``(header bytes, payload, checksum sent)`` of bucket ``index``; None at the end of the sync."""
         sizes = self._take(torch.empty(3, dtype=torch.int64), index, "sizes")
         header_len, payload_len, sent = (int(v) for v in sizes)
         if header_len == END_OF_SYNC:
@@ -256,7 +314,7 @@ class IncomingSync:
                 "updated weights until the next full sync"
             )
         header = self._take(torch.empty(header_len, dtype=torch.uint8), index, "header").numpy().tobytes()
-        payload = self._take(torch.empty(payload_len, dtype=torch.uint8), index, "payload")  # new buffer, never reused
+        payload = self._take(pool.take(payload_len), index, "payload")
         return header, payload, sent
 
     def _take(self, tensor: torch.Tensor, index: int, what: str) -> torch.Tensor:
@@ -272,15 +330,16 @@ class IncomingSync:
             raise (TimeoutError if isinstance(err, TimeoutError) else RuntimeError)(message) from err
         return tensor
 
-    def _discard_rest(self) -> None:
-        """Take in the remaining buckets of the sync without looking at them."""
+    def _discard_rest(self, index: int) -> None:
+        """Take in the remaining buckets of the sync, from bucket ``index`` on, without looking at them."""
         while True:
-            sizes = self._take(torch.empty(3, dtype=torch.int64), self.num_buckets, "sizes")
+            sizes = self._take(torch.empty(3, dtype=torch.int64), index, "sizes")
             header_len, payload_len, _ = (int(v) for v in sizes)
             if header_len in (END_OF_SYNC, ABORT_SYNC):
                 return
-            self._take(torch.empty(header_len, dtype=torch.uint8), self.num_buckets, "header")
-            self._take(torch.empty(payload_len, dtype=torch.uint8), self.num_buckets, "payload")
+            self._take(torch.empty(header_len, dtype=torch.uint8), index, "header")
+            self._take(torch.empty(payload_len, dtype=torch.uint8), index, "payload")
+            index += 1
 
 
 def receive_named_tensors(group: dist.ProcessGroupGloo) -> IncomingSync:

@@ -294,7 +294,8 @@ class VLLMEngine(RolloutEngine):
         if len(found) != 1:
             raise RuntimeError(f"weight sync {version}: the engine's workers received different bytes: {sorted(found)}")
         ((checksum, num_buckets),) = found
-        return SyncReceipt(self.weight_version, checksum, num_buckets, time.perf_counter() - start)
+        waited = max(r["waited_s"] for r in received)
+        return SyncReceipt(self.weight_version, checksum, num_buckets, time.perf_counter() - start, waited)
 
     async def _between_steps(self, load, keep_running: bool, version: int | None) -> Any:
         """Pause the scheduler, ``await load()``, reset the caches, label the new version, resume;

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from raylign.rollout.buckets import BufferPool
 from raylign.rollout.weight_sync import (
     IncomingSync,
     join_group_as_receiver,
@@ -33,18 +34,20 @@ class WeightSyncWorkerExtension:
         # Rank 0 is the trainer; tensor-parallel rank r of this engine is rank 1 + r.
         tp_rank = getattr(self, "rank", 0)
         self._raylign_sync = join_group_as_receiver(host, port, 1 + tp_rank, world_size, timeout_s)
+        self._raylign_buffers = BufferPool()  # the buckets' buffers, kept from sync to sync
 
     def raylign_leave_sync_group(self) -> None:
-        self._raylign_sync = None
+        self._raylign_sync = self._raylign_buffers = None
 
     def raylign_receive_weights(self, version: int | None = None) -> dict[str, Any]:
         """Receive and load one sync; what arrived, as plain values (they cross vLLM's message encoding):
-        its checksum and bucket count, or ``corrupted``: the error of a damaged bucket."""
+        its checksum and bucket count and how long loading waited for buckets, or ``corrupted``: the
+        error of a damaged bucket."""
         sync = getattr(self, "_raylign_sync", None)
         if sync is None:
             raise RuntimeError("receive_weights before join_weight_sync_group")
         _, group = sync
-        incoming = IncomingSync(group, version, f"vLLM worker {getattr(self, 'rank', 0)}")
+        incoming = IncomingSync(group, version, f"vLLM worker {getattr(self, 'rank', 0)}", self._raylign_buffers)
         try:
             load_and_drain(incoming, self.raylign_load_weights)
         except Exception:
@@ -52,7 +55,7 @@ class WeightSyncWorkerExtension:
                 raise
             # Returned, not raised: vLLM's engine process passes on an error's message only, not its kind.
             return {"corrupted": incoming.corruption}
-        return {"checksum": incoming.checksum, "num_buckets": incoming.num_buckets}
+        return {"checksum": incoming.checksum, "num_buckets": incoming.num_buckets, "waited_s": incoming.waited_s}
 
     def raylign_load_packed(self, packed: list) -> None:
         """Load tensors handed over as ``(name, dtype, shape, raw bytes)`` (see :func:`pack_tensors`)."""

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from raylign.cluster import get_within
-from raylign.rollout.buckets import Bucket, iter_packed_buckets
+from raylign.rollout.buckets import Bucket, BufferPool, iter_packed_buckets
 from raylign.rollout.sync_wire import (  # noqa: F401 - the receiving side's names, re-exported
     CORRUPTION_ADVICE,
     TIMEOUT_SETTING,
@@ -142,6 +142,8 @@ class SyncStats:
     num_tensors: int
     num_bytes: int
     engine_version: int  # the weight version the engines report they hold now
+    engine_s: float = 0.0  # the slowest engine's time from the call to receive until it ran again
+    engine_waited_s: float = 0.0  # the most time an engine waited for buckets
 
 
 @dataclass
@@ -152,7 +154,8 @@ class SyncReceipt:
     version: int
     checksum: int
     num_buckets: int
-    seconds: float
+    seconds: float  # from the call to receive until the engine runs again
+    waited_s: float = 0.0  # of which waiting for buckets to arrive (the rest is loading them, and pausing)
 
 
 def local_host_address() -> str:
@@ -184,6 +187,7 @@ class WeightSyncSender:
         self.host = host
         self._stores: list[dist.TCPStore] = []
         self._groups: list[dist.ProcessGroupGloo] = []
+        self._buffers = BufferPool()  # kept from sync to sync: packing writes into memory it already has
 
     def _results(self, refs: list[Any], what: str, names: Sequence[str] | None = None) -> list[Any]:
         """The engines' answers to one call each, waiting at most ``timeout_s``."""
@@ -241,7 +245,9 @@ class WeightSyncSender:
         loading = [self.engines[i].receive_weights.remote(keep_running, version) for i in indices]
         try:
             sent = send_buckets(
-                [self._groups[i] for i in indices], self.pack(named_tensors), lambda: _dead_receivers(loading)
+                [self._groups[i] for i in indices],
+                self.pack(named_tensors),
+                lambda: _dead_receivers(loading),
             )
         except ReceiverDied as err:
             self._await_aborted(loading)
@@ -260,6 +266,8 @@ class WeightSyncSender:
             sent.num_tensors,
             sent.num_bytes,
             max(r.version for r in receipts),
+            max(r.seconds for r in receipts),
+            max(r.waited_s for r in receipts),
         )
         logger.info(
             "weight sync: %d tensors, %.1f MiB in %d buckets to %d engine(s) in %.3f s",
@@ -275,7 +283,7 @@ class WeightSyncSender:
         """The buckets of one sync, each with the checksum of its bytes as packed. Whatever happens
         to the bytes after this (the network, memory, a test that overrides this method to flip
         some) is what the engines' checksums catch."""
-        return iter_packed_buckets(named_tensors, self.bucket_bytes)
+        return iter_packed_buckets(named_tensors, self.bucket_bytes, self._buffers)
 
     def _receipts(self, loading: list[Any], indices: list[int], label: str) -> list[SyncReceipt]:
         """The engines' receipts, in order, within ``timeout_s`` in all; a damaged sync is named with its engine."""

@@ -22,6 +22,7 @@ from raylign.config.optim import OptimConfig
 from raylign.engine import create_engine
 from raylign.engine.deepspeed import deepspeed_config, torch_extensions_dir
 from raylign.engine.distributed import all_reduce_scalars, init_distributed
+from raylign.engine.export import without_tied_output
 from raylign.engine.fsdp2 import decoder_layers
 
 from .engine_testing import assert_export_loads_and_generates, local_cfg, tiny_model, token_batch
@@ -123,6 +124,17 @@ def test_export_of_untied_model_keeps_lm_head(tmp_path):
     assert not torch.equal(reloaded.lm_head.weight, reloaded.model.embed_tokens.weight)
     for name, tensor in model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
+
+
+def test_without_tied_output_drops_the_head_only_when_the_config_ties_it():
+    tied, untied = tiny_model(tie_word_embeddings=True), tiny_model(tie_word_embeddings=False)
+    names = set(tied.state_dict())
+    assert "lm_head.weight" in names  # state dicts list a tied head under both names
+    assert set(without_tied_output(tied.state_dict(), tied)) == names - {"lm_head.weight"}
+    assert set(without_tied_output(untied.state_dict(), untied)) == set(untied.state_dict())
+    # Through PEFT the state dict to filter has the plain HF names (what full_state_dict returns).
+    wrapped = get_peft_model(tiny_model(tie_word_embeddings=True), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert set(without_tied_output(tied.state_dict(), wrapped)) == names - {"lm_head.weight"}
 
 
 def test_lora_export_merges_adapters_into_plain_weights(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raylign.rollout.buckets import ALIGN_BYTES, group_into_buckets, pack_bucket, unpack_bucket
+from raylign.rollout.buckets import ALIGN_BYTES, BufferPool, group_into_buckets, pack_bucket, unpack_bucket
 from raylign.rollout.weight_sync import with_tied_lm_head
 
 
@@ -40,10 +40,46 @@ def test_packed_offsets_are_aligned_and_buffer_is_the_aligned_sum():
     assert bucket.buffer.numel() == 512 + 320
 
 
-def test_every_bucket_gets_a_new_buffer():
+def test_every_bucket_packed_without_a_pool_gets_a_new_buffer():
     named = _named_tensors()
     first, second = pack_bucket(named[:2]), pack_bucket(named[:2])
     assert first.buffer.data_ptr() != second.buffer.data_ptr()
+
+
+def test_a_pool_hands_a_buffer_out_again_only_when_no_tensor_refers_to_it():
+    pool = BufferPool(keep=3)
+    first = pool.take(100)
+    assert first.numel() == 100 and first.dtype == torch.uint8 and pool.allocated == 1
+    second = pool.take(50)  # the first is still referred to: new memory
+    assert pool.allocated == 2 and second.data_ptr() != first.data_ptr()
+    address = first.data_ptr()
+    view_of_a_view = first[8:40].view(torch.int16)[2:6]  # what a model loader might keep
+    del first
+    third = pool.take(80)  # the first buffer is still referred to, through the view
+    assert pool.allocated == 3 and third.data_ptr() != address
+    del view_of_a_view
+    fourth = pool.take(80)  # now nothing refers to it: it is handed out again
+    assert pool.allocated == 3 and fourth.data_ptr() == address and fourth.numel() == 80
+
+
+def test_a_pool_keeps_at_most_keep_buffers_and_new_ones_are_as_large_as_the_largest_asked():
+    pool = BufferPool(keep=2)
+    held = [pool.take(64), pool.take(32), pool.take(16)]  # three in use at once; the third is not kept
+    assert [t.untyped_storage().nbytes() for t in held] == [64, 64, 64]
+    addresses = {t.data_ptr() for t in held[:2]}
+    held.clear()
+    again = [pool.take(64), pool.take(64)]
+    assert {t.data_ptr() for t in again} == addresses and pool.allocated == 3
+
+
+def test_packing_into_a_pool_round_trips_and_reuses_the_buffer():
+    named, pool = _named_tensors(), BufferPool()
+    first = pack_bucket(named, pool)
+    address = first.buffer.data_ptr()
+    del first
+    second = pack_bucket(named, pool)
+    assert second.buffer.data_ptr() == address and pool.allocated == 1
+    assert all(torch.equal(got, tensor) for (_, got), (_, tensor) in zip(unpack_bucket(second), named))
 
 
 def test_buckets_respect_the_bound_and_a_large_tensor_goes_alone():

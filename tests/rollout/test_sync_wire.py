@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from raylign.rollout.buckets import combine_checksums, iter_packed_buckets, pack_bucket
+from raylign.rollout.buckets import BufferPool, combine_checksums, iter_packed_buckets, pack_bucket
 from raylign.rollout.sync_wire import IncomingSync, WeightSyncCorrupted, _Broadcasts, send_buckets
 from raylign.rollout.weight_sync import join_group_as_receiver, make_gloo_group, open_group_as_sender
 
@@ -115,7 +115,8 @@ def test_a_sender_that_stops_mid_sync_fails_the_receiver_at_the_group_timeout_na
     receiving = Receiving(receiver, version=4)
     buckets = iter_packed_buckets(_weights(), BUCKET_BYTES)
     started = time.monotonic()
-    _Broadcasts([sender], None).bucket(next(buckets))  # one bucket, then silence
+    out = _Broadcasts([sender], None)
+    out.finish(out.start(next(buckets)))  # one bucket, then silence
     receiving.join(30)
     assert 2 < time.monotonic() - started < 20
     assert isinstance(receiving.error, TimeoutError)
@@ -132,3 +133,51 @@ def test_the_error_names_the_sync_when_its_version_is_known(version, label):
     send_buckets([sender], _flip_a_byte_of_bucket(0, iter_packed_buckets(_weights(), BUCKET_BYTES)))
     receiving.join(30)
     assert label in str(receiving.error)
+
+
+def test_a_receiver_reuses_a_buffer_only_once_nothing_refers_to_its_tensors():
+    store, sender, (_, receiver) = _pair(30)
+    weights, pool = _weights(), BufferPool(keep=4)
+    # First sync: the consumer keeps every tensor it was handed (as vLLM keeps a layer's until the layer
+    # is complete), so each bucket needs a buffer of its own, and none is overwritten while held.
+    held: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: held.extend(t for _, t in IncomingSync(receiver, 1, pool=pool)))
+    thread.start()
+    send_buckets([sender], iter_packed_buckets(weights, BUCKET_BYTES))
+    thread.join(30)
+    assert pool.allocated == 4
+    assert all(torch.equal(got, tensor) for got, (_, tensor) in zip(held, weights))
+    # Once they are let go, the next sync is received into the same four buffers: no new memory.
+    addresses = {t.untyped_storage().data_ptr() for t in held}
+    held.clear()
+    second = [(name, tensor + 1) for name, tensor in weights]
+    got: list[tuple[torch.Tensor, int]] = []
+    thread = threading.Thread(
+        target=lambda: got.extend(
+            (t.clone(), t.untyped_storage().data_ptr()) for _, t in IncomingSync(receiver, 2, pool=pool)
+        )
+    )
+    thread.start()
+    send_buckets([sender], iter_packed_buckets(second, BUCKET_BYTES))
+    thread.join(30)
+    assert pool.allocated == 4
+    assert {address for _, address in got} <= addresses
+    assert all(torch.equal(tensor, expected) for (tensor, _), (_, expected) in zip(got, second))
+
+
+def test_waited_s_is_the_time_the_consumer_waited_for_buckets():
+    store, sender, (_, receiver) = _pair(30)
+    delay_s = 0.25
+
+    def slow_buckets():  # the sender takes delay_s before each of the four buckets
+        for bucket in iter_packed_buckets(_weights(), BUCKET_BYTES):
+            time.sleep(delay_s)
+            yield bucket
+
+    receiving = Receiving(receiver, version=1)
+    started = time.monotonic()
+    send_buckets([sender], slow_buckets())
+    receiving.join(30)
+    elapsed = time.monotonic() - started
+    assert receiving.error is None
+    assert 4 * delay_s * 0.9 <= receiving.incoming.waited_s <= elapsed

@@ -185,7 +185,8 @@ def test_a_trainer_that_dies_mid_sync_frees_the_engine_with_an_error_naming_the_
             self.named_tensors = named_tensors
 
         def send_one_bucket_then_stall(self) -> None:
-            _Broadcasts(self.sender._groups, None).bucket(next(self.sender.pack(self.named_tensors)))
+            out = _Broadcasts(self.sender._groups, None)
+            out.finish(out.start(next(self.sender.pack(self.named_tensors))))
             time.sleep(600)
 
     (engine,) = launch_engines(tied_model_dir, _config("hf"), env_vars=ENV)
