@@ -111,6 +111,13 @@ class PlacementConfig(Section):
     policy_workers: int = Field(1, ge=1, description="Data-parallel policy ranks (Ray actors).")
     critic_workers: int = Field(1, ge=1, description="Data-parallel critic ranks (PPO).")
     reference_workers: int = Field(1, ge=1, description="Reference-model ranks.")
+    shard_reference: bool = Field(
+        True,
+        description="With engine.backend fsdp2 and more than one reference worker: the reference ranks form a "
+        "process group and each holds a shard of the frozen model in its stored dtype, gathered a layer at a time "
+        "as it runs, like the policy (no optimizer, no fp32 copy). false: every reference worker holds a whole "
+        "replica (the only mode with the local and deepspeed backends).",
+    )
     colocate: bool = Field(
         False,
         description="Hybrid engine: each policy rank runs its rollout engine in its own "
@@ -253,6 +260,12 @@ class RLConfig(Section):
     @property
     def uses_reference(self) -> bool:
         return self.algorithm.kl_mode != "none" and self.algorithm.kl_coef > 0
+
+    @property
+    def shards_reference(self) -> bool:
+        """The reference ranks shard one frozen model between them (placement.shard_reference)."""
+        p = self.placement
+        return self.uses_reference and p.shard_reference and self.engine.backend == "fsdp2" and p.reference_workers > 1
 
     @property
     def worker_roles(self) -> dict[str, int]:

@@ -146,10 +146,37 @@ def _weight_files(folder: Path) -> dict[str, Path]:
         return dict.fromkeys(handle.keys(), single)
 
 
-def shard_model(model: torch.nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, offload: OffloadPolicy) -> None:
+def shard_model(
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    mp: MixedPrecisionPolicy,
+    offload: OffloadPolicy,
+    reshard_root: bool | None = None,
+) -> None:
+    """Shard every decoder layer, then the root (embeddings, final norm, output head). Layers give up
+    their gathered weights after their forward. The root keeps its own until the backward (FSDP2's
+    default, ``reshard_root`` None: it is needed again there); a model that has no backward passes
+    ``reshard_root=True``, or its embedding stays whole between forwards."""
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_root)
+
+
+def shard_frozen(model: torch.nn.Module, engine_cfg: EngineConfig) -> tuple[torch.nn.Module, torch.device]:
+    """A model that is never trained (the RL reference) sharded over the process group like a trained
+    one: each rank keeps a shard of every weight in the model's own dtype (no fp32 copy, no optimizer),
+    and a layer's full weights are gathered only while it runs. A model on the meta device is filled
+    shard by shard (:func:`load_sharded_weights`). Returns the sharded model, in eval mode, and its device."""
+    _, world_size, device = ensure_process_group(engine_cfg.dist_timeout_s)
+    model.eval().requires_grad_(False)
+    offload = offload_policy(engine_cfg, device)
+    empty = any(p.is_meta for p in model.parameters())
+    if not isinstance(offload, CPUOffloadPolicy) and not empty:
+        model.to(device)
+    shard_model(model, init_device_mesh(device.type, (world_size,)), MixedPrecisionPolicy(), offload, reshard_root=True)
+    if empty:
+        load_sharded_weights(model, torch.device("cpu") if isinstance(offload, CPUOffloadPolicy) else device)
+    return model, device
 
 
 class FSDP2Engine(TrainEngine):

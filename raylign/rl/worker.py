@@ -80,8 +80,8 @@ class ModelWorker:
     def rendezvous_address(self) -> tuple[str, int] | None:
         """Rank 0 of a trained role: host the process group's store on this node; returns
         ``(this node's address, the store's port)`` for the other ranks to dial. None for the
-        reference, whose replicas form no group."""
-        if self.role == "reference":
+        reference when its workers hold whole replicas, which form no group."""
+        if self.role == "reference" and not self.cfg.shards_reference:
             return None
         import ray
 
@@ -100,18 +100,24 @@ class ModelWorker:
         if rendezvous is not None:  # read by DeepSpeed, which otherwise looks for MPI
             os.environ.update({"MASTER_ADDR": rendezvous[0], "MASTER_PORT": str(rendezvous[1])})
         torch.manual_seed(self.cfg.train.seed)
+        from raylign.engine import create_engine
+        from raylign.engine.distributed import init_distributed
         from raylign.models import load_causal_lm, load_score_model, loads_sharded
 
         if self.role == "reference":
             model_cfg = self.cfg.reference or self.cfg.model.model_copy(
                 update={"lora": self.cfg.model.lora.model_copy(update={"rank": 0})}
             )
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            self.module = load_causal_lm(model_cfg, device=self.device).eval().requires_grad_(False)
-            return
-        from raylign.engine import create_engine
-        from raylign.engine.distributed import init_distributed
+            if not self.cfg.shards_reference:
+                self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+                self.module = load_causal_lm(model_cfg, device=self.device).eval().requires_grad_(False)
+                return
+            from raylign.engine.fsdp2 import shard_frozen
 
+            init_distributed(self.cfg.engine.dist_timeout_s, store=self._rendezvous_store(rendezvous))
+            model = load_causal_lm(model_cfg, empty=loads_sharded(model_cfg, self.cfg.engine))
+            self.module, self.device = shard_frozen(model, self.cfg.engine)
+            return
         init_distributed(self.cfg.engine.dist_timeout_s, store=self._rendezvous_store(rendezvous))
         if self.role == "critic":
             critic_cfg = self.cfg.model.model_copy(update={"path": self.cfg.critic.path or self.cfg.model.path})
@@ -410,9 +416,13 @@ class ModelWorker:
 
     def placement_info(self) -> dict[str, Any]:
         """Where Ray put this worker: node id, the cores this process may run on, the node's address, the
-        GPU ids it was given (empty on CPU) and the rendezvous it used (``host:port``, hosted by rank 0;
-        None for the reference)."""
+        GPU ids it was given (empty on CPU), the rendezvous it used (``host:port``, hosted by rank 0;
+        None for a reference of whole replicas) and the bytes of model weights this rank holds (its
+        shards, when sharded)."""
         import ray
+        from torch.distributed.tensor import DTensor
+
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.module.parameters()]
 
         return {
             "node": ray.get_runtime_context().get_node_id(),
@@ -420,6 +430,7 @@ class ModelWorker:
             "ip": ray.util.get_node_ip_address(),
             "gpus": [str(g) for g in ray.get_gpu_ids()],
             "rendezvous": None if self.rendezvous is None else f"{self.rendezvous[0]}:{self.rendezvous[1]}",
+            "weight_bytes": sum(p.numel() * p.element_size() for p in local),
         }
 
     def offload(self) -> None:

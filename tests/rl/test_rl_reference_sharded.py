@@ -1,0 +1,106 @@
+"""A reference on two fsdp2 ranks (placement.shard_reference): each rank holds half of the frozen
+model, and together they compute the log-probs a plain fp32 forward of the whole model computes;
+through the RL controller, the KL to it starts at zero."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from raylign.rl.experience import micro_batches_for_ranks, pack_samples
+from raylign.rl.group import WorkerGroup
+
+from .rl_helpers import fp32_model, make_sample, resolve, response_logprobs, rl_config_data
+
+pytestmark = pytest.mark.slow
+
+ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+MAX_TOKENS = 24  # two to three micro-batches per rank
+# fp32 on both sides; the shards are gathered exactly, so only packing changes the summation order.
+LOGPROB_ATOL = 1e-5
+
+
+def _config(model_dir, prompt_file, tmp_path, shard: bool) -> dict:
+    data = rl_config_data(model_dir, prompt_file, tmp_path / "out")
+    data["engine"] = {"backend": "fsdp2", "dist_timeout_s": 120}
+    data["placement"] = {"reference_workers": 2, "shard_reference": shard}
+    data["algorithm"] = {"kl_mode": "loss", "kl_coef": 0.1}
+    cfg = resolve(tmp_path, data)
+    assert cfg.shards_reference is shard
+    return cfg.model_dump(mode="json")
+
+
+def _rank_rows(rows: int) -> list[int]:
+    """Rows of a dim-0 shard per rank of two, as torch.chunk splits them."""
+    first = min(rows, -(-rows // 2))
+    return [first, rows - first]
+
+
+def test_a_sharded_reference_computes_the_whole_models_log_probs_holding_half_of_it(
+    rl_model_dir, prompt_file, tmp_path
+):
+    rng = random.Random(0)
+    lengths = [(3, 9), (5, 7), (2, 8), (4, 6), (6, 2), (3, 3), (5, 4), (2, 1)]
+    samples = [
+        make_sample([rng.randrange(10, 500) for _ in range(p)], [rng.randrange(10, 500) for _ in range(r)])
+        for p, r in lengths
+    ]
+    plan = micro_batches_for_ranks(samples, 2, MAX_TOKENS)
+    group = WorkerGroup("reference", _config(rl_model_dir, prompt_file, tmp_path, True), 2, 1, None, env=ENV)
+    try:
+        per_rank = [[pack_samples([samples[i] for i in micro]) for micro in rank_plan] for rank_plan in plan]
+        results = group.call_sharded("compute_logprobs", per_rank)
+        held = [info["weight_bytes"] for info in group.call("placement_info")]
+        rendezvous = [info["rendezvous"] for info in group.call("placement_info")]
+    finally:
+        group.kill()
+
+    model = fp32_model(rl_model_dir)
+    with torch.no_grad():
+        for rank_plan, rank_results in zip(plan, results):
+            for micro, values in zip(rank_plan, rank_results):
+                for row, i in enumerate(micro):
+                    expected = response_logprobs(model, samples[i].prompt_ids, samples[i].response_ids)
+                    got = values[row, : len(expected)]
+                    torch.testing.assert_close(got, expected, atol=LOGPROB_ATOL, rtol=0)
+    # Each rank holds its rows of every weight (fp32, as stored), never the whole model.
+    expected_bytes = [0, 0]
+    for param in model.parameters():
+        per_row = param[0].numel() * param.element_size() if param.dim() else param.element_size()
+        for rank, rows in enumerate(_rank_rows(param.shape[0] if param.dim() else 1)):
+            expected_bytes[rank] += rows * per_row
+    assert held == expected_bytes
+    assert rendezvous[0] is not None and rendezvous[0] == rendezvous[1]  # one process group
+
+
+def test_without_sharding_each_reference_worker_holds_a_whole_replica(rl_model_dir, prompt_file, tmp_path):
+    group = WorkerGroup("reference", _config(rl_model_dir, prompt_file, tmp_path, False), 2, 1, None, env=ENV)
+    try:
+        infos = group.call("placement_info")
+    finally:
+        group.kill()
+    whole = sum(p.numel() * p.element_size() for p in fp32_model(rl_model_dir).parameters())
+    assert [info["weight_bytes"] for info in infos] == [whole, whole]
+    assert [info["rendezvous"] for info in infos] == [None, None]
+
+
+def test_a_grpo_run_with_a_sharded_reference_starts_at_zero_kl(rl_model_dir, prompt_file, tmp_path):
+    from raylign.rl.trainer import RLTrainer
+    from raylign.trainers.metrics import read_metrics
+
+    data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "out")
+    data["engine"] = {"backend": "fsdp2", "dist_timeout_s": 120}
+    data["placement"] = {"reference_workers": 2}
+    data["algorithm"] = {"kl_mode": "loss", "kl_coef": 0.1, "kl_estimator": "k3"}
+    data["optim"] = {"lr": 5e-3}
+    cfg = resolve(tmp_path, data)
+    assert cfg.shards_reference
+    RLTrainer(cfg).run()
+    records = read_metrics(tmp_path / "out")
+    assert [r["step"] for r in records] == [1, 2]
+    # Step 1: the policy has not moved, so the sharded reference computes its log-probs (fp32, ~1e-7)
+    # and the KL is zero to rounding; after one update at lr 5e-3 it is clearly positive (measured 0.02).
+    assert abs(records[0]["kl/reference"]) < 1e-6
+    assert records[1]["kl/reference"] > 1e-3
