@@ -39,7 +39,7 @@ def _rank_rows(rows: int) -> list[int]:
 
 
 def test_a_sharded_reference_computes_the_whole_models_log_probs_holding_half_of_it(
-    rl_model_dir, prompt_file, tmp_path
+    ray_session, rl_model_dir, prompt_file, tmp_path
 ):
     rng = random.Random(0)
     lengths = [(3, 9), (5, 7), (2, 8), (4, 6), (6, 2), (3, 3), (5, 4), (2, 1)]
@@ -75,7 +75,7 @@ def test_a_sharded_reference_computes_the_whole_models_log_probs_holding_half_of
     assert rendezvous[0] is not None and rendezvous[0] == rendezvous[1]  # one process group
 
 
-def test_without_sharding_each_reference_worker_holds_a_whole_replica(rl_model_dir, prompt_file, tmp_path):
+def test_without_sharding_each_reference_worker_holds_a_whole_replica(ray_session, rl_model_dir, prompt_file, tmp_path):
     group = WorkerGroup("reference", _config(rl_model_dir, prompt_file, tmp_path, False), 2, 1, None, env=ENV)
     try:
         infos = group.call("placement_info")
@@ -86,7 +86,7 @@ def test_without_sharding_each_reference_worker_holds_a_whole_replica(rl_model_d
     assert [info["rendezvous"] for info in infos] == [None, None]
 
 
-def test_a_grpo_run_with_a_sharded_reference_starts_at_zero_kl(rl_model_dir, prompt_file, tmp_path):
+def test_a_grpo_run_with_a_sharded_reference_starts_at_zero_kl(ray_session, rl_model_dir, prompt_file, tmp_path):
     from raylign.rl.trainer import RLTrainer
     from raylign.trainers.metrics import read_metrics
 
