@@ -106,9 +106,10 @@ def verify_sync(
     pool: Any, policy: Any, probe: list[int], version: int, names: Sequence[str], max_diff: float | None
 ) -> dict[str, float]:
     """Score ``probe`` on every engine of ``pool`` and on the ``policy`` worker group (every rank
-    takes part; rank 0's answer), then :func:`compare_probe`; adds the time it took."""
+    takes part; rank 0's answer), the two at once, then :func:`compare_probe`; adds the time it took."""
     start = time.perf_counter()
-    engines = pool.score(probe)
+    submitted = pool.submit_score(probe)
     scored = policy.call("score_probe", probe)[0]
+    engines = pool.scores(submitted)
     metrics = compare_probe(version, scored, engines, names, max_diff)
     return {**metrics, "sync/probe_s": time.perf_counter() - start}

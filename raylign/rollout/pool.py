@@ -281,10 +281,14 @@ class RolloutPool:
             self._sender = None
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
+        return self._answers(method, [getattr(engine, method).remote(*args) for engine in self.engines])
+
+    def _answers(self, method: str, refs: list[Any]) -> list[Any]:
+        """Every engine's answer to its call of ``method`` (``refs``, in engine order), within the timeout."""
         from raylign.cluster import get_within
 
         return get_within(
-            [getattr(engine, method).remote(*args) for engine in self.engines],
+            refs,
             self.timeout_s,
             f"rollout engines' {method}",
             "rollout.generate_timeout_s",
@@ -296,7 +300,14 @@ class RolloutPool:
 
     def score(self, token_ids: list[int]) -> list[Any]:
         """Every engine's :class:`~raylign.rollout.base.TokenScores` of one token sequence, in engine order."""
-        return self._call_all("score", list(token_ids))
+        return self.scores(self.submit_score(token_ids))
+
+    def submit_score(self, token_ids: list[int]) -> list[Any]:
+        """Start every engine scoring ``token_ids`` without waiting; :meth:`scores` collects them."""
+        return [engine.score.remote(list(token_ids)) for engine in self.engines]
+
+    def scores(self, submitted: list[Any]) -> list[Any]:
+        return self._answers("score", submitted)
 
     def sleep(self, level: int = 1) -> None:
         self._call_all("sleep", level)
