@@ -38,6 +38,13 @@ class EngineConfig(Section):
         "weight from the model's safetensors files, so no rank ever holds the whole model; false loads the whole "
         "model on every rank first. Models with LoRA adapters always load whole (the adapters are not in the files).",
     )
+    reshard_after_forward: bool = Field(
+        True,
+        description="fsdp2: each decoder layer gives its gathered weights back after its forward and gathers them "
+        "again for the backward (least memory: one layer whole at a time); false keeps every layer's weights "
+        "whole from its forward to its backward, which saves one all-gather per layer per micro-batch and holds "
+        "the whole model's weights in compute precision on every rank meanwhile (ZeRO-2-like).",
+    )
     sequence_parallel_size: int = Field(
         1,
         ge=1,

@@ -152,13 +152,15 @@ def shard_model(
     mp: MixedPrecisionPolicy,
     offload: OffloadPolicy,
     reshard_root: bool | None = None,
+    reshard_layers: bool = True,
 ) -> None:
     """Shard every decoder layer, then the root (embeddings, final norm, output head). Layers give up
-    their gathered weights after their forward. The root keeps its own until the backward (FSDP2's
-    default, ``reshard_root`` None: it is needed again there); a model that has no backward passes
+    their gathered weights after their forward unless ``reshard_layers`` is false
+    (``engine.reshard_after_forward``). The root keeps its own until the backward (FSDP2's default,
+    ``reshard_root`` None: it is needed again there); a model that has no backward passes
     ``reshard_root=True``, or its embedding stays whole between forwards."""
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_layers)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_root)
 
 
@@ -196,7 +198,7 @@ class FSDP2Engine(TrainEngine):
             model.to(self.device)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         precision = mixed_precision_policy(self.model_dtype, engine_cfg.reduce_dtype)
-        shard_model(model, self.mesh, precision, self.offload_policy)
+        shard_model(model, self.mesh, precision, self.offload_policy, reshard_layers=engine_cfg.reshard_after_forward)
         if empty:
             on_cpu = isinstance(self.offload_policy, CPUOffloadPolicy)
             self.bytes_read = load_sharded_weights(model, torch.device("cpu") if on_cpu else self.device)
