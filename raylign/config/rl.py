@@ -215,7 +215,8 @@ class RLConfig(Section):
     reference: ModelConfig | None = Field(
         None,
         description="Frozen reference model (defaults to the policy's "
-        "initial weights); used when the KL mode is not none.",
+        "initial weights); used when the KL mode is not none. A LoRA policy without one is its own reference "
+        "with its adapters turned off (no reference workers).",
     )
     critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO critic (only with gae).")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Estimator, losses, KL.")
@@ -265,14 +266,25 @@ class RLConfig(Section):
     def shards_reference(self) -> bool:
         """The reference ranks shard one frozen model between them (placement.shard_reference)."""
         p = self.placement
-        return self.uses_reference and p.shard_reference and self.engine.backend == "fsdp2" and p.reference_workers > 1
+        sharded = p.shard_reference and self.engine.backend == "fsdp2" and p.reference_workers > 1
+        return self.uses_reference and not self.reference_in_policy and sharded
+
+    @property
+    def reference_in_policy(self) -> bool:
+        """A LoRA policy without a reference of its own is its own reference, with its adapters turned
+        off: the frozen base it trains adapters on is exactly its initial policy, so no reference workers."""
+        return self.uses_reference and self.model.lora.rank > 0 and self.reference is None
 
     @property
     def worker_roles(self) -> dict[str, int]:
         """Model-worker roles of this run and their number of ranks: policy, reference, critic."""
         p = self.placement
         roles = {"policy": p.policy_workers, "reference": p.reference_workers, "critic": p.critic_workers}
-        wanted = {"policy": True, "reference": self.uses_reference, "critic": self.uses_critic}
+        wanted = {
+            "policy": True,
+            "reference": self.uses_reference and not self.reference_in_policy,
+            "critic": self.uses_critic,
+        }
         return {role: workers for role, workers in roles.items() if wanted[role]}
 
     @property
@@ -325,7 +337,7 @@ class RLConfig(Section):
                 f"each mini-batch ({samples // t.mini_batches} samples) must split evenly over "
                 f"placement.critic_workers ({p.critic_workers})"
             )
-        if self.uses_reference and samples % p.reference_workers:
+        if "reference" in self.worker_roles and samples % p.reference_workers:
             raise ValueError(
                 f"train.prompts_per_step x sampling.n ({samples}) must split evenly over "
                 f"placement.reference_workers ({p.reference_workers})"

@@ -451,7 +451,11 @@ class RLTrainer:
         # own detached log-probs are the behaviour log-probs (ratio 1). The engine's log-probs stand in
         # for them in the KL-in-reward term; the trainer-vs-engine mismatch is then measured in training.
         old = self._forward_all("policy", "compute_logprobs", samples) if behaviour == "trainer_recomputed" else None
-        ref = self._forward_all("reference", "compute_logprobs", samples) if cfg.uses_reference else None
+        ref = None
+        if cfg.reference_in_policy:
+            ref = self._forward_all("policy", "compute_reference_logprobs", samples)
+        elif cfg.uses_reference:
+            ref = self._forward_all("reference", "compute_logprobs", samples)
         values = self._forward_all("critic", "compute_values", samples) if cfg.uses_critic else None
         rollout_lp = response_tensor([s.rollout_logprobs for s in samples], width)
         lengths = mask.sum(dim=-1)

@@ -167,6 +167,13 @@ class ModelWorker:
         ]
 
     @torch.no_grad()
+    def compute_reference_logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """:meth:`compute_logprobs` of a LoRA policy's base model, its adapters turned off: the
+        reference of a LoRA policy (``RLConfig.reference_in_policy``)."""
+        with self.engine.hf_model.disable_adapter():
+            return self.compute_logprobs(micro_batches)
+
+    @torch.no_grad()
     def compute_values(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         """Critic values ``[b, R]``: V of the state before each response token."""
         self.module.eval()
