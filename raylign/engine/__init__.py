@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from raylign.config.engine import EngineConfig
+from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.engine.base import TrainEngine
 from raylign.engine.checkpoint import latest_checkpoint, resume_latest, save_step_checkpoint
@@ -23,6 +24,7 @@ from raylign.engine.distributed import init_distributed, is_main_process
 __all__ = [
     "TrainEngine",
     "create_engine",
+    "load_frozen",
     "init_distributed",
     "is_main_process",
     "latest_checkpoint",
@@ -62,3 +64,21 @@ def create_engine(
 
         return DeepSpeedZeroEngine(model, engine_cfg, optim_cfg, total_steps)
     raise ValueError(f"engine.backend must be one of local, fsdp2, deepspeed (got {engine_cfg.backend!r})")
+
+
+def load_frozen(model_cfg: ModelConfig, engine_cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
+    """A frozen model every rank computes with (a reference, a teacher), in eval mode and without gradients.
+
+    With the fsdp2 backend on several ranks it is sharded like the trained model
+    (:func:`raylign.engine.fsdp2.shard_frozen`: each rank keeps its shard in the model's dtype, read
+    shard by shard when ``engine.load_sharded``): its forward is then a collective, so every rank
+    must call it as often as the others, as the trained model's own forward requires. Otherwise
+    each rank holds a whole copy on ``device``."""
+    from raylign.engine.distributed import get_world_size
+    from raylign.models import load_causal_lm, loads_sharded
+
+    if engine_cfg.backend == "fsdp2" and get_world_size() > 1:
+        from raylign.engine.fsdp2 import shard_frozen
+
+        return shard_frozen(load_causal_lm(model_cfg, empty=loads_sharded(model_cfg, engine_cfg)), engine_cfg)[0]
+    return load_causal_lm(model_cfg, device=device).eval().requires_grad_(False)

@@ -5,8 +5,8 @@ one forward pass; a response's log-probability is the sum over its scored tokens
 that compare with a frozen reference model get the reference's log-probs either from a live
 reference forward every step or, with ``dpo.precompute_reference``, from one pass over all
 pairs before training (each rank computes its share, the ranks share them, and the reference
-model is freed). A live reference is a whole, unsharded copy on every rank, so precomputing
-is the memory-saving choice for large models. SimPO and ORPO use no reference, and none is
+model is freed). A live reference is sharded like the policy with fsdp2 on several ranks
+(:func:`raylign.engine.load_frozen`), else a whole copy on every rank. SimPO and ORPO use no reference, and none is
 built. The unit of the loss is the pair.
 
 ORPO's NLL term is taken per pair (the mean over pairs of each chosen response's per-token
@@ -27,6 +27,7 @@ from raylign.algorithms import PREFERENCE_LOSSES
 from raylign.config.dpo import DPOConfig
 from raylign.config.model import ModelConfig
 from raylign.data.preference import PairSample, build_pair_datasets, collate_pairs, num_pairs
+from raylign.engine import load_frozen
 from raylign.engine.distributed import all_reduce_scalars
 from raylign.models import load_causal_lm, load_tokenizer, loads_sharded, sequence_logprobs
 from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
@@ -106,9 +107,11 @@ class DPOTrainer(OfflineTrainer):
             attn_implementation=m.attn_implementation,
             trust_remote_code=m.trust_remote_code,
         )
-        model = load_causal_lm(ref_cfg, device=self.engine.device).eval()
-        model.requires_grad_(False)
-        return model
+        if self.cfg.dpo.precompute_reference:
+            # Whole on every rank: the ranks compute unequal shares of the pairs, which a sharded
+            # model's collective forward cannot do; it is freed once the log-probs are in.
+            return load_causal_lm(ref_cfg, device=self.engine.device).eval().requires_grad_(False)
+        return load_frozen(ref_cfg, self.cfg.engine, self.engine.device)
 
     def on_setup(self) -> None:
         if not self.uses_reference:

@@ -7,8 +7,9 @@ that predicts a target token the student minimises a divergence from the teacher
 cross-entropy on the target token. The loss is the mean over all target tokens of the
 global batch. Teacher and student must share the tokenizer: the vocabularies are compared
 before anything is trained, and distributions are compared over the tokenizer's tokens (a
-model's padded extra logits are left out). The teacher is a whole, unsharded copy on every
-rank. As in the GKD paper, the divergence is not rescaled by ``temperature ** 2``.
+model's padded extra logits are left out). With fsdp2 on several ranks the teacher is sharded like
+the student (:func:`raylign.engine.load_frozen`), else a whole copy on every rank. As in the GKD
+paper, the divergence is not rescaled by ``temperature ** 2``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from transformers import PreTrainedTokenizerBase
 from raylign.algorithms import DISTILLATION_LOSSES
 from raylign.config.kd import KDConfig, TeacherConfig
 from raylign.config.model import ModelConfig
-from raylign.models import attention_kwargs, load_causal_lm, load_tokenizer
+from raylign.engine import load_frozen
+from raylign.models import attention_kwargs, load_tokenizer
 from raylign.trainers.loop import Batch
 from raylign.trainers.sft import SFTTrainer
 
@@ -70,8 +72,7 @@ class KDTrainer(SFTTrainer):
         return tokenizer
 
     def on_setup(self) -> None:
-        self.teacher = load_causal_lm(teacher_model_config(self.cfg.teacher), device=self.engine.device).eval()
-        self.teacher.requires_grad_(False)
+        self.teacher = load_frozen(teacher_model_config(self.cfg.teacher), self.cfg.engine, self.engine.device)
         self.vocab_size = len(self.tokenizer)
         for role, model in (("teacher", self.teacher), ("student", self.engine.hf_model)):
             if _output_size(model) < self.vocab_size:

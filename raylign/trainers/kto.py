@@ -9,8 +9,8 @@ The reference point ``z0`` estimates ``KL(pi || pi_ref)`` on mismatched prompt/c
 pairs (prompt i with completion i-1) of the micro-batch; in training it is averaged over the
 micro-batches that the data-parallel ranks run together, so it is taken over
 ``micro_batch_size x ranks`` examples (as in the paper's per-step batch estimate, which TRL
-gathers across processes). It is detached. The reference model is a whole, unsharded copy
-on every rank.
+gathers across processes). It is detached. The reference model is sharded like the policy with
+fsdp2 on several ranks (:func:`raylign.engine.load_frozen`), else a whole copy on every rank.
 
 Metrics (means per example): ``kl`` (z0), ``reward_signed`` (``beta * r`` with the sign of the
 label, which rises as desirable completions gain and undesirable ones lose probability) and
@@ -29,6 +29,7 @@ from raylign.algorithms import kto_loss
 from raylign.config.kto import KTOConfig
 from raylign.config.model import LoraConfig
 from raylign.data.kto import build_kto_datasets, collate_kto
+from raylign.engine import load_frozen
 from raylign.models import load_causal_lm, load_tokenizer, loads_sharded, sequence_logprobs
 from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
 
@@ -67,8 +68,7 @@ class KTOTrainer(OfflineTrainer):
         ref_cfg = self.cfg.model.model_copy(
             update={"path": path, "lora": LoraConfig(), "gradient_checkpointing": False}
         )
-        self.reference = load_causal_lm(ref_cfg, device=self.engine.device).eval()
-        self.reference.requires_grad_(False)
+        self.reference = load_frozen(ref_cfg, self.cfg.engine, self.engine.device)
 
     def collate(self, samples: list) -> Batch:
         return collate_kto(

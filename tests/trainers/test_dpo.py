@@ -325,9 +325,13 @@ def test_dpo_help_describes_every_field(capsys):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_ranks_share_precomputed_reference_log_probs(tmp_path, tiny_model_dir, eight_pairs, other_reference_dir):
-    # each rank computes the reference for half of the pairs and the ranks share them: the first
-    # step's loss equals a single process's with a live reference
+@pytest.mark.parametrize("precompute", ["true", "false"], ids=["precomputed", "live-sharded"])
+def test_two_ranks_make_a_single_processs_first_loss(
+    precompute, tmp_path, tiny_model_dir, eight_pairs, other_reference_dir
+):
+    # precomputed: each rank computes the reference for half of the pairs and the ranks share them;
+    # live: the reference is sharded over the two ranks like the policy (engine.load_frozen). Either
+    # way the first step's loss equals a single process's with a whole live reference.
     _, train_file = eight_pairs
     ref = {"reference_path": str(other_reference_dir)}
     single, _ = first_step(tiny_model_dir, train_file, tmp_path / "single", ref)
@@ -348,7 +352,7 @@ def test_two_ranks_share_precomputed_reference_log_probs(tmp_path, tiny_model_di
             "--dpo.reference_path",
             str(other_reference_dir),
             "--dpo.precompute_reference",
-            "true",
+            precompute,
             "--train.output_dir",
             str(out),
             "--train.max_steps",

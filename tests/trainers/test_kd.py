@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from raylign.cli.main import main
@@ -126,6 +127,24 @@ def test_first_step_loss_is_the_divergence_over_reply_tokens(tmp_path, tiny_mode
     )
     assert first["train/loss"] == pytest.approx(expected, rel=1e-4)
     assert first["train/divergence"] == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_on_two_fsdp2_ranks_with_a_sharded_teacher_the_first_loss_is_the_divergence(
+    tmp_path, tiny_model_dir, student_dir
+):
+    """Each rank holds half of the teacher (engine.load_frozen) and half of the rows; the first step's
+    loss is still the textbook divergence over all reply tokens."""
+    rows = make_string_rows("copy", 8, seed=0)
+    out = tmp_path / "run"
+    cfg = kd_config(student_dir, tiny_model_dir, write_jsonl(tmp_path / "t.jsonl", rows), out, max_steps=1)
+    config_file = tmp_path / "kd.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    args = ["kd", "--config", str(config_file), "--train.export", "false", "--engine.backend", "fsdp2"]
+    assert main([*args, "--engine.num_processes", "2"]) == 0
+    first = next(r for r in read_metrics(out) if "train/loss" in r)
+    assert first["train/loss"] == pytest.approx(mean_divergence(tiny_model_dir, student_dir, rows), rel=1e-4)
 
 
 def test_kd_trains_the_student_and_exports_a_generating_model(tmp_path, tiny_model_dir, student_dir):
