@@ -178,6 +178,13 @@ class RLTrainConfig(Section):
         description="Tokens per packed row within a micro-batch; 0: the longest "
         "sample's length. Attention cost grows with the square of a row's length.",
     )
+    early_reference: bool = Field(
+        True,
+        description="The reference workers compute each prompt group's log-probs as soon as the group is scored, "
+        "on one thread each, while other groups still generate, instead of all in the experience phase (the "
+        "reference is frozen, so when they run changes nothing else). Not with placement.colocate, where the "
+        "reference shares its device with the generating engine.",
+    )
     async_rollout: bool | None = Field(
         None, description="Replaced by rollout.max_staleness (async_rollout: true is rollout.max_staleness: 1)."
     )
@@ -268,6 +275,11 @@ class RLConfig(Section):
         p = self.placement
         sharded = p.shard_reference and self.engine.backend == "fsdp2" and p.reference_workers > 1
         return self.uses_reference and not self.reference_in_policy and sharded
+
+    @property
+    def reference_early(self) -> bool:
+        """Reference log-probs are computed per group as groups finish (train.early_reference)."""
+        return "reference" in self.worker_roles and self.train.early_reference and not self.placement.colocate
 
     @property
     def reference_in_policy(self) -> bool:

@@ -82,7 +82,13 @@ class WorkerGroup:
     def call_in_phase(self, method: str, per_rank: list[Any], threads: list[int]) -> tuple[list[Any], list[int]]:
         """:meth:`call_sharded`, rank r computing on ``threads[r]`` torch threads; the results and the
         threads each rank reported (``ModelWorker.in_phase``), in rank order."""
-        refs = [w.in_phase.remote(n, method, arg) for w, n, arg in zip(self.workers, threads, per_rank)]
+        return self.phase_results(method, self.submit_in_phase(method, per_rank, threads))
+
+    def submit_in_phase(self, method: str, per_rank: list[Any], threads: list[int]) -> list[Any]:
+        """:meth:`call_in_phase` without waiting: the calls in flight, for :meth:`phase_results`."""
+        return [w.in_phase.remote(n, method, arg) for w, n, arg in zip(self.workers, threads, per_rank)]
+
+    def phase_results(self, method: str, refs: list[Any]) -> tuple[list[Any], list[int]]:
         answers = self._results(method, refs)
         return [result for result, _ in answers], [used for _, used in answers]
 

@@ -59,6 +59,7 @@ from raylign.rl.records import (
     write_samples,
     write_trajectories,
 )
+from raylign.rl.reference import EarlyReference
 from raylign.rl.shared_dir import check_shared_directory
 from raylign.rl.stream import PromptPositions, RolloutFeed, sample_from, uniform_rewards
 from raylign.rl.verify import PROBE_TOKENS, probe_sequence, verify_sync
@@ -167,6 +168,16 @@ class RLTrainer:
             self.pool = RolloutPool(self.engines, cfg.rollout.generate_timeout_s)
             self.groups["policy"].call("connect_engines", self.engines)
         self.threads = self._decide_threads(has_gpus)
+        self.early_reference = (
+            EarlyReference(
+                self.groups["reference"],
+                cfg.train.micro_batch_tokens,
+                cfg.train.pack_row_tokens,
+                keep_steps=cfg.rollout.max_staleness + 2,
+            )
+            if cfg.reference_early
+            else None
+        )
         self.positions = PromptPositions(self.sampler)
         r, a = cfg.rollout, cfg.algorithm
         self.episodes: EpisodeStream | None = None
@@ -186,7 +197,7 @@ class RLTrainer:
             r.max_staleness,
             r.stale_samples,
             self._group_samples if self.episodes is None else self._episode_samples,
-            self._score_timed if self.episodes is None else _rewarded_by_env,
+            self._scored_group,
             uniform=uniform_rewards if a.dynamic_sampling else None,
             max_uniform_per_step=a.max_refill_rounds * cfg.train.prompts_per_step,
             ordered=r.reproducible,
@@ -378,6 +389,16 @@ class RLTrainer:
             s.reward = float(result.rewards[i])
             s.reward_metrics = {k: float(v[i]) for k, v in result.metrics.items()}
 
+    def _scored_group(self, samples: list[Sample]) -> None:
+        """A prompt group has come back: its rewards (from the reward sources, or the environment's), then
+        its reference log-probs start computing (:class:`EarlyReference`)."""
+        if self.episodes is None:
+            self._score_timed(samples)
+        else:
+            _rewarded_by_env(samples)
+        if self.early_reference is not None:
+            self.early_reference.submit(samples, self.step)
+
     def _score_timed(self, samples: list[Sample]) -> None:
         t = time.perf_counter()
         self.score(samples)
@@ -451,11 +472,12 @@ class RLTrainer:
         # own detached log-probs are the behaviour log-probs (ratio 1). The engine's log-probs stand in
         # for them in the KL-in-reward term; the trainer-vs-engine mismatch is then measured in training.
         old = self._forward_all("policy", "compute_logprobs", samples) if behaviour == "trainer_recomputed" else None
-        ref = None
+        ref, early = None, None
         if cfg.reference_in_policy:
             ref = self._forward_all("policy", "compute_reference_logprobs", samples)
         elif cfg.uses_reference:
-            ref = self._forward_all("reference", "compute_logprobs", samples)
+            early = self.early_reference.collect(samples, width) if self.early_reference is not None else None
+            ref = early if early is not None else self._forward_all("reference", "compute_logprobs", samples)
         values = self._forward_all("critic", "compute_values", samples) if cfg.uses_critic else None
         rollout_lp = response_tensor([s.rollout_logprobs for s in samples], width)
         lengths = mask.sum(dim=-1)
@@ -465,6 +487,8 @@ class RLTrainer:
             cfg, rewards, mask, cfg.sampling.n, old if old is not None else rollout_lp, ref, values
         )
         metrics = {**shaping, **adv_metrics}
+        if cfg.uses_reference and not cfg.reference_in_policy:
+            metrics["experience/reference_early"] = float(early is not None)  # computed as the groups finished
         if old is not None:
             metrics.update(mismatch_metrics(old, rollout_lp, mask))
         return Experience(
