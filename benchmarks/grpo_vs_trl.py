@@ -104,6 +104,7 @@ class Workload:
     threads: str = "1"
     task: str = "letters"
     master_weights: bool = True
+    early_reference: bool = True
 
 
 # ---- shared inputs ---------------------------------------------------------------------------
@@ -192,6 +193,7 @@ def raylign_config(w: Workload):
                 "resume": False,
                 "log_samples": 0,
                 "seed": w.seed,
+                "early_reference": w.early_reference,
                 "logging": {"progress_bar": False, "tensorboard": False},
             },
         },
@@ -634,6 +636,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="raylign's optim.master_weights: fp32 copies of bf16 weights (TRL keeps none)",
     )
     parser.add_argument(
+        "--early-reference",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="raylign's train.early_reference: each group's reference log-probs computed while others generate",
+    )
+    parser.add_argument(
         "--bare-vllm",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -700,6 +708,7 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path, hw: dict[str, 
             args.threads,
             args.task,
             args.master_weights,
+            args.early_reference,
         )
         print(f"running {side} on {name} ...", flush=True)
         result = launch(__file__, side, asdict(w), Path(w.output_dir), {**VLLM_ENV, "OMP_NUM_THREADS": str(threads)})
