@@ -34,16 +34,26 @@ class EarlyReference:
     Passes of groups that never reach a step (dropped as stale, uniform or non-finite) are forgotten
     ``keep_steps`` steps after they started."""
 
-    def __init__(self, group: Any, micro_batch_tokens: int, pack_row_tokens: int, keep_steps: int):
+    def __init__(
+        self,
+        group: Any,
+        micro_batch_tokens: int,
+        pack_row_tokens: int,
+        keep_steps: int,
+        threads: list[int] | None = None,
+    ):
+        """``threads``: torch threads of each rank for these passes (None: one each)."""
         self.group, self.micro_batch_tokens, self.rows = group, micro_batch_tokens, pack_row_tokens
         self.keep_steps = keep_steps
+        self.threads = threads or [1] * len(group)
+        self.threads_used: list[int] = []  # what the ranks reported for the passes :meth:`collect` gathered
         self._passes: dict[int, _Pass] = {}  # id(sample) -> its pass (which holds the sample: ids stay unique)
 
     def submit(self, samples: list[Sample], step: int) -> None:
         plan = micro_batches_for_ranks(samples, len(self.group), self.micro_batch_tokens)
         rows = self.rows
         per_rank = [[pack_samples([samples[i] for i in micro], row_tokens=rows) for micro in ranks] for ranks in plan]
-        calls = self.group.submit_in_phase("compute_logprobs", per_rank, [1] * len(self.group))
+        calls = self.group.submit_in_phase("compute_logprobs", per_rank, self.threads)
         started = _Pass(list(samples), plan, calls, step)
         for sample in samples:
             self._passes[id(sample)] = started
@@ -57,8 +67,10 @@ class EarlyReference:
         if any(p is None or not any(x is s for x in p.samples) for p, s in zip(passes, samples)):
             return None
         rows: dict[int, torch.Tensor] = {}
+        self.threads_used = []
         for p in {id(p): p for p in passes if p is not None}.values():
-            results, _ = self.group.phase_results("compute_logprobs", p.calls)
+            results, used = self.group.phase_results("compute_logprobs", p.calls)
+            self.threads_used += used
             for rank_plan, rank_results in zip(p.plan, results):
                 for micro, values in zip(rank_plan, rank_results):
                     for row, i in enumerate(micro):

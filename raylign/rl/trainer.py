@@ -77,6 +77,7 @@ class RLTrainer:
         self.out = Path(cfg.train.output_dir)
         self.step = 0
         self.groups: dict[str, Any] = {}
+        self.early_reference: EarlyReference | None = None  # set up in setup() when the run uses it
         self.syncs = 0  # weight syncs sent to the engines (their weight_version once received)
         self.events: list[tuple[str, int, float]] = []  # (what, step, time.time()): when each step's phases began
         self.group_log: list[tuple[int, int, float]] = []  # (step, group seq, time.time() its engine finished it)
@@ -174,6 +175,8 @@ class RLTrainer:
                 cfg.train.micro_batch_tokens,
                 cfg.train.pack_row_tokens,
                 keep_steps=cfg.rollout.max_staleness + 2,
+                # beside the generating engines: one thread per rank, or the count the user pinned
+                threads=self.threads["reference"] if cfg.placement.threads_per_worker != "auto" else None,
             )
             if cfg.reference_early
             else None
@@ -477,6 +480,8 @@ class RLTrainer:
             ref = self._forward_all("policy", "compute_reference_logprobs", samples)
         elif cfg.uses_reference:
             early = self.early_reference.collect(samples, width) if self.early_reference is not None else None
+            if early is not None:
+                self._threads_used.setdefault("reference_early", []).extend(self.early_reference.threads_used)
             ref = early if early is not None else self._forward_all("reference", "compute_logprobs", samples)
         values = self._forward_all("critic", "compute_values", samples) if cfg.uses_critic else None
         rollout_lp = response_tensor([s.rollout_logprobs for s in samples], width)

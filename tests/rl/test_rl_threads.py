@@ -79,4 +79,6 @@ def test_a_pinned_thread_count_is_what_each_phase_computes_with(ray_session, rl_
     data["placement"] = {"threads_per_worker": 1}
     RLTrainer(resolve(tmp_path, data)).run()
     records = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
-    assert [(r["threads/experience"], r["threads/train"]) for r in records] == [(1, 1), (1, 1)]
+    # GRPO is on-policy, so its experience phase has no pass left: the reference's ran during generation.
+    assert [(r["threads/reference_early"], r["threads/train"]) for r in records] == [(1, 1), (1, 1)]
+    assert all("threads/experience" not in r for r in records)
