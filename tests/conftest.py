@@ -8,6 +8,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# A test that reaches Ray without the ray_session fixture fails at once instead of starting a
+# default local Ray (2 CPU slots) on which a later RL run in the same process waits until its
+# startup timeout.
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 
 import torch
 
