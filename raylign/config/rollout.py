@@ -8,6 +8,10 @@ from pydantic import Field, field_validator
 
 from raylign.config.base import Section
 
+# LoRA ranks vLLM serves adapters of (its max_lora_rank takes one of these).
+ENGINE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+MAX_ENGINE_LORA_RANK = ENGINE_LORA_RANKS[-1]
+
 
 class SamplingConfig(Section):
     """Sampling of one generation request (applies to every prompt of the request).
@@ -132,6 +136,13 @@ class RolloutConfig(Section):
         description="A weight update does not wait for sequences in flight: the engines pause, take the new "
         "weights and continue them under those (vLLM; the hf engine finishes its running batch first). Needs "
         "max_staleness >= 1.",
+    )
+    lora_sync: Literal["auto", "adapter", "merged"] = Field(
+        "auto",
+        description="How a LoRA policy (model.lora.rank > 0) reaches the engines. adapter: only the adapter "
+        "weights travel, and vLLM serves them as a LoRA adapter, a new one per sync (sequences in flight finish "
+        "under the adapter they started with; their tokens keep its version); merged: the adapters are folded "
+        "into the base weights and the full weights travel. auto: adapter with the vllm engine, merged with hf.",
     )
     reproducible: bool = Field(
         False,

@@ -21,7 +21,15 @@ import torch
 
 from raylign.engine import checkpoint as ckpt
 from raylign.engine.distributed import all_reduce_scalars, barrier, is_main_process
-from raylign.engine.export import to_hf_state_dict, write_hf_folder
+from raylign.engine.export import (
+    ADAPTER_FOLDER,
+    adapter_config,
+    adapter_weights,
+    is_adapter_weight,
+    to_hf_state_dict,
+    write_adapter_folder,
+    write_hf_folder,
+)
 from raylign.engine.optim import current_lr
 
 SCHEDULER_FILE = "scheduler.pt"
@@ -148,14 +156,33 @@ class TrainEngine(ABC):
             return {}
         return to_hf_state_dict(raw, self.hf_model, self.model_dtype)
 
+    def adapter_state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """A LoRA model's adapter weights, unsharded, under PEFT's saved names in ``model_dtype``,
+        and its ``adapter_config.json`` values: a PEFT adapter folder's content, on rank 0 (no
+        weights elsewhere). Collective; gathers the adapter's tensors only."""
+        raw = self._gather_adapter_state_dict()
+        config = adapter_config(self.hf_model)
+        if not is_main_process():
+            return {}, config
+        return adapter_weights(raw, self.hf_model, self.model_dtype), config
+
+    def _gather_adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The adapter's tensors of :meth:`_gather_state_dict`; backends that can gather them alone do."""
+        return {k: v for k, v in self._gather_state_dict().items() if is_adapter_weight(k)}
+
     def export_hf(self, directory: str | Path, tokenizer: Any | None = None) -> None:
         """Save a plain HF folder (config, safetensors, tokenizer) that transformers and vLLM load.
+        A LoRA model's folder holds the merged weights, and its adapter alone as a PEFT adapter folder
+        in ``adapter/`` (for vLLM's LoRA serving, or ``raylign merge-lora`` onto another base).
 
         Collective; rank 0 writes.
         """
         state_dict = self.full_state_dict()
+        adapter = self.adapter_state_dict() if hasattr(self.hf_model, "peft_config") else None
         if is_main_process():
             write_hf_folder(directory, state_dict, self.hf_model, self.model_dtype, tokenizer)
+            if adapter is not None:
+                write_adapter_folder(Path(directory) / ADAPTER_FOLDER, *adapter)
         barrier()
 
     # ------------------------------------------------------------------ colocation

@@ -39,6 +39,7 @@ from raylign.config.optim import OptimConfig
 from raylign.engine.base import TrainEngine, floating_dtype
 from raylign.engine.checkpoint import CheckpointError
 from raylign.engine.distributed import ensure_process_group
+from raylign.engine.export import is_adapter_weight
 from raylign.engine.optim import build_param_groups, build_scheduler
 
 CHECKPOINT_TAG = "zero"
@@ -230,6 +231,14 @@ class DeepSpeedZeroEngine(TrainEngine):
                 return {}
             return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
         return self._gather_zero3_state_dict(module)
+
+    def _gather_adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The adapter's parameters only, gathered together (they are small) under ZeRO-3."""
+        named = [(n, p) for n, p in self.engine.module.named_parameters() if is_adapter_weight(n)]
+        if self.zero_stage < 3:
+            return {n: p.detach().to("cpu", copy=True) for n, p in named} if self.rank == 0 else {}
+        with self._deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return {n: p.detach().to("cpu", copy=True) for n, p in named} if self.rank == 0 else {}
 
     def _gather_zero3_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """All-gather one submodule's partitioned parameters at a time, so the peak extra memory

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 _PEFT_PREFIX = "base_model.model."
 MAX_SHARD_SIZE = "5GB"
+ADAPTER_FOLDER = "adapter"  # a LoRA model's export keeps its adapter alone in this subfolder
 
 
 def base_hf_model(model: torch.nn.Module) -> PreTrainedModel:
@@ -53,6 +54,36 @@ def lora_layers(model: torch.nn.Module) -> dict[str, tuple[float, bool]]:
 def active_adapter(model: torch.nn.Module) -> str:
     adapter = getattr(model, "active_adapter", "default")
     return adapter if isinstance(adapter, str) else adapter[0]
+
+
+def is_adapter_weight(name: str) -> bool:
+    """A LoRA adapter's weight (PEFT names its tensors ``lora_A``, ``lora_B``, ``lora_embedding_A`` ...)."""
+    return ".lora_" in name
+
+
+def adapter_weights(
+    raw: dict[str, torch.Tensor], model: torch.nn.Module, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """A LoRA model's adapter tensors (from its full state dict ``raw``, or ``raw`` holding only them)
+    under the names PEFT saves them with (``...q_proj.lora_A.weight``: the adapter's name left out),
+    floats cast to ``dtype``: the ``adapter_model.safetensors`` of a PEFT adapter folder."""
+    from peft import get_peft_model_state_dict
+
+    adapter = active_adapter(model)
+    # save_embedding_layers=False: PEFT's "auto" would look the base model up on the hub.
+    weights = get_peft_model_state_dict(
+        model,
+        state_dict={k: v for k, v in raw.items() if is_adapter_weight(k)},
+        adapter_name=adapter,
+        save_embedding_layers=False,
+    )
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+
+
+def adapter_config(model: torch.nn.Module) -> dict[str, Any]:
+    """The active adapter's PEFT config as plain JSON values: its ``adapter_config.json``."""
+    config = model.peft_config[active_adapter(model)].to_dict()  # type: ignore[index, operator]
+    return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
 
 
 def _lora_delta(state_dict: dict[str, torch.Tensor], prefix: str, adapter: str, fan_in_fan_out: bool) -> torch.Tensor:
@@ -156,6 +187,20 @@ def _write_safetensors(directory: Path, state_dict: dict[str, torch.Tensor]) -> 
     if plan.is_sharded:
         index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_adapter_folder(directory: str | Path, tensors: dict[str, torch.Tensor], adapter: dict[str, Any]) -> Path:
+    """A PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) that vLLM loads
+    as a LoRA adapter; written under a temporary name, then renamed into place."""
+    final = Path(directory)
+    temp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, temp / "adapter_model.safetensors")
+    (temp / "adapter_config.json").write_text(json.dumps(adapter, indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    temp.rename(final)
+    return final
 
 
 def write_hf_folder(

@@ -28,6 +28,7 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -44,6 +45,7 @@ from raylign.config.engine import EngineConfig
 from raylign.config.optim import OptimConfig
 from raylign.engine.base import TrainEngine, floating_dtype
 from raylign.engine.distributed import ensure_process_group
+from raylign.engine.export import is_adapter_weight
 from raylign.engine.optim import build_adamw, build_scheduler, clip_grad_norm, move_optimizer_state
 
 DCP_FOLDER = "dcp"
@@ -236,6 +238,18 @@ class FSDP2Engine(TrainEngine):
     def _gather_state_dict(self) -> dict[str, torch.Tensor]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.module, options=options)
+
+    def _gather_adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """Each adapter tensor all-gathered on its own (every rank, in the same order); rank 0 keeps them."""
+        gathered: dict[str, torch.Tensor] = {}
+        main = not dist.is_initialized() or dist.get_rank() == 0
+        for name, param in self.module.named_parameters():
+            if not is_adapter_weight(name):
+                continue
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if main:
+                gathered[name] = full.detach().to("cpu", copy=True)
+        return gathered
 
     def offload(self) -> None:
         """Sharded parameters and optimizer state to the CPU; no-op on CPU runs or with CPU offload."""

@@ -165,7 +165,9 @@ class RLTrainer:
             self.engines = []
             self.pool = RolloutPool(self.groups["policy"].workers, cfg.rollout.generate_timeout_s)
         else:
-            self.engines = launch_engines(self.model_path, cfg.rollout, startup_timeout_s=timeout)
+            self.engines = launch_engines(
+                self.model_path, cfg.rollout, startup_timeout_s=timeout, lora_rank=self._engine_lora_rank()
+            )
             self.pool = RolloutPool(self.engines, cfg.rollout.generate_timeout_s)
             self.groups["policy"].call("connect_engines", self.engines)
         self.threads = self._decide_threads(has_gpus)
@@ -613,7 +615,12 @@ class RLTrainer:
         else:
             names = [f"rollout engine {i}" for i in range(len(self.pool.engines))]
         limit = self.cfg.rollout.verify_max_logprob_diff
-        return verify_sync(self.pool, self.groups["policy"], self.probe_tokens, version, names, limit)
+        adapter = self.cfg.syncs_adapters
+        return verify_sync(self.pool, self.groups["policy"], self.probe_tokens, version, names, limit, adapter)
+
+    def _engine_lora_rank(self) -> int:
+        """The LoRA rank the engines serve adapters of; 0 when they take merged full weights."""
+        return self.cfg.model.lora.rank if self.cfg.syncs_adapters else 0
 
     def _restart_engines(self, dead: list[int]) -> None:
         """Replace the engine actors ``dead`` (their processes died) by new ones holding the policy's
@@ -633,7 +640,10 @@ class RLTrainer:
         one = cfg.rollout.model_copy(update={"num_engines": 1})
         replaced = {}
         for index in dead:
-            replaced[index] = launch_engines(self.model_path, one, startup_timeout_s=cfg.placement.startup_timeout_s)[0]
+            timeout = cfg.placement.startup_timeout_s
+            replaced[index] = launch_engines(
+                self.model_path, one, startup_timeout_s=timeout, lora_rank=self._engine_lora_rank()
+            )[0]
             self.engines[index] = replaced[index]
             self.pool.replace_engine(index, replaced[index])
         self.groups["policy"].call("replace_engines", replaced)

@@ -13,6 +13,19 @@ Past ``rollout.verify_max_logprob_diff`` the run stops with :class:`WeightSyncDr
 sync, the engine and the difference. The engine also reports the weight version it holds, which
 must be the one just sent.
 
+A LoRA policy whose engines serve its adapter (``rollout.lora_sync: adapter``) is also checked for
+the failure the difference alone can miss while the adapter is still small: an engine that applies
+the adapter wrongly (another scaling, other target modules) or not at all. Both sides also score
+the probe without the adapter; the adapter's shift of the policy's log-probs, ``p_t = on_t - off_t``,
+and of the engine's, ``e_t``, are compared by their relative difference
+
+    r = mean_t |e_t - p_t| / mean_t |p_t|      (sync/adapter_shift_error)
+
+0 when the engine applies the trained adapter, 1 when it ignores it, about 1 for a scaling off by
+2x. The two sides' rounding adds at most ``n = 2 g / mean_t |p_t|`` to it, where ``g`` is the
+engine's gap to the policy on the base model; the run stops with :class:`AdapterMismatch` when
+``r > 0.25 + n``, judged only once the shift is large enough that ``n < 0.5``.
+
 Default threshold: an fp32 engine and an fp32 trainer differ only by the order of floating-point
 sums (measured: at most 5e-5 on a 135M model, under 1e-5 on the test models), so 1e-3 leaves a
 20x margin; bf16 or fp16 on either side shifts single log-probs by up to tenths, so 1.0 there,
@@ -37,6 +50,50 @@ SETTING = "rollout.verify_max_logprob_diff"
 
 class WeightSyncDrift(RuntimeError):
     """An engine's log-probs of the probe differ from the policy's by more than the threshold."""
+
+
+class AdapterMismatch(RuntimeError):
+    """An engine's LoRA adapter moves its log-probs of the probe otherwise than the policy's adapter
+    moves the policy's."""
+
+
+ADAPTER_MAX_ERROR = 0.25  # relative error of the engine's shift, beyond the rounding of the two sides
+ADAPTER_MAX_NOISE = 0.5  # judged once the rounding can add at most this much to it
+
+
+def compare_adapter_shift(
+    version: int,
+    policy: tuple[list[float], list[float]],
+    engines: Sequence[tuple[TokenScores, TokenScores]],
+    names: Sequence[str],
+) -> dict[str, float]:
+    """The adapter check (see the module docstring). ``policy``: the policy's log-probs of the probe
+    with and without its adapter; ``engines[i]``: engine ``names[i]``'s scores, with and without."""
+    on, off = policy
+    shift = [a - b for a, b in zip(on, off)]
+    size = sum(abs(x) for x in shift) / len(shift)
+    metrics = {"sync/adapter_shift_policy": size}
+    errors: list[float] = []
+    for name, (engine_on, engine_off) in zip(names, engines):
+        gap = sum(abs(a - b) for a, b in zip(engine_off.logprobs, off)) / len(off)
+        if size == 0.0 or 2 * gap / size >= ADAPTER_MAX_NOISE:
+            continue  # the adapter's effect is still too small to tell from the two sides' rounding
+        moved = [a - b for a, b in zip(engine_on.logprobs, engine_off.logprobs)]
+        error = sum(abs(e - p) for e, p in zip(moved, shift)) / len(shift) / size
+        errors.append(error)
+        allowed = ADAPTER_MAX_ERROR + 2 * gap / size
+        if error > allowed:
+            raise AdapterMismatch(
+                f"weight sync {version}: the LoRA adapter moves {name}'s log-probs of the probe sequence otherwise "
+                f"than the policy's adapter moves the policy's: they differ by {error:.3g} times the policy's mean "
+                f"shift ({size:.3g}), more than the {allowed:.3g} the two sides' rounding allows. The engine applies "
+                "another adapter than the one trained (another scaling, other target modules, other weights) or "
+                "none, and a run in this state does not learn what it trains; it stops here. rollout.lora_sync: "
+                "merged sends merged full weights instead"
+            )
+    if errors:
+        metrics["sync/adapter_shift_error"] = max(errors)
+    return metrics
 
 
 def probe_sequence(prompts: Sequence[Sequence[int]], max_tokens: int) -> list[int]:
@@ -103,13 +160,27 @@ def compare_probe(
 
 
 def verify_sync(
-    pool: Any, policy: Any, probe: list[int], version: int, names: Sequence[str], max_diff: float | None
+    pool: Any,
+    policy: Any,
+    probe: list[int],
+    version: int,
+    names: Sequence[str],
+    max_diff: float | None,
+    adapter: bool = False,
 ) -> dict[str, float]:
     """Score ``probe`` on every engine of ``pool`` and on the ``policy`` worker group (every rank
-    takes part; rank 0's answer), the two at once, then :func:`compare_probe`; adds the time it took."""
+    takes part; rank 0's answer), the two at once, then :func:`compare_probe`; with ``adapter`` (the
+    engines serve the policy's LoRA adapter) both also without it, for :func:`compare_adapter_shift`.
+    Adds the time it took."""
     start = time.perf_counter()
     submitted = pool.submit_score(probe)
+    submitted_base = pool.submit_score(probe, True) if adapter else []
     scored = policy.call("score_probe", probe)[0]
+    scored_base = policy.call("score_probe", probe, True)[0] if adapter else None
     engines = pool.scores(submitted)
     metrics = compare_probe(version, scored, engines, names, max_diff)
+    if scored_base is not None:
+        engines_base = pool.scores(submitted_base)
+        pairs = list(zip(engines, engines_base))
+        metrics.update(compare_adapter_shift(version, (scored[1], scored_base[1]), pairs, names))
     return {**metrics, "sync/probe_s": time.perf_counter() - start}

@@ -296,15 +296,20 @@ class ModelWorker:
     def sync_weights(self, version: int | None = None, only: list[int] | None = None) -> dict[str, float]:
         """Collective over the policy ranks: gather full weights, then rank 0 pushes them in buckets
         to the engine actors (all, or the engines ``only``), or (colocated) every rank loads them into
-        its own engine; the engines label them ``version`` (the controller's count of updates)."""
+        its own engine; the engines label them ``version`` (the controller's count of updates). A
+        LoRA policy with ``rollout.lora_sync: adapter`` gathers and sends its adapter weights only."""
         from raylign.engine.export import without_tied_output
 
         start = time.perf_counter()
-        # A tied output head travels once, as the embedding: the engines load it under both names.
-        state = without_tied_output(self.engine.full_state_dict(), self.engine.hf_model)
+        adapter: dict[str, Any] | None = None
+        if self.cfg.syncs_adapters:
+            state, adapter = self.engine.adapter_state_dict()
+        else:
+            # A tied output head travels once, as the embedding: the engines load it under both names.
+            state = without_tied_output(self.engine.full_state_dict(), self.engine.hf_model)
         gathered = time.perf_counter()
         if self._local_engine is not None:
-            self._load_local_engine(state, version)
+            self._load_local_engine(state, version, adapter)
             return (
                 {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start}
                 if self.rank == 0
@@ -313,7 +318,7 @@ class ModelWorker:
         if self.rank != 0:
             return {}
         stats = self._pool.sync_weights(
-            state.items(), keep_running=self.cfg.rollout.partial_rollouts, version=version, only=only
+            state.items(), keep_running=self.cfg.rollout.partial_rollouts, version=version, only=only, adapter=adapter
         )
         return {
             "sync/gather_s": gathered - start,
@@ -331,7 +336,8 @@ class ModelWorker:
         # keeps tasks on the loop it started on), in a thread beside this actor's calls.
         self._engine_loop = asyncio.new_event_loop()
         threading.Thread(target=self._engine_loop.run_forever, name="rollout-engine-loop", daemon=True).start()
-        self._local_engine = engine_class(self.cfg.rollout.engine)(model_path, self.cfg.rollout)
+        lora_rank = self.cfg.model.lora.rank if self.cfg.syncs_adapters else 0
+        self._local_engine = engine_class(self.cfg.rollout.engine)(model_path, self.cfg.rollout, lora_rank)
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -340,14 +346,20 @@ class ModelWorker:
                 backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.rollout.sync_timeout_s)
             )
 
-    def _load_local_engine(self, state: dict[str, torch.Tensor], version: int | None) -> None:
-        """Rank 0's gathered weights into every rank's engine; the other ranks receive them over gloo,
-        each bucket checked against its checksum. The handover to this rank's own engine carries no
-        checksum (hf: a memory copy; vLLM: its own channel to its engine process): the probe covers it."""
+    def _load_local_engine(
+        self, state: dict[str, torch.Tensor], version: int | None, adapter: dict[str, Any] | None = None
+    ) -> None:
+        """Rank 0's gathered weights (or LoRA adapter, with its config ``adapter``) into every rank's
+        engine; the other ranks receive them over gloo, each bucket checked against its checksum. The
+        handover to this rank's own engine carries no checksum (hf: a memory copy; vLLM: its own channel
+        to its engine process): the probe covers it."""
         from raylign.rollout.weight_sync import IncomingSync, load_and_drain, send_named_tensors
 
         def load(named_tensors) -> None:
-            self._on_engine_loop(self._local_engine.update_weights(named_tensors, False, version))
+            if adapter is not None:
+                self._on_engine_loop(self._local_engine.load_adapter(named_tensors, adapter, version))
+            else:
+                self._on_engine_loop(self._local_engine.update_weights(named_tensors, False, version))
 
         if self._weights_group is None:
             load(state.items())
@@ -378,15 +390,19 @@ class ModelWorker:
         """One prompt group from this rank's colocated engine (the rollout stream's call)."""
         return self._on_engine_loop(self._local_engine.generate_group(prompt_token_ids, sampling, prompt_index))
 
-    def score(self, token_ids: list[int]) -> Any:
+    def score(self, token_ids: list[int], base: bool = False) -> Any:
         """This rank's colocated engine's scores of a probe sequence (the rollout pool's ``score`` call)."""
-        return self._on_engine_loop(self._local_engine.score(token_ids))
+        return self._on_engine_loop(self._local_engine.score(token_ids, base))
 
     @torch.no_grad()
-    def score_probe(self, token_ids: list[int]) -> tuple[str, list[float]]:
+    def score_probe(self, token_ids: list[int], base: bool = False) -> tuple[str, list[float]]:
         """The policy's ``log p(token_t | tokens before t)`` for ``t >= 1`` of one fixed sequence, at
         temperature 1 (what the engines report for it), through the same forward as training; and the
-        dtype it computes in. A collective on sharded backends: every rank calls it."""
+        dtype it computes in. ``base``: a LoRA policy's base model, its adapters off. A collective on
+        sharded backends: every rank calls it."""
+        if base:
+            with self.engine.hf_model.disable_adapter():
+                return self.score_probe(token_ids)
         from raylign.hardware import resolve_dtype
         from raylign.models import selected_token_logprobs
 

@@ -20,7 +20,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -166,10 +166,25 @@ class RolloutEngine(ABC):
         mid-sequence finish them first).
         """
 
+    async def receive_adapter(self, adapter: dict[str, Any], version: int | None = None) -> SyncReceipt:
+        """Receive one sync of LoRA adapter weights (PEFT's saved names; ``adapter`` is its
+        ``adapter_config.json``) and serve them, from the next request on, as the adapter of weight
+        version ``version`` (default: one more). Requests in flight keep the adapter they started
+        with, and their tokens its version; nothing pauses, no cache is reset."""
+        raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters; use rollout.lora_sync: merged")
+
+    async def load_adapter(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: dict[str, Any], version: int | None = None
+    ) -> float:
+        """:meth:`receive_adapter` for adapter weights handed over in this process; returns seconds taken."""
+        raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters; use rollout.lora_sync: merged")
+
     @abstractmethod
-    async def score(self, token_ids: list[int]) -> TokenScores:
+    async def score(self, token_ids: list[int], base: bool = False) -> TokenScores:
         """Log-probs of each token of ``token_ids`` after the first, given those before it, under the
-        weights held now (the probe that checks a weight sync; one prefill, nothing sampled)."""
+        weights held now (the probe that checks a weight sync; one prefill, nothing sampled).
+        ``base``: under the base weights alone, without the LoRA adapter served (engines that serve
+        adapters; the others refuse)."""
 
     @abstractmethod
     async def leave_weight_sync_group(self) -> None:

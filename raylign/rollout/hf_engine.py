@@ -109,12 +109,14 @@ def response_length(tokens: list[int], eos_ids: set[int], stop_step: int | None)
 class HFEngine(RolloutEngine):
     """:class:`RolloutEngine` over a transformers causal LM. Wrap with ``ray.remote`` for an actor."""
 
-    def __init__(self, model_path: str, config: RolloutConfig | dict[str, Any] | None = None):
+    def __init__(self, model_path: str, config: RolloutConfig | dict[str, Any] | None = None, lora_rank: int = 0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config or {})
         if self.config.tensor_parallel_size != 1:
             raise ValueError("rollout.tensor_parallel_size must be 1 for the hf engine")
+        if lora_rank:
+            raise ValueError("the hf engine serves no LoRA adapters; use rollout.lora_sync: merged")
         torch.set_flush_denormal(True)  # CPU generate is erratic with denormals
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -335,7 +337,9 @@ class HFEngine(RolloutEngine):
         seconds = time.perf_counter() - start
         return SyncReceipt(self.weight_version, incoming.checksum, incoming.num_buckets, seconds, incoming.waited_s)
 
-    async def score(self, token_ids: list[int]) -> TokenScores:
+    async def score(self, token_ids: list[int], base: bool = False) -> TokenScores:
+        if base:
+            raise NotImplementedError("the hf engine serves no LoRA adapters: it has no base model apart from its own")
         check_probe(token_ids, self.vocab_size)
         async with self._lock():  # after the running batch, never during a weight update
             logprobs = await asyncio.to_thread(self._score_now, list(token_ids))

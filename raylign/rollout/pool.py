@@ -52,13 +52,15 @@ def launch_engines(
     env_vars: dict[str, str] | None = None,
     startup_timeout_s: float = 600.0,
     timeout_setting: str = "placement.startup_timeout_s",
+    lora_rank: int = 0,
 ) -> list[Any]:
     """Start ``config.num_engines`` engine actors (one Ray actor each) and wait until they are loaded.
 
     On a cluster with GPUs each vLLM engine actor reserves ``tensor_parallel_size`` GPUs.
     ``env_vars`` are added to the actors' environment (for example ``OMP_NUM_THREADS``). An engine
     that fails to load, or is not loaded within ``startup_timeout_s``, raises
-    :class:`raylign.cluster.StartupError` naming it.
+    :class:`raylign.cluster.StartupError` naming it. ``lora_rank > 0``: the engines serve LoRA
+    adapters of that rank (``rollout.lora_sync: adapter``).
     """
     import ray
 
@@ -71,7 +73,7 @@ def launch_engines(
         num_gpus=config.tensor_parallel_size if has_gpus else 0,
         runtime_env={"env_vars": actor_env({**VLLM_ENV_DEFAULTS, **(env_vars or {})})},
     )
-    engines = [actor_cls.remote(str(model_path), config.model_dump()) for _ in range(config.num_engines)]
+    engines = [actor_cls.remote(str(model_path), config.model_dump(), lora_rank) for _ in range(config.num_engines)]
     names = [f"rollout engine {i} ({config.engine}, model {model_path})" for i in range(len(engines))]
     try:
         # An engine answers its first call once its model is loaded.
@@ -268,12 +270,14 @@ class RolloutPool:
         keep_running: bool = False,
         version: int | None = None,
         only: Sequence[int] | None = None,
+        adapter: dict[str, Any] | None = None,
     ) -> SyncStats:
         """Send full weights to every engine, or to the engines ``only`` (labelled ``version``); they
-        reset their prefix caches afterwards."""
+        reset their prefix caches afterwards. With ``adapter`` (a PEFT adapter config) the tensors are
+        LoRA adapter weights, served as a new adapter (:meth:`RolloutEngine.receive_adapter`)."""
         if self._sender is None:
             raise RuntimeError("RolloutPool.sync_weights() before connect_weight_sync()")
-        return self._sender.sync(named_tensors, keep_running, version, only)
+        return self._sender.sync(named_tensors, keep_running, version, only, adapter)
 
     def close_weight_sync(self) -> None:
         if self._sender is not None:
@@ -302,9 +306,10 @@ class RolloutPool:
         """Every engine's :class:`~raylign.rollout.base.TokenScores` of one token sequence, in engine order."""
         return self.scores(self.submit_score(token_ids))
 
-    def submit_score(self, token_ids: list[int]) -> list[Any]:
-        """Start every engine scoring ``token_ids`` without waiting; :meth:`scores` collects them."""
-        return [engine.score.remote(list(token_ids)) for engine in self.engines]
+    def submit_score(self, token_ids: list[int], base: bool = False) -> list[Any]:
+        """Start every engine scoring ``token_ids`` (``base``: without its LoRA adapter) without
+        waiting; :meth:`scores` collects them."""
+        return [engine.score.remote(list(token_ids), base) for engine in self.engines]
 
     def scores(self, submitted: list[Any]) -> list[Any]:
         return self._answers("score", submitted)

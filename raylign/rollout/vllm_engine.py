@@ -17,6 +17,10 @@ its own beside the actor. Settings that matter:
 * ``logprobs_mode="processed_logprobs"`` makes the returned log-prob of a sampled token
   the one of the distribution it was drawn from (after temperature, top-k, top-p); see
   :mod:`raylign.rollout.base`.
+* A LoRA policy (``rollout.lora_sync: adapter``) sends its adapter weights only: they are
+  written as a PEFT adapter folder (in ``/dev/shm``) and added with ``add_lora`` under the id of
+  their weight version; new requests use the newest, requests in flight keep theirs (so their
+  tokens keep its version and nothing pauses), and an adapter no request uses any more is removed.
 * On CPU: eager mode, an explicit KV-cache size (by default room for 64 sequences of
   ``max_model_len``, at least 256 MiB, at most a sixteenth of the memory), no sleep mode, no chunked
   prefill (seeded sampling fails on chunked prompts there), and a head size vLLM's CPU
@@ -28,8 +32,11 @@ its own beside the actor. Settings that matter:
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -38,7 +45,7 @@ from typing import Any
 
 import torch
 
-from raylign.config.rollout import RolloutConfig, SamplingConfig
+from raylign.config.rollout import ENGINE_LORA_RANKS, RolloutConfig, SamplingConfig
 from raylign.hardware import resolve_and_log
 from raylign.rollout.base import (
     Completion,
@@ -56,6 +63,7 @@ VLLM_ENV_DEFAULTS = {
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20  # the least a CPU engine gets
 CPU_KV_CACHE_SEQUENCES = 64  # full-length sequences a CPU engine's KV cache holds, memory permitting
 WORKER_EXTENSION = "raylign.rollout.vllm_worker.WeightSyncWorkerExtension"
+ADAPTERS_IN_USE = 2  # LoRA adapters in one batch: the newest and the one the oldest sequences in flight use
 
 
 def _apply_env_defaults() -> None:
@@ -63,8 +71,17 @@ def _apply_env_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
-def build_llm_kwargs(model_path: str, config: RolloutConfig, on_cpu: bool) -> dict[str, Any]:
-    """Arguments of ``vllm.LLM`` for ``config`` on this platform."""
+def engine_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for adapters of rank ``rank``: the smallest it takes that holds them."""
+    for allowed in ENGINE_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank}: vLLM serves adapters up to rank {ENGINE_LORA_RANKS[-1]}")
+
+
+def build_llm_kwargs(model_path: str, config: RolloutConfig, on_cpu: bool, lora_rank: int = 0) -> dict[str, Any]:
+    """Arguments of ``vllm.LLM`` for ``config`` on this platform; ``lora_rank > 0`` serves LoRA
+    adapters of that rank (two at a time: the newest, and the one sequences in flight started with)."""
     if on_cpu and config.tensor_parallel_size != 1:
         raise ValueError(
             f"rollout.tensor_parallel_size={config.tensor_parallel_size}: vLLM on CPU runs one worker per engine; "
@@ -97,6 +114,8 @@ def build_llm_kwargs(model_path: str, config: RolloutConfig, on_cpu: bool) -> di
         kwargs["distributed_executor_backend"] = "mp"
     if config.enable_sleep_mode and not on_cpu:
         kwargs["enable_sleep_mode"] = True
+    if lora_rank > 0:
+        kwargs.update(enable_lora=True, max_lora_rank=engine_lora_rank(lora_rank), max_loras=ADAPTERS_IN_USE)
     return kwargs
 
 
@@ -216,7 +235,7 @@ def completions_from_request_output(
 class VLLMEngine(RolloutEngine):
     """:class:`RolloutEngine` over vLLM's ``AsyncLLM``. Wrap with ``ray.remote`` to run it as an actor."""
 
-    def __init__(self, model_path: str, config: RolloutConfig | dict[str, Any] | None = None):
+    def __init__(self, model_path: str, config: RolloutConfig | dict[str, Any] | None = None, lora_rank: int = 0):
         _apply_env_defaults()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -225,12 +244,18 @@ class VLLMEngine(RolloutEngine):
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config or {})
         self.on_cpu = current_platform.is_cpu()
         self.llm = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**build_llm_kwargs(str(model_path), self.config, self.on_cpu))
+            AsyncEngineArgs(**build_llm_kwargs(str(model_path), self.config, self.on_cpu, lora_rank))
         )
         self.vocab_size = self.llm.model_config.get_vocab_size()
         self.weight_version = 0
         self._request_ids = itertools.count()
         self._tokens_in_flight: dict[str, int] = {}  # request id -> tokens sampled so far
+        # LoRA adapters (rollout.lora_sync: adapter): the one new requests get, each loaded one's
+        # folder, and how many requests in flight use each (keyed by adapter id = weight version).
+        self._adapter: Any = None
+        self._adapter_folders: dict[int, str] = {}
+        self._adapter_users: collections.Counter[int] = collections.Counter()
+        self._adapter_root: str | None = None
 
     async def _group(self, prompt: list[int], sampling: SamplingConfig, index: int) -> list[Completion]:
         from vllm.inputs import TokensPrompt
@@ -238,17 +263,23 @@ class VLLMEngine(RolloutEngine):
 
         params = build_sampling_params(sampling, request_seed(sampling, index))
         params.output_kind = RequestOutputKind.DELTA  # tokens as they come: the engine knows its work in flight
-        started_at = self.weight_version
+        started_at, adapter = self.weight_version, self._adapter
         request_id = f"p{index}-{next(self._request_ids)}"
         samples: dict[int, CompletionOutput] = {}
         self._tokens_in_flight[request_id] = 0
+        if adapter is not None:
+            self._adapter_users[adapter.lora_int_id] += 1
         try:
-            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id):
+            request = TokensPrompt(prompt_token_ids=prompt)
+            async for output in self.llm.generate(request, params, request_id=request_id, lora_request=adapter):
                 for delta in output.outputs:
                     _append_delta(samples, delta)
                     self._tokens_in_flight[request_id] += len(delta.token_ids)
         finally:
             del self._tokens_in_flight[request_id]
+            if adapter is not None:
+                self._adapter_users[adapter.lora_int_id] -= 1
+                await self._retire_adapters()
         if not samples:
             raise RuntimeError(f"prompt {index}: vLLM returned no output")
         return completions_from_request_output(
@@ -297,6 +328,80 @@ class VLLMEngine(RolloutEngine):
         waited = max(r["waited_s"] for r in received)
         return SyncReceipt(self.weight_version, checksum, num_buckets, time.perf_counter() - start, waited)
 
+    async def receive_adapter(self, adapter: dict[str, Any], version: int | None = None) -> SyncReceipt:
+        start = time.perf_counter()
+        version = self.weight_version + 1 if version is None else version
+        directory = self._adapter_folder(version)
+        received = await self.llm.collective_rpc("raylign_receive_adapter", args=(version, adapter, directory))
+        for answer in received:
+            if "corrupted" in answer:
+                raise WeightSyncCorrupted(answer["corrupted"])
+        found = {(r["checksum"], r["num_buckets"]) for r in received}
+        if len(found) != 1:
+            raise RuntimeError(f"weight sync {version}: the engine's workers received different bytes: {sorted(found)}")
+        ((checksum, num_buckets),) = found
+        await self._serve_adapter(directory, version)
+        waited = max(r["waited_s"] for r in received)
+        return SyncReceipt(self.weight_version, checksum, num_buckets, time.perf_counter() - start, waited)
+
+    async def load_adapter(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: dict[str, Any], version: int | None = None
+    ) -> float:
+        from raylign.engine.export import write_adapter_folder
+
+        start = time.perf_counter()
+        version = self.weight_version + 1 if version is None else version
+        directory = self._adapter_folder(version)
+        write_adapter_folder(directory, {name: t.detach().cpu() for name, t in named_tensors}, adapter)
+        await self._serve_adapter(directory, version)
+        return time.perf_counter() - start
+
+    def _adapter_folder(self, version: int) -> str:
+        """Where the adapter of ``version`` is written: memory-backed /dev/shm where there is one
+        (the engine's worker processes run on this node)."""
+        if self._adapter_root is None:
+            shm = "/dev/shm"
+            parent = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+            self._adapter_root = tempfile.mkdtemp(prefix="raylign-lora-", dir=parent)
+        return os.path.join(self._adapter_root, f"v{version}")
+
+    async def _serve_adapter(self, directory: str, version: int) -> None:
+        """Add the adapter in ``directory`` to vLLM as the one new requests use; retire unused older ones."""
+        from vllm.lora.request import LoRARequest
+
+        if version < 1:
+            raise ValueError(f"weight version {version}: a LoRA adapter's version must be at least 1")
+        # load_inplace: a sync sent again under the same version (after an engine restart) replaces it.
+        request = LoRARequest(f"policy-v{version}", version, directory, load_inplace=True)
+        try:
+            added = await self.llm.add_lora(request)
+        except Exception as err:
+            raise RuntimeError(
+                f"weight sync {version}: vLLM did not take the LoRA adapter ({str(err).splitlines()[0]}); "
+                "rollout.lora_sync: merged sends merged full weights instead"
+            ) from err
+        if not added:
+            raise RuntimeError(f"weight sync {version}: vLLM did not add the LoRA adapter in {directory}")
+        self._adapter, self._adapter_folders[version] = request, directory
+        self.weight_version = version
+        await self._retire_adapters()
+
+    async def _retire_adapters(self) -> None:
+        """Remove the adapters that are not the newest and that no request in flight uses."""
+        current = None if self._adapter is None else self._adapter.lora_int_id
+        for adapter_id in list(self._adapter_folders):
+            if adapter_id == current or self._adapter_users[adapter_id] > 0:
+                continue
+            folder = self._adapter_folders.pop(adapter_id, None)  # None: another coroutine retired it meanwhile
+            if folder is not None:
+                self._adapter_users.pop(adapter_id, None)
+                await self.llm.remove_lora(adapter_id)
+                shutil.rmtree(folder, ignore_errors=True)
+
+    async def adapters_loaded(self) -> list[int]:
+        """Ids (weight versions) of the LoRA adapters vLLM holds now."""
+        return sorted(await self.llm.list_loras())
+
     async def _between_steps(self, load, keep_running: bool, version: int | None) -> Any:
         """Pause the scheduler, ``await load()``, reset the caches, label the new version, resume;
         returns what ``load`` did.
@@ -314,9 +419,10 @@ class VLLMEngine(RolloutEngine):
             await self.llm.resume_generation()
         return loaded
 
-    async def score(self, token_ids: list[int]) -> TokenScores:
+    async def score(self, token_ids: list[int], base: bool = False) -> TokenScores:
         """Prompt log-probs of one request (one prefill, one token sampled and thrown away); vLLM
-        computes them from the raw logits and reads no prefix cache for such a request."""
+        computes them from the raw logits and reads no prefix cache for such a request. With a LoRA
+        adapter served, under it unless ``base``."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -324,7 +430,9 @@ class VLLMEngine(RolloutEngine):
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         version, final = self.weight_version, None
         request = TokensPrompt(prompt_token_ids=list(token_ids))
-        async for output in self.llm.generate(request, params, request_id=f"probe-{next(self._request_ids)}"):
+        adapter = None if base else self._adapter
+        request_id = f"probe-{next(self._request_ids)}"
+        async for output in self.llm.generate(request, params, request_id=request_id, lora_request=adapter):
             final = output
         if final is None or final.prompt_logprobs is None:
             raise RuntimeError("vLLM returned no prompt log-probs for the probe")
@@ -354,5 +462,7 @@ class VLLMEngine(RolloutEngine):
         await self.llm.wake_up()
 
     async def shutdown(self) -> None:
-        """Stop the engine core process (before the actor is killed)."""
+        """Stop the engine core process (before the actor is killed); remove the adapters' folders."""
         self.llm.shutdown()
+        if self._adapter_root is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)

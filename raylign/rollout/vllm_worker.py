@@ -1,5 +1,8 @@
 """Methods added to every vLLM worker (``LLM(worker_extension_cls=...)``) for weight sync.
 
+A LoRA policy's adapter weights (``rollout.lora_sync: adapter``) arrive the same way; the first
+worker writes them as a PEFT adapter folder, which the engine then adds as a vLLM LoRA adapter.
+
 vLLM mixes this class into its worker class, in whatever process the worker runs
 (the engine actor's own process when tensor_parallel_size is 1, spawned processes
 otherwise), and the engine calls these methods through ``llm.collective_rpc``. This
@@ -55,6 +58,29 @@ class WeightSyncWorkerExtension:
                 raise
             # Returned, not raised: vLLM's engine process passes on an error's message only, not its kind.
             return {"corrupted": incoming.corruption}
+        return {"checksum": incoming.checksum, "num_buckets": incoming.num_buckets, "waited_s": incoming.waited_s}
+
+    def raylign_receive_adapter(self, version: int, adapter: dict[str, Any], directory: str) -> dict[str, Any]:
+        """Receive one sync of LoRA adapter weights; the first worker writes them, with ``adapter``
+        (the adapter's config), as a PEFT adapter folder at ``directory`` for vLLM to load. Answers as
+        :meth:`raylign_receive_weights`."""
+        sync = getattr(self, "_raylign_sync", None)
+        if sync is None:
+            raise RuntimeError("receive_adapter before join_weight_sync_group")
+        _, group = sync
+        incoming = IncomingSync(group, version, f"vLLM worker {getattr(self, 'rank', 0)}", self._raylign_buffers)
+        tensors: dict[str, torch.Tensor] = {}
+        try:
+            # Copies: the buckets' buffers are used again by the next sync.
+            load_and_drain(incoming, lambda named: tensors.update((name, t.clone()) for name, t in named))
+        except Exception:
+            if incoming.corruption is None:
+                raise
+            return {"corrupted": incoming.corruption}
+        if getattr(self, "rank", 0) == 0:  # vLLM reads the folder once and hands the adapter to every worker
+            from raylign.engine.export import write_adapter_folder
+
+            write_adapter_folder(directory, tensors, adapter)
         return {"checksum": incoming.checksum, "num_buckets": incoming.num_buckets, "waited_s": incoming.waited_s}
 
     def raylign_load_packed(self, packed: list) -> None:

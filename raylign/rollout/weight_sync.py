@@ -231,18 +231,25 @@ class WeightSyncSender:
         keep_running: bool = False,
         version: int | None = None,
         only: Sequence[int] | None = None,
+        adapter: dict[str, Any] | None = None,
     ) -> SyncStats:
         """Send full weights (Hugging Face names) to every engine, or to the engines ``only``; returns
         when they have loaded them.
 
         ``keep_running``: sequences in flight continue under the new weights (partial rollouts)
-        instead of finishing first; see :meth:`RolloutEngine.receive_weights`."""
+        instead of finishing first; see :meth:`RolloutEngine.receive_weights`. ``adapter``: the
+        tensors are LoRA adapter weights with this PEFT config (:meth:`RolloutEngine.receive_adapter`)."""
         if not self._groups:
             raise RuntimeError("WeightSyncSender.sync() before connect()")
         indices = list(range(len(self.engines))) if only is None else list(only)
         label = "weight sync" if version is None else f"weight sync {version}"
         start = time.perf_counter()
-        loading = [self.engines[i].receive_weights.remote(keep_running, version) for i in indices]
+        loading = [
+            self.engines[i].receive_weights.remote(keep_running, version)
+            if adapter is None
+            else self.engines[i].receive_adapter.remote(adapter, version)
+            for i in indices
+        ]
         try:
             sent = send_buckets(
                 [self._groups[i] for i in indices],

@@ -46,6 +46,7 @@ MINIMAL: dict[str, dict[str, Any]] = {
     "score": {"reward": {"sources": [{"kind": "exact_match"}]}},
     "select": {"best_of_n": {"output_path": "best.jsonl"}},
     "rl": {**TRAINING, "reward": {"sources": [{"kind": "exact_match"}]}},
+    "merge-lora": {"adapter": "final/adapter", "output_dir": "merged"},
 }
 CONFIG_CLASSES = {name: COMMANDS[name].config_cls() for name in MINIMAL}
 

@@ -1,0 +1,63 @@
+"""``raylign merge-lora``: fold a PEFT LoRA adapter into its base model and write a plain HF folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from raylign.config.base import Section
+
+log = logging.getLogger("raylign")
+
+
+class MergeLoraConfig(Section):
+    """raylign merge-lora: a LoRA adapter folder (adapter_config.json, adapter_model.safetensors; raylign
+    writes one in <output_dir>/final/adapter of a LoRA run) merged into its base model."""
+
+    adapter: str = Field(..., description="The PEFT adapter folder.")
+    base: str | None = Field(
+        None,
+        description="The base model folder, or 'smollm2-135m-instruct'; None: the base_model_name_or_path the "
+        "adapter's config names.",
+    )
+    output_dir: str = Field(..., description="Folder to write the merged model and its tokenizer to.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="dtype of the merged weights; auto: the base model's own."
+    )
+
+
+def adapter_base(adapter: Path, given: str | None) -> str:
+    """``given``, or else the base model an adapter folder's config names; raises naming the file
+    when it is missing."""
+    config_file = adapter / "adapter_config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file}: no such file; adapter must be a PEFT adapter folder")
+    if given is not None:
+        return given
+    base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{config_file}: names no base_model_name_or_path; give the base model with --base")
+    return str(base)
+
+
+def run_merge_lora(cfg: MergeLoraConfig) -> str:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raylign.models import resolve_model_path
+
+    adapter = Path(cfg.adapter)
+    base_path = resolve_model_path(adapter_base(adapter, cfg.base))
+    dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    output = Path(cfg.output_dir)
+    merged.save_pretrained(output)
+    AutoTokenizer.from_pretrained(base_path).save_pretrained(output)
+    log.info("merged the adapter %s into %s: written to %s", adapter, base_path, output)
+    return str(output)

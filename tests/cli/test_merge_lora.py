@@ -1,0 +1,73 @@
+"""``raylign merge-lora``, and the adapter folder a LoRA model's export writes beside its merged weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raylign.cli.main import main
+from raylign.cli.merge_lora import MergeLoraConfig, run_merge_lora
+from raylign.config.engine import EngineConfig
+from raylign.config.optim import OptimConfig
+from raylign.engine import create_engine
+
+
+def trained_lora(model_dir):
+    """A PEFT LoRA model on ``model_dir`` with random B matrices, as after training."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return model
+
+
+def test_an_exported_adapter_merges_into_the_model_the_export_holds(tied_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = trained_lora(tied_model_dir)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 40, 41]])
+    with torch.no_grad():
+        expected_logits = model(ids).logits
+    engine = create_engine(model, EngineConfig(backend="local"), OptimConfig(lr=1e-3), 1)
+    engine.export_hf(tmp_path / "final", AutoTokenizer.from_pretrained(str(tied_model_dir)))
+    adapter = tmp_path / "final" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tied_model_dir) and config["r"] == 4
+    assert len(load_file(adapter / "adapter_model.safetensors")) == 2 * 3 * 2  # A, B x 3 modules x 2 layers
+
+    assert main(["merge-lora", "--adapter", str(adapter), "--output_dir", str(tmp_path / "merged")]) == 0
+    # Two merges made independently (raylign's export, PEFT's merge_and_unload) hold the same weights,
+    # and the merged model computes what the adapter on its base computes.
+    exported = load_file(tmp_path / "final" / "model.safetensors")
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert exported.keys() == merged.keys()
+    for name, value in exported.items():
+        torch.testing.assert_close(merged[name], value, atol=1e-6, rtol=0, msg=name)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected_logits, atol=1e-5, rtol=0)
+    assert (tmp_path / "merged" / "tokenizer_config.json").is_file()
+
+
+def test_merge_lora_names_what_is_missing(tied_model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nothing/adapter_config.json: no such file"):
+        run_merge_lora(MergeLoraConfig(adapter=str(tmp_path / "nothing"), output_dir=str(tmp_path / "out")))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "peft_type": "LORA"}))
+    with pytest.raises(ValueError, match="names no base_model_name_or_path; give the base model with --base"):
+        run_merge_lora(MergeLoraConfig(adapter=str(adapter), output_dir=str(tmp_path / "out")))
+    with pytest.raises(FileNotFoundError, match="missing-base"):
+        run_merge_lora(
+            MergeLoraConfig(adapter=str(adapter), base=str(tmp_path / "missing-base"), output_dir=str(tmp_path / "o"))
+        )
+    assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()

@@ -1,0 +1,67 @@
+"""Code run inside the 2 spawned gloo ranks of ``test_engine_adapter.py``: one LoRA model per backend
+(fsdp2, ZeRO-2, ZeRO-3), each sharded over both ranks; rank 0 saves what ``adapter_state_dict``
+gathered."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+WORLD_SIZE = 2
+BACKENDS = {
+    "fsdp2": {"backend": "fsdp2"},
+    "zero2": {"backend": "deepspeed", "zero_stage": 2},
+    "zero3": {"backend": "deepspeed", "zero_stage": 3},
+}
+
+
+def lora_model(seed: int = 0) -> torch.nn.Module:
+    """The tiny engine-test model with LoRA on q, v and up; B random, as after training."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.engine.engine_testing import tiny_model
+
+    model = get_peft_model(
+        tiny_model(seed), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    )
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator))
+    return model
+
+
+def run_rank(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(WORLD_SIZE),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from raylign.config.engine import EngineConfig
+    from raylign.config.optim import OptimConfig
+    from raylign.engine import create_engine
+
+    try:
+        for name, fields in BACKENDS.items():
+            engine = create_engine(lora_model(), EngineConfig(**fields, dist_timeout_s=120), OptimConfig(lr=1e-2), 2)
+            weights, config = engine.adapter_state_dict()
+            if rank == 0:
+                save_file(weights, Path(out_dir) / f"{name}.safetensors", metadata={"r": str(config["r"])})
+            else:
+                assert weights == {}, f"{name}: rank {rank} got weights"
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,53 @@
+"""``TrainEngine.adapter_state_dict``: a LoRA model's adapter weights, gathered whole from the
+shards of every backend, under the names PEFT saves them with (what a LoRA weight sync sends)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from raylign.config.engine import EngineConfig
+from raylign.config.optim import OptimConfig
+from raylign.engine import create_engine
+from tests.spawned_ranks import free_port, import_worker, spawn_and_join
+
+worker = import_worker(__file__, "adapter_worker")
+
+
+def test_the_local_engine_gives_the_adapter_as_peft_saves_it(tmp_path):
+    model = worker.lora_model()
+    model.save_pretrained(tmp_path / "peft")  # PEFT's own adapter folder: the names vLLM loads
+    saved = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    engine = create_engine(worker.lora_model(), EngineConfig(backend="local"), OptimConfig(lr=1e-2), 2)
+    weights, config = engine.adapter_state_dict()
+    assert sorted(weights) == sorted(saved) and len(saved) == 2 * 3 * 2  # A and B, 3 modules, 2 layers
+    for name, value in saved.items():
+        assert torch.equal(weights[name], value), name
+    assert (
+        config["r"] == 4
+        and config["lora_alpha"] == 8
+        and sorted(config["target_modules"]) == ["q_proj", "up_proj", "v_proj"]
+    )
+    assert config["peft_type"] == "LORA"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sharded_backends_gather_the_same_adapter_on_rank_0(tmp_path):
+    model = worker.lora_model()
+    model.save_pretrained(tmp_path / "peft")
+    saved = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(Path(__file__).parent))
+        spawn_and_join(worker.run_rank, (free_port(), str(tmp_path)), worker.WORLD_SIZE, 600, "adapter ranks")
+    for name in worker.BACKENDS:
+        gathered = load_file(tmp_path / f"{name}.safetensors")
+        assert sorted(gathered) == sorted(saved), name
+        for key, value in saved.items():
+            assert torch.equal(gathered[key], value), (name, key)
+        with safe_open(tmp_path / f"{name}.safetensors", "pt") as f:
+            assert f.metadata()["r"] == "4"
