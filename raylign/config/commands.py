@@ -22,6 +22,15 @@ class SFTConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Loop, batching, evaluation, checkpoints.")
 
     @model_validator(mode="after")
+    def _tensor_parallel_needs(self) -> SFTConfig:
+        if self.engine.tensor_parallel_size > 1 and self.model.lora.rank > 0:
+            raise ValueError(
+                "engine.tensor_parallel_size > 1 does not support model.lora yet (the tensor-parallel plan splits "
+                "the base layers the adapters wrap); set model.lora.rank: 0 or engine.tensor_parallel_size: 1"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _sequence_parallel_needs(self) -> SFTConfig:
         if self.engine.sequence_parallel_size == 1:
             return self

@@ -53,6 +53,32 @@ class EngineConfig(Section):
         "with engine.backend fsdp2 and data.packing; 1 turns it off.",
     )
 
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Ranks that split every attention and MLP matrix of the model between them (tensor "
+        "parallel, the transformers tensor-parallel plan of the architecture: Llama, Qwen2/Qwen3, Mistral, ...), "
+        "each computing its share of every layer on the same micro-batch; composed with fsdp2 as a 2-D mesh "
+        "(data-parallel ranks = ranks / this, each sharding its weights over those). sft only, with "
+        "engine.backend fsdp2; 1 turns it off.",
+    )
+
+    @model_validator(mode="after")
+    def _tensor_parallel(self) -> EngineConfig:
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return self
+        if self.backend != "fsdp2":
+            raise ValueError(f"engine.tensor_parallel_size {tp} needs engine.backend 'fsdp2' (got {self.backend!r})")
+        if self.num_processes > 1 and self.num_processes % tp:  # 1: an outer launcher starts the ranks
+            raise ValueError(
+                f"engine.tensor_parallel_size ({tp}) must divide engine.num_processes ({self.num_processes})"
+            )
+        if self.sequence_parallel_size > 1:
+            raise ValueError("engine.tensor_parallel_size and engine.sequence_parallel_size cannot both be above 1 yet")
+        return self
+
     @model_validator(mode="after")
     def _sequence_parallel_backend(self) -> EngineConfig:
         if self.sequence_parallel_size > 1 and self.backend != "fsdp2":
@@ -68,10 +94,15 @@ class EngineConfig(Section):
         return self
 
 
-def refuse_sequence_parallel(engine: EngineConfig, command: str) -> None:
-    """For commands whose training path does not split rows across ranks yet."""
+def refuse_model_parallel(engine: EngineConfig, command: str) -> None:
+    """For commands whose training path does not split rows or matrices across ranks yet."""
     if engine.sequence_parallel_size > 1:
         raise ValueError(
             f"engine.sequence_parallel_size: {command} does not support sequence parallelism yet (only sft "
             f"does); set it to 1 (got {engine.sequence_parallel_size})"
+        )
+    if engine.tensor_parallel_size > 1:
+        raise ValueError(
+            f"engine.tensor_parallel_size: {command} does not support tensor parallelism yet (only sft does); "
+            f"set it to 1 (got {engine.tensor_parallel_size})"
         )

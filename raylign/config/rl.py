@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from raylign.config.agent import AgentConfig
 from raylign.config.base import Section, deep_merge
 from raylign.config.data import DatasetSpec
-from raylign.config.engine import EngineConfig, refuse_sequence_parallel
+from raylign.config.engine import EngineConfig, refuse_model_parallel
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.config.reward import RewardConfig
@@ -323,7 +323,7 @@ class RLConfig(Section):
     @model_validator(mode="after")
     def _possible(self) -> RLConfig:
         a, t, s, p = self.algorithm, self.train, self.sampling, self.placement
-        refuse_sequence_parallel(self.engine, "rl")
+        refuse_model_parallel(self.engine, "rl")
         if self.reward is None and not self.agent.enabled:
             raise ValueError(
                 "reward: required (the reward sources), unless agent.env or agent.client gives the rewards"

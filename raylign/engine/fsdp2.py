@@ -148,6 +148,45 @@ def _weight_files(folder: Path) -> dict[str, Path]:
         return dict.fromkeys(handle.keys(), single)
 
 
+def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Split ``model``'s matrices over ``mesh`` with the tensor-parallel plan transformers ships for its
+    architecture (attention and MLP projections column- then row-wise, embedding and output head over
+    the vocabulary); every rank must hold the same full weights first, and each keeps its slice. Raises,
+    naming the model and the sizes, for an architecture without a plan or sizes the ranks cannot split."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    if hasattr(model, "peft_config"):
+        raise ValueError("engine.tensor_parallel_size > 1 does not support LoRA adapters yet")
+    plan = getattr(model, "tp_plan", None) or {}
+    name = type(model).__name__
+    if not plan:
+        raise ValueError(
+            f"engine.tensor_parallel_size: {name} has no tensor-parallel plan in transformers (Llama, Qwen2, Qwen3, "
+            "Mistral and most decoder-only models do); set engine.tensor_parallel_size: 1"
+        )
+    tp, config = mesh.size(), model.config.get_text_config()
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "intermediate_size": getattr(config, "intermediate_size", tp),
+        "vocab_size": config.vocab_size,
+    }
+    uneven = {key: value for key, value in sizes.items() if value % tp}
+    if uneven:
+        raise ValueError(
+            f"engine.tensor_parallel_size {tp}: {name}'s {', '.join(f'{k}={v}' for k, v in uneven.items())} "
+            "cannot be split evenly over that many ranks"
+        )
+    apply_tensor_parallelism(model, mesh, plan)
+    if getattr(config, "tie_word_embeddings", False):
+        # The plan gives the embedding and the output head a parameter each (both split over the vocabulary
+        # alike); tied, they must stay one, or each trains its own half of the gradient.
+        model.tie_weights()
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        if head is None or head.weight is not embedding.weight:
+            raise RuntimeError(f"engine.tensor_parallel_size: {name}'s tied output head could not be tied again")
+
+
 def shard_model(
     model: torch.nn.Module,
     mesh: DeviceMesh,
@@ -198,9 +237,16 @@ class FSDP2Engine(TrainEngine):
             model.float()  # sharded fp32 master weights; no-op for fp32 models (and only metadata on meta)
         if not isinstance(self.offload_policy, CPUOffloadPolicy) and not empty:
             model.to(self.device)
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        tp = engine_cfg.tensor_parallel_size
+        if tp > 1:
+            # Ranks r*tp .. r*tp+tp-1 split every matrix (one data-parallel rank); FSDP2 shards over the others.
+            self.mesh = init_device_mesh(self.device.type, (self.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+            apply_tensor_parallel(model, self.mesh["tp"])
+            data_mesh = self.mesh["dp"]
+        else:
+            self.mesh = data_mesh = init_device_mesh(self.device.type, (self.world_size,))
         precision = mixed_precision_policy(self.model_dtype, engine_cfg.reduce_dtype)
-        shard_model(model, self.mesh, precision, self.offload_policy, reshard_layers=engine_cfg.reshard_after_forward)
+        shard_model(model, data_mesh, precision, self.offload_policy, reshard_layers=engine_cfg.reshard_after_forward)
         if empty:
             on_cpu = isinstance(self.offload_policy, CPUOffloadPolicy)
             self.bytes_read = load_sharded_weights(model, torch.device("cpu") if on_cpu else self.device)

@@ -162,15 +162,20 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     """L2 norm of all gradients together, ``sqrt(sum_i ||g_i||^2)``, across every shard.
 
     FSDP2 gradients are DTensor shards: their norm is a partial value that ``full_tensor``
-    all-reduces, so each rank gets the norm of the whole model.
+    all-reduces, so each rank gets the norm of the whole model. With tensor parallelism the
+    gradients live on two meshes (the 2-D one of the split matrices, the data-parallel one of
+    the rest); each mesh's share is reduced on its own and the squares added.
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return norm
+    norms = []
+    for group in _by_mesh(grads).values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.stack([n.float() ** 2 for n in norms]).sum().sqrt()
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
@@ -181,8 +186,19 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
     params = list(params)
     norm = global_grad_norm(params)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for group in _by_mesh([p for p in params if p.grad is not None], lambda p: p.grad).values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)  # one mesh at a time (tensor parallel)
     return float(norm)
+
+
+def _by_mesh(tensors: list[torch.Tensor], key: Any = lambda t: t) -> dict[Any, list[torch.Tensor]]:
+    """``tensors`` grouped by the device mesh of ``key(tensor)`` (None for plain tensors): DTensor
+    operations need all their operands on one mesh."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        value = key(tensor)
+        groups.setdefault(value.device_mesh if isinstance(value, DTensor) else None, []).append(tensor)
+    return groups
 
 
 def current_lr(optimizer: Any) -> float:

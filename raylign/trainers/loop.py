@@ -94,6 +94,15 @@ class OfflineTrainer:
             self.sp_size, self.cfg.engine.dist_timeout_s
         )
         self.sp_rank = self.rank % self.sp_size
+        # Ranks of one tensor-parallel group (consecutive, as the engine's mesh puts them) also share every
+        # micro-batch: each computes its slice of every layer on it.
+        self.tp_size = self.cfg.engine.tensor_parallel_size
+        if self.tp_size > 1:
+            if self.world_size % self.tp_size:
+                raise ValueError(
+                    f"engine.tensor_parallel_size ({self.tp_size}) must divide the number of ranks ({self.world_size})"
+                )
+            self.dp_rank, self.dp_size = self.rank // self.tp_size, self.world_size // self.tp_size
         if self.is_main:
             check_writable(self.output_dir, "train.output_dir")
             save_yaml(self.cfg, self.output_dir / "config.yaml")
@@ -240,7 +249,7 @@ class OfflineTrainer:
         elapsed = time.perf_counter() - start
         metrics = {k: v / total_units for k, v in zip(keys, reduced[:-1])}
         metrics.update(step_info)
-        metrics["tokens_per_s"] = reduced[-1] / elapsed
+        metrics["tokens_per_s"] = reduced[-1] / self.tp_size / elapsed  # a tensor-parallel group's tokens once
         metrics["step_time_s"] = elapsed
         metrics["skipped_steps"] = self.skipped.total
         return metrics
