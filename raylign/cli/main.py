@@ -108,6 +108,12 @@ COMMANDS: dict[str, Command] = {
         "raylign.cli.merge_lora:run_merge_lora",
         distributed=False,
     ),
+    "estimate-memory": Command(
+        "Estimate device memory per rank of a training run from the model's shape and the parallel layout.",
+        "raylign.cli.estimate_memory:EstimateMemoryConfig",
+        "raylign.cli.estimate_memory:run_estimate_memory",
+        distributed=False,
+    ),
     "serve-rm": Command(
         "Serve a reward model or reward function over HTTP.",
         "raylign.cli.serve_rm:ServeRMConfig",

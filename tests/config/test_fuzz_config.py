@@ -47,6 +47,7 @@ MINIMAL: dict[str, dict[str, Any]] = {
     "select": {"best_of_n": {"output_path": "best.jsonl"}},
     "rl": {**TRAINING, "reward": {"sources": [{"kind": "exact_match"}]}},
     "merge-lora": {"adapter": "final/adapter", "output_dir": "merged"},
+    "estimate-memory": {},
 }
 CONFIG_CLASSES = {name: COMMANDS[name].config_cls() for name in MINIMAL}
 
