@@ -77,9 +77,10 @@ def test_the_estimate_is_within_a_fifth_of_the_measured_peak(tokens, checkpointi
     shape = ModelShape.from_config(AutoConfig.from_pretrained(str(folder)))
     layout = Layout(dtype="float32", backend="local", micro_batch_tokens=tokens, gradient_checkpointing=checkpointing)
     estimated = estimate_training_memory(shape, layout).total
-    # Measured on this machine (2026-12-02): within 4% for 256-2048 tokens, with and without checkpointing.
-    print(f"{tokens} tokens, checkpointing {checkpointing}: estimated {estimated / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
-    assert 0.8 <= estimated / measured <= 1.2, (estimated / 2**20, measured / 2**20)
+    # Measured on this machine (2026-12-02): within 6% for 256-2048 tokens, with and without checkpointing.
+    figures = f"estimated {estimated / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB"
+    print(f"{tokens} tokens, checkpointing {checkpointing}: {figures}")
+    assert 0.8 <= estimated / measured <= 1.2, figures
 
 
 def test_the_command_prints_the_table_and_a_breakdown(capsys):
