@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -18,7 +18,7 @@ from raylign.engine.memory import (
 )
 
 # The layouts of the documentation's table: (name, Layout fields).
-TABLE_LAYOUTS = (
+TABLE_LAYOUTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("local, 1 rank", {"backend": "local", "ranks": 1}),
     ("fsdp2, 8 ranks", {"backend": "fsdp2", "ranks": 8}),
     ("fsdp2, 8 ranks, checkpointing", {"backend": "fsdp2", "ranks": 8, "gradient_checkpointing": True}),
