@@ -64,6 +64,15 @@ class EngineConfig(Section):
         "engine.backend fsdp2; 1 turns it off.",
     )
 
+    data_parallel_shard_size: int | None = Field(
+        None,
+        ge=1,
+        description="fsdp2: data-parallel ranks each weight is sharded over; the groups of that many ranks then "
+        "replicate one another (hybrid sharding, HSDP: all-gathers stay within a group, only gradients are "
+        "reduced across groups). Must divide the data-parallel ranks (ranks / tensor_parallel_size). None: shard "
+        "over all of them.",
+    )
+
     @model_validator(mode="after")
     def _tensor_parallel(self) -> EngineConfig:
         tp = self.tensor_parallel_size
@@ -77,6 +86,21 @@ class EngineConfig(Section):
             )
         if self.sequence_parallel_size > 1:
             raise ValueError("engine.tensor_parallel_size and engine.sequence_parallel_size cannot both be above 1 yet")
+        return self
+
+    @model_validator(mode="after")
+    def _hybrid_sharding(self) -> EngineConfig:
+        size = self.data_parallel_shard_size
+        if size is None:
+            return self
+        if self.backend != "fsdp2":
+            raise ValueError(f"engine.data_parallel_shard_size needs engine.backend 'fsdp2' (got {self.backend!r})")
+        data_parallel = self.num_processes // self.tensor_parallel_size
+        if self.num_processes > 1 and data_parallel % size:
+            raise ValueError(
+                f"engine.data_parallel_shard_size ({size}) must divide the data-parallel ranks (engine.num_processes "
+                f"/ engine.tensor_parallel_size = {data_parallel})"
+            )
         return self
 
     @model_validator(mode="after")

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from raylign.config.engine import EngineConfig
 from raylign.config.optim import OptimConfig
@@ -125,7 +125,9 @@ def _rows_of_rank(param: torch.Tensor) -> tuple[int, int]:
     """The rows ``[start, stop)`` of a dim-0-sharded parameter this rank holds (torch.chunk's split)."""
     if not isinstance(param, DTensor):
         return 0, param.shape[0]
-    world, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
+    # The mesh dimension that shards dim 0 (hybrid sharding replicates over the other one).
+    dims = [i for i, p in enumerate(param.placements) if isinstance(p, Shard) and p.dim == 0] or [0]
+    world, rank = param.device_mesh.size(dims[0]), param.device_mesh.get_local_rank(dims[0])
     rows = param.shape[0]
     chunk = -(-rows // world)
     start = min(rows, rank * chunk)
@@ -146,6 +148,33 @@ def _weight_files(folder: Path) -> dict[str, Path]:
 
     with safe_open(str(single), framework="pt", device="cpu") as handle:
         return dict.fromkeys(handle.keys(), single)
+
+
+def build_meshes(
+    device_type: str, world_size: int, tensor_parallel: int, shard_size: int | None
+) -> tuple[DeviceMesh, DeviceMesh]:
+    """The engine's device mesh and the part of it FSDP2 shards over.
+
+    Ranks ``r*t .. r*t+t-1`` form one tensor-parallel group (``t = tensor_parallel``); the data-parallel
+    ranks (``world_size / t``) shard over groups of ``shard_size`` (None: all of them), which replicate
+    one another when there are several (HSDP: FSDP2 given a 2-D ``("replicate", "shard")`` mesh)."""
+    data_parallel = world_size // tensor_parallel
+    if world_size % tensor_parallel:
+        raise ValueError(f"engine.tensor_parallel_size ({tensor_parallel}) must divide the ranks ({world_size})")
+    shard = shard_size or data_parallel
+    if data_parallel % shard:
+        raise ValueError(
+            f"engine.data_parallel_shard_size ({shard}) must divide the data-parallel ranks ({data_parallel})"
+        )
+    replicate = data_parallel // shard
+    sizes, names = [replicate, shard], ["replicate", "shard"]
+    if tensor_parallel > 1:
+        sizes, names = [*sizes, tensor_parallel], [*names, "tp"]
+    if len(sizes) == 2 and replicate == 1:
+        mesh = init_device_mesh(device_type, (world_size,))  # plain FSDP over every rank
+        return mesh, mesh
+    mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+    return mesh, (mesh["replicate", "shard"] if replicate > 1 else mesh["shard"])
 
 
 def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> None:
@@ -237,14 +266,11 @@ class FSDP2Engine(TrainEngine):
             model.float()  # sharded fp32 master weights; no-op for fp32 models (and only metadata on meta)
         if not isinstance(self.offload_policy, CPUOffloadPolicy) and not empty:
             model.to(self.device)
-        tp = engine_cfg.tensor_parallel_size
-        if tp > 1:
-            # Ranks r*tp .. r*tp+tp-1 split every matrix (one data-parallel rank); FSDP2 shards over the others.
-            self.mesh = init_device_mesh(self.device.type, (self.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        self.mesh, data_mesh = build_meshes(
+            self.device.type, self.world_size, engine_cfg.tensor_parallel_size, engine_cfg.data_parallel_shard_size
+        )
+        if engine_cfg.tensor_parallel_size > 1:
             apply_tensor_parallel(model, self.mesh["tp"])
-            data_mesh = self.mesh["dp"]
-        else:
-            self.mesh = data_mesh = init_device_mesh(self.device.type, (self.world_size,))
         precision = mixed_precision_policy(self.model_dtype, engine_cfg.reduce_dtype)
         shard_model(model, data_mesh, precision, self.offload_policy, reshard_layers=engine_cfg.reshard_after_forward)
         if empty:

@@ -1,7 +1,10 @@
 """Code run inside the 4 spawned gloo ranks of ``test_sft_tensor_parallel.py``: the same SFT run with
 ``engine.tensor_parallel_size`` 1 (4 data-parallel ranks), 2 (a 2 x 2 mesh: 2 data-parallel ranks,
-each splitting every matrix over 2) and 4 (one data-parallel rank split over all 4), one after the
-other in one process group."""
+each splitting every matrix over 2) and 4 (one data-parallel rank split over all 4); then hybrid
+sharding (``engine.data_parallel_shard_size`` 2: two groups of 2 ranks, each sharding the model,
+replicating each other), tensor parallel 2 with the 2 data-parallel ranks replicating (shard size
+1), tensor parallel 2 with gradient checkpointing, and tensor parallel 2 stopped after step 2 and
+resumed from its checkpoint: one after the other in one process group."""
 
 from __future__ import annotations
 
@@ -12,25 +15,47 @@ import torch
 
 WORLD_SIZE = 4
 STEPS = 3
-SIZES = (1, 2, 4)
+# name -> engine fields, and "model" fields / "stop_after" (steps of a first run the second resumes from)
+RUNS: dict[str, dict] = {
+    "tp1": {},
+    "tp2": {"tensor_parallel_size": 2},
+    "tp4": {"tensor_parallel_size": 4},
+    "hsdp": {"data_parallel_shard_size": 2},
+    "tp2_replicated": {"tensor_parallel_size": 2, "data_parallel_shard_size": 1},
+    "tp2_checkpointing": {"tensor_parallel_size": 2, "model": {"gradient_checkpointing": True}},
+    "tp2_resumed": {"tensor_parallel_size": 2, "stop_after": 2},
+}
 
 
-def sft_config(model_dir: str, train_file: str, out: Path, tensor_parallel_size: int):
+def sft_config(model_dir: str, train_file: str, out: Path, run: dict, steps: int = STEPS):
     from raylign.config.base import parse_config
     from raylign.config.commands import SFTConfig
 
     return parse_config(
         SFTConfig,
         {
-            "model": {"path": model_dir, "dtype": "float32"},
+            "model": {"path": model_dir, "dtype": "float32", **run.get("model", {})},
             "data": {"train": [train_file], "format": "chat", "max_length": 64, "min_response_tokens": 8},
-            "engine": {"backend": "fsdp2", "tensor_parallel_size": tensor_parallel_size, "dist_timeout_s": 120},
+            "engine": {
+                "backend": "fsdp2",
+                "dist_timeout_s": 120,
+                **{k: v for k, v in run.items() if k not in ("model", "stop_after")},
+            },
             # A large AdamW epsilon keeps each update proportional to its gradient, so weights whose gradients
             # are equal to rounding stay comparable (see sft_sequence_parallel_worker.py).
-            "optim": {"lr": 3e-3, "warmup_steps": 1, "weight_decay": 0.0, "eps": 1e-3, "max_grad_norm": 0.5},
+            # A constant rate after warm-up: a run stopped after step 2 then resumed to step 3 sees the same rates.
+            "optim": {
+                "lr": 3e-3,
+                "warmup_steps": 1,
+                "scheduler": "constant",
+                "weight_decay": 0.0,
+                "eps": 1e-3,
+                "max_grad_norm": 0.5,
+            },
             "train": {
                 "output_dir": str(out),
-                "max_steps": STEPS,
+                "max_steps": steps,
+                "save_every": 1,
                 "global_batch_size": 4,
                 "micro_batch_size": 1,
                 "seed": 0,
@@ -57,8 +82,10 @@ def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str
     from raylign.trainers.sft import SFTTrainer
 
     try:
-        for size in SIZES:
-            SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / f"tp{size}", size)).run()
+        for name, run in RUNS.items():
+            if "stop_after" in run:
+                SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run, run["stop_after"])).run()
+            SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run)).run()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

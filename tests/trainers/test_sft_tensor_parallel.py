@@ -1,9 +1,11 @@
 """SFT with tensor parallelism: every attention and MLP matrix split over 2 or 4 gloo ranks (alone, and
-composed with fsdp2 as a 2 x 2 mesh) trains exactly like 4 data-parallel ranks holding whole layers.
+composed with fsdp2 as a 2 x 2 mesh) trains exactly like 4 data-parallel ranks holding whole layers;
+so does hybrid sharding (HSDP: groups of ranks that shard, replicating each other), alone and beside
+tensor parallel, and tensor parallel with gradient checkpointing or resumed from a checkpoint.
 
-Three runs of the same data and seed on 4 ranks: ``engine.tensor_parallel_size`` 1, 2 and 4. The loss
-and gradient norm (clipped at 0.5, so the norm over both meshes matters) of every step and the
-exported weights agree.
+Runs of the same data and seed on 4 ranks (``sft_tensor_parallel_worker.RUNS``). The loss and
+gradient norm (clipped at 0.5, so the norm over every mesh matters) of every step and the exported
+weights agree.
 """
 
 from __future__ import annotations
@@ -36,21 +38,21 @@ def test_sft_with_matrices_split_over_ranks_trains_like_whole_layers(tmp_path):
         patch.syspath_prepend(str(Path(__file__).parent))
         args = (free_port(), str(model_dir), str(train_file), str(tmp_path))
         spawn_and_join(worker.run_rank, args, worker.WORLD_SIZE, 900, "SFT ranks")
-    runs = {n: [r for r in read_metrics(tmp_path / f"tp{n}") if "train/loss" in r] for n in worker.SIZES}
-    weights = {n: load_file(tmp_path / f"tp{n}" / "final" / "model.safetensors") for n in worker.SIZES}
-    whole = runs[1]
+    runs = {n: [r for r in read_metrics(tmp_path / n) if "train/loss" in r] for n in worker.RUNS}
+    weights = {n: load_file(tmp_path / n / "final" / "model.safetensors") for n in worker.RUNS}
+    whole = runs["tp1"]
     assert [r["step"] for r in whole] == list(range(1, worker.STEPS + 1))
     assert any(r["train/grad_norm"] > 0.5 for r in whole)  # clipping is in play
-    for n in worker.SIZES[1:]:
+    for n in list(worker.RUNS)[1:]:
         assert [r["step"] for r in runs[n]] == [r["step"] for r in whole]
         for a, b in zip(whole, runs[n], strict=True):
             assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-5), (n, a, b)
             assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5, abs=1e-5), (n, a, b)
-        assert weights[n].keys() == weights[1].keys()
-        for name, value in weights[1].items():
-            torch.testing.assert_close(weights[n][name], value, rtol=1e-5, atol=1e-5, msg=f"tp{n} {name}")
+        assert weights[n].keys() == weights["tp1"].keys()
+        for name, value in weights["tp1"].items():
+            torch.testing.assert_close(weights[n][name], value, rtol=1e-5, atol=1e-5, msg=f"{n} {name}")
     moved = load_file(model_dir / "model.safetensors")
-    assert any(not torch.allclose(moved[k], weights[1][k]) for k in moved)  # training changed the weights
+    assert any(not torch.allclose(moved[k], weights["tp1"][k]) for k in moved)  # training changed the weights
 
 
 @pytest.mark.parametrize(
@@ -64,6 +66,18 @@ def test_sft_with_matrices_split_over_ranks_trains_like_whole_layers(tmp_path):
         (
             {"engine": {"backend": "fsdp2", "tensor_parallel_size": 2}, "model": {"path": "m", "lora": {"rank": 4}}},
             "does not support model.lora yet",
+        ),
+        ({"engine": {"backend": "deepspeed", "data_parallel_shard_size": 2}}, "data_parallel_shard_size needs"),
+        (
+            {
+                "engine": {
+                    "backend": "fsdp2",
+                    "num_processes": 8,
+                    "tensor_parallel_size": 2,
+                    "data_parallel_shard_size": 3,
+                }
+            },
+            r"must divide the data-parallel ranks \(engine.num_processes / engine.tensor_parallel_size = 4\)",
         ),
     ],
 )
