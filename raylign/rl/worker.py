@@ -390,6 +390,10 @@ class ModelWorker:
         """One prompt group from this rank's colocated engine (the rollout stream's call)."""
         return self._on_engine_loop(self._local_engine.generate_group(prompt_token_ids, sampling, prompt_index))
 
+    def local_engine_adapters(self) -> list[int]:
+        """The LoRA adapters (weight versions) this rank's colocated vLLM engine holds."""
+        return self._on_engine_loop(self._local_engine.adapters_loaded())
+
     def score(self, token_ids: list[int], base: bool = False) -> Any:
         """This rank's colocated engine's scores of a probe sequence (the rollout pool's ``score`` call)."""
         return self._on_engine_loop(self._local_engine.score(token_ids, base))

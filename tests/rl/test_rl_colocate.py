@@ -34,19 +34,24 @@ def _greedy_per_rank(group: WorkerGroup) -> list[list]:
 
 
 @pytest.mark.parametrize(
-    ("engine", "backend", "workers"),
+    ("engine", "backend", "workers", "lora"),
     [
-        pytest.param("hf", "local", 1, id="hf-local-1"),
-        pytest.param("hf", "fsdp2", 2, id="hf-fsdp2-2"),
-        pytest.param("vllm", "local", 1, id="vllm-local-1"),
-        pytest.param("vllm", "fsdp2", 2, id="vllm-fsdp2-2"),
+        pytest.param("hf", "local", 1, False, id="hf-local-1"),
+        pytest.param("hf", "fsdp2", 2, False, id="hf-fsdp2-2"),
+        pytest.param("vllm", "local", 1, False, id="vllm-local-1"),
+        pytest.param("vllm", "fsdp2", 2, False, id="vllm-fsdp2-2"),
+        # A LoRA policy: rank 0 gathers the adapter alone and every rank's engine serves it as a vLLM adapter.
+        pytest.param("vllm", "fsdp2", 2, True, id="vllm-fsdp2-2-lora-adapter"),
     ],
 )
 def test_colocated_engines_follow_the_trained_policy(
-    engine, backend, workers, ray_session, rl_model_dir, prompt_file, tmp_path
+    engine, backend, workers, lora, ray_session, rl_model_dir, prompt_file, tmp_path
 ):
-    cfg = worker_config(rl_model_dir, prompt_file, tmp_path / "run", backend, workers, optim={"lr": 1e-2})
+    lr = 5e-2 if lora else 1e-2  # lora_B starts at zero: a larger step moves the policy as far
+    cfg = worker_config(rl_model_dir, prompt_file, tmp_path / "run", backend, workers, optim={"lr": lr})
     cfg["placement"]["colocate"] = True
+    if lora:
+        cfg["model"]["lora"] = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "up_proj"]}
     cfg["rollout"].update(VLLM_ROLLOUT if engine == "vllm" else {"engine": "hf", "dtype": "float32"})
     group = WorkerGroup("policy", cfg, workers, 1, None, env=ENV)
     try:
@@ -61,6 +66,8 @@ def test_colocated_engines_follow_the_trained_policy(
 
         sync = group.call("sync_weights")
         assert sync[0]["sync/total_s"] > 0 and all(s == {} for s in sync[1:])
+        if lora:  # the engines hold the adapter of the sync, version 1, and nothing else
+            assert group.call("local_engine_adapters") == [[1]] * workers
         for completions in _greedy_per_rank(group):  # every rank's engine, rank 0's and the ones it sent to
             assert _gap(completions, _trainer_logprobs(group, completions)) <= LOGPROB_TOL
 
