@@ -8,14 +8,17 @@ top-level module next to its test (spawn hands the parent's ``sys.path`` to the 
 from __future__ import annotations
 
 import importlib
+import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -45,3 +48,28 @@ def spawn_and_join(fn: Callable[..., Any], args: tuple, nprocs: int, timeout_s: 
             for process in context.processes:
                 process.kill()
             raise TimeoutError(f"the {nprocs} {what} did not finish within {timeout_s} s")
+
+
+@contextmanager
+def as_gloo_rank(rank: int, world_size: int, port: int) -> Iterator[None]:
+    """Within the block this spawned process is rank ``rank`` of ``world_size`` on this machine (the
+    environment torch.distributed and the engines read, one torch thread); the process group the
+    block started is destroyed on the way out, whatever happened."""
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

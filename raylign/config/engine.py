@@ -60,8 +60,8 @@ class EngineConfig(Section):
         description="Ranks that split every attention and MLP matrix of the model between them (tensor "
         "parallel, the transformers tensor-parallel plan of the architecture: Llama, Qwen2/Qwen3, Mistral, ...), "
         "each computing its share of every layer on the same micro-batch; composed with fsdp2 as a 2-D mesh "
-        "(data-parallel ranks = ranks / this, each sharding its weights over those). sft only, with "
-        "engine.backend fsdp2; 1 turns it off.",
+        "(data-parallel ranks = ranks / this, each sharding its weights over those). sft, and rl's policy "
+        "(placement.policy_workers are the ranks; not with a critic yet), with engine.backend fsdp2; 1 turns it off.",
     )
 
     data_parallel_shard_size: int | None = Field(
@@ -118,15 +118,20 @@ class EngineConfig(Section):
         return self
 
 
-def refuse_model_parallel(engine: EngineConfig, command: str) -> None:
-    """For commands whose training path does not split rows or matrices across ranks yet."""
+def refuse_sequence_parallel(engine: EngineConfig, command: str) -> None:
+    """For commands whose training path does not split rows across ranks yet."""
     if engine.sequence_parallel_size > 1:
         raise ValueError(
             f"engine.sequence_parallel_size: {command} does not support sequence parallelism yet (only sft "
             f"does); set it to 1 (got {engine.sequence_parallel_size})"
         )
+
+
+def refuse_model_parallel(engine: EngineConfig, command: str) -> None:
+    """For commands whose training path does not split rows or matrices across ranks yet."""
+    refuse_sequence_parallel(engine, command)
     if engine.tensor_parallel_size > 1:
         raise ValueError(
-            f"engine.tensor_parallel_size: {command} does not support tensor parallelism yet (only sft does); "
+            f"engine.tensor_parallel_size: {command} does not support tensor parallelism yet (sft and rl do); "
             f"set it to 1 (got {engine.tensor_parallel_size})"
         )

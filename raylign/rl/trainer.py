@@ -452,8 +452,7 @@ class RLTrainer:
 
     def _forward_all(self, role: str, method: str, samples: list[Sample]) -> torch.Tensor:
         """Run ``method`` over all samples, sharded across the role's ranks; ``[B, R]`` in sample order."""
-        group = self.groups[role]
-        plan = micro_batches_for_ranks(samples, len(group), self.cfg.train.micro_batch_tokens)
+        plan = micro_batches_for_ranks(samples, self._data_parallel(role), self.cfg.train.micro_batch_tokens)
         rows = self.cfg.train.pack_row_tokens
         per_rank = [
             [pack_samples([samples[i] for i in micro], row_tokens=rows) for micro in rank_plan] for rank_plan in plan
@@ -526,7 +525,7 @@ class RLTrainer:
                 for role, method in (("policy", "train_policy"), ("critic", "train_critic")):
                     if role not in self.groups:
                         continue
-                    shards = self._shard(samples, idx, exp, len(self.groups[role]))
+                    shards = self._shard(samples, idx, exp, self._data_parallel(role))
                     per_rank = self._phase_call(role, method, shards, "train")
                     update.update({f"{role}/{name}": metric for name, metric in combine(per_rank).items()})
                 updates.append(update)
@@ -537,12 +536,21 @@ class RLTrainer:
                 metrics[f"mismatch/logprob_{key}"] = metrics.pop(f"policy/mismatch_{key}")
         return metrics
 
-    def _phase_call(self, role: str, method: str, per_rank: list[Any], phase: str) -> list[Any]:
-        """``method`` on the role's ranks (rank r given ``per_rank[r]``), each computing on the threads
+    def _data_parallel(self, role: str) -> int:
+        """How many different shards of the data the role's ranks take: tensor-parallel groups (policy and
+        critic, ``engine.tensor_parallel_size`` consecutive ranks) share one."""
+        tp = self.cfg.engine.tensor_parallel_size if role in ("policy", "critic") else 1
+        return len(self.groups[role]) // tp
+
+    def _phase_call(self, role: str, method: str, per_shard: list[Any], phase: str) -> list[Any]:
+        """``method`` on the role's ranks, each data-parallel shard ``per_shard[d]`` given to every rank of
+        its tensor-parallel group and answered once (by its first rank), each rank computing on the threads
         decided for it (``self.threads``); the fewest a rank reported goes to the step's ``threads/<phase>``."""
+        tp = len(self.groups[role]) // len(per_shard)
+        per_rank = [shard for shard in per_shard for _ in range(tp)]
         results, used = self.groups[role].call_in_phase(method, per_rank, self.threads[role])
         self._threads_used.setdefault(phase, []).extend(used)
-        return results
+        return results[::tp]
 
     def _count_skipped(self, metrics: dict[str, float]) -> None:
         """A step some of whose updates were dropped for a non-finite loss or gradient norm is counted

@@ -4,10 +4,11 @@ gathered."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
+
+from tests.spawned_ranks import as_gloo_rank
 
 WORLD_SIZE = 2
 BACKENDS = {
@@ -35,17 +36,6 @@ def lora_model(seed: int = 0) -> torch.nn.Module:
 
 
 def run_rank(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(WORLD_SIZE),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-    )
-    torch.set_num_threads(1)
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -53,7 +43,7 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
     from raylign.config.optim import OptimConfig
     from raylign.engine import create_engine
 
-    try:
+    with as_gloo_rank(rank, WORLD_SIZE, port):
         for name, fields in BACKENDS.items():
             engine = create_engine(lora_model(), EngineConfig(**fields, dist_timeout_s=120), OptimConfig(lr=1e-2), 2)
             weights, config = engine.adapter_state_dict()
@@ -62,6 +52,3 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
             else:
                 assert weights == {}, f"{name}: rank {rank} got weights"
             dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -4,10 +4,9 @@ one after the other in one process group."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import torch
+from tests.spawned_ranks import as_gloo_rank
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -40,24 +39,9 @@ def sft_config(model_dir: str, train_file: str, out: Path, sequence_parallel_siz
 
 
 def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(WORLD_SIZE),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-    )
-    torch.set_num_threads(1)
-    import torch.distributed as dist
 
     from raylign.trainers.sft import SFTTrainer
 
-    try:
+    with as_gloo_rank(rank, WORLD_SIZE, port):
         for size in (1, 2):
             SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / f"sp{size}", size)).run()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -8,10 +8,9 @@ resumed from its checkpoint: one after the other in one process group."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import torch
+from tests.spawned_ranks import as_gloo_rank
 
 WORLD_SIZE = 4
 STEPS = 3
@@ -66,26 +65,11 @@ def sft_config(model_dir: str, train_file: str, out: Path, run: dict, steps: int
 
 
 def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(WORLD_SIZE),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-    )
-    torch.set_num_threads(1)
-    import torch.distributed as dist
 
     from raylign.trainers.sft import SFTTrainer
 
-    try:
+    with as_gloo_rank(rank, WORLD_SIZE, port):
         for name, run in RUNS.items():
             if "stop_after" in run:
                 SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run, run["stop_after"])).run()
             SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run)).run()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
