@@ -163,6 +163,17 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     return holder[0]
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """The most memory this process has held: on a GPU the most its tensors took
+    (``torch.cuda.max_memory_allocated``), on the CPU its peak resident size (``ru_maxrss``: tensors,
+    the interpreter and the libraries together)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
 def all_reduce_scalars(values: Sequence[float], op: ReduceOp = "mean") -> list[float]:
     """Reduce python numbers across ranks in one collective (float64, so counts stay exact)."""
     if not is_distributed() or dist.get_world_size() == 1:

@@ -29,7 +29,13 @@ from raylign.config.base import Section, save_yaml
 from raylign.data import ResumableSampler, rank_micro_batches
 from raylign.engine import create_engine
 from raylign.engine.checkpoint import check_writable, resume_latest, save_step_checkpoint
-from raylign.engine.distributed import all_reduce_scalars, barrier, init_distributed, sequence_parallel_groups
+from raylign.engine.distributed import (
+    all_reduce_scalars,
+    barrier,
+    init_distributed,
+    peak_memory_bytes,
+    sequence_parallel_groups,
+)
 from raylign.trainers.guard import SkippedSteps
 from raylign.trainers.metrics import MetricsLogger, format_metrics
 from raylign.trainers.progress import Progress
@@ -251,6 +257,8 @@ class OfflineTrainer:
         metrics.update(step_info)
         metrics["tokens_per_s"] = reduced[-1] / self.tp_size / elapsed  # a tensor-parallel group's tokens once
         metrics["step_time_s"] = elapsed
+        (peak,) = all_reduce_scalars([float(peak_memory_bytes(self.engine.device))], op="max")
+        metrics["peak_memory_gib"] = peak / (1 << 30)  # the rank that held the most
         metrics["skipped_steps"] = self.skipped.total
         return metrics
 

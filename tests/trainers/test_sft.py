@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from raylign.config.base import parse_config
 from raylign.config.commands import SFTConfig
+from raylign.engine.distributed import peak_memory_bytes
 from raylign.tasks.evaluate import greedy_chat_answers
 from raylign.tasks.strings import exact_match, make_string_rows
 from raylign.trainers.metrics import read_metrics
@@ -85,6 +86,10 @@ def test_sft_logs_metrics_writes_config_and_exports_a_loadable_model(tmp_path, t
     assert [r["step"] for r in train] == [1, 2, 3]
     for key in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"):
         assert all(torch.isfinite(torch.tensor(r[key])) for r in train), key
+    # The process's peak resident memory so far (this process ran the training): it never shrinks, and no
+    # step's figure exceeds the peak measured now.
+    peaks = [r["train/peak_memory_gib"] for r in train]
+    assert peaks == sorted(peaks) and 0 < peaks[-1] * (1 << 30) <= peak_memory_bytes(torch.device("cpu"))
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
 
     model = AutoModelForCausalLM.from_pretrained(out / "final")
