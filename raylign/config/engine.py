@@ -49,8 +49,8 @@ class EngineConfig(Section):
         1,
         ge=1,
         description="Ranks that share one packed row, each running a contiguous chunk of it, with ring attention "
-        "across them (attention never crosses packed samples). Data-parallel ranks = ranks / this. sft only, "
-        "with engine.backend fsdp2 and data.packing; 1 turns it off.",
+        "across them (attention never crosses packed samples). Data-parallel ranks = ranks / this. sft (with "
+        "data.packing) and rl (the policy), with engine.backend fsdp2; 1 turns it off.",
     )
 
     tensor_parallel_size: int = Field(
@@ -122,8 +122,8 @@ def refuse_sequence_parallel(engine: EngineConfig, command: str) -> None:
     """For commands whose training path does not split rows across ranks yet."""
     if engine.sequence_parallel_size > 1:
         raise ValueError(
-            f"engine.sequence_parallel_size: {command} does not support sequence parallelism yet (only sft "
-            f"does); set it to 1 (got {engine.sequence_parallel_size})"
+            f"engine.sequence_parallel_size: {command} does not support sequence parallelism yet (sft "
+            f"and rl do); set it to 1 (got {engine.sequence_parallel_size})"
         )
 
 
@@ -135,3 +135,4 @@ def refuse_model_parallel(engine: EngineConfig, command: str) -> None:
             f"engine.tensor_parallel_size: {command} does not support tensor parallelism yet (sft and rl do); "
             f"set it to 1 (got {engine.tensor_parallel_size})"
         )
+

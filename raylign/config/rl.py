@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from raylign.config.agent import AgentConfig
 from raylign.config.base import Section, deep_merge
 from raylign.config.data import DatasetSpec
-from raylign.config.engine import EngineConfig, refuse_sequence_parallel
+from raylign.config.engine import EngineConfig
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.config.reward import RewardConfig
@@ -323,20 +323,24 @@ class RLConfig(Section):
     @model_validator(mode="after")
     def _possible(self) -> RLConfig:
         a, t, s, p = self.algorithm, self.train, self.sampling, self.placement
-        refuse_sequence_parallel(self.engine, "rl")
-        tp = self.engine.tensor_parallel_size
-        if tp > 1:
-            if p.policy_workers % tp:
-                raise ValueError(
-                    f"engine.tensor_parallel_size ({tp}) must divide placement.policy_workers ({p.policy_workers})"
-                )
+        for field in ("tensor_parallel_size", "sequence_parallel_size"):
+            size = getattr(self.engine, field)
+            if size == 1:
+                continue
+            if p.policy_workers % size:
+                raise ValueError(f"engine.{field} ({size}) must divide placement.policy_workers ({p.policy_workers})")
             if self.model.lora.rank > 0:
-                raise ValueError("engine.tensor_parallel_size > 1 does not support model.lora yet")
+                raise ValueError(f"engine.{field} > 1 does not support model.lora yet")
             if self.uses_critic:
                 raise ValueError(
-                    "engine.tensor_parallel_size > 1 splits the policy only; the critic (algorithm.advantage gae) "
+                    f"engine.{field} > 1 splits the policy only; the critic (algorithm.advantage gae) "
                     "does not support it yet"
                 )
+        if self.engine.sequence_parallel_size > 1 and self.model.gradient_checkpointing:
+            raise ValueError(
+                "engine.sequence_parallel_size > 1 does not support model.gradient_checkpointing yet "
+                "(recomputing the ring attention in backward); set one of them off"
+            )
         if self.reward is None and not self.agent.enabled:
             raise ValueError(
                 "reward: required (the reward sources), unless agent.env or agent.client gives the rewards"

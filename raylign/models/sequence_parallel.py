@@ -15,6 +15,11 @@ Next-token targets cross chunk boundaries (the last token of chunk r predicts th
 r + 1), so they are taken from the whole row before it is cut: each chunk carries
 ``target_ids`` and ``target_mask`` aligned to the position that predicts them.
 
+RL's passes read a few positions of rows ``[B, L]`` (the response tokens):
+:func:`sharded_selected_token_logprobs` runs each rank's chunk of every row, computes the
+log-probs its chunk predicts, and sums the ranks' parts into the whole ``[b, R]`` on every rank
+with an all-reduce that autograd differentiates.
+
 Not supported yet: 2D attention masks (padded batches), sliding windows, logit soft-capping,
 attention dropout, and recomputing activations in backward (gradient checkpointing would re-run
 the attention after :func:`sequence_shard` has ended).
@@ -36,7 +41,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from raylign.models.logprobs import logprobs_from_logits
+from raylign.models.logprobs import _place, entropy_from_logits, logits_only_at, logprobs_from_logits
 from raylign.models.ring_attention import DEFAULT_TIMEOUT, ring_attention, sample_ids_from_position_ids
 
 RING_ATTENTION = "raylign_ring"
@@ -179,3 +184,74 @@ def sharded_target_logprobs(
         logits = model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False).logits
     logprobs = logprobs_from_logits(logits, chunk["target_ids"], temperature)
     return logprobs * chunk["target_mask"].to(logprobs.dtype)
+
+
+def _chunk_of_rows(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, rank: int, size: int, pad_token_id: int
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Chunk ``rank`` of ``size`` of every row of ``[B, L]`` (rows padded on the right to a multiple of
+    ``size`` with tokens that form a sample of their own), and the chunk's length."""
+    length = input_ids.shape[-1]
+    padded = math.ceil(length / size) * size
+    tail = torch.arange(padded - length, device=position_ids.device).expand(position_ids.shape[0], -1)
+    full_positions = torch.cat([position_ids, tail], dim=-1)
+    full = {
+        "input_ids": _pad_right(input_ids, padded, pad_token_id),
+        "position_ids": full_positions,
+        "token_index": torch.arange(padded, device=input_ids.device).expand(input_ids.shape[0], -1),
+        "sample_ids": sample_ids_from_position_ids(full_positions),
+    }
+    chunk = padded // size
+    return {name: t[:, rank * chunk : (rank + 1) * chunk].contiguous() for name, t in full.items()}, chunk
+
+
+def sharded_selected_token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    token_index: torch.Tensor,
+    position_ids: torch.Tensor,
+    group: dist.ProcessGroup,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    mask: torch.Tensor | None = None,
+    entropy_grad: bool = True,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`raylign.models.selected_token_logprobs` of packed rows ``[B, L]``, computed by the ranks of
+    ``group`` together, each running one chunk of every row: the same values on every rank.
+
+    The entry for flat position ``i`` (row ``i // L``) is computed by the rank whose chunk holds the
+    predicting position ``i - 1``; the ranks' parts (0 elsewhere) are summed by an all-reduce. Its
+    backward all-reduces the gradient too, so a loss every rank computes from the whole result gives
+    each rank ``size`` times its chunk's share of the gradient: averaged over the ``size`` ranks, as
+    data-parallel gradient averaging does, that is the whole row's gradient. Collective over ``group``.
+    """
+    from torch.distributed.nn.functional import all_reduce
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    chunk, width = _chunk_of_rows(input_ids, position_ids, rank, size, pad_token_id=0)
+    index = token_index.reshape(-1)
+    keep = torch.ones_like(index, dtype=torch.bool) if mask is None else mask.reshape(-1).to(torch.bool)
+    length = input_ids.shape[-1]
+    predictor = (index - 1).clamp(min=0)
+    row, column = predictor // length, predictor % length
+    mine = keep & (column // width == rank)
+    local = (row * width + column % width)[mine]
+    # A rank with nothing to read still runs one position, so its output layer takes part in the
+    # backward pass (its parameters may be sharded across the data-parallel ranks).
+    rows = local if local.numel() else torch.zeros(1, dtype=torch.long, device=index.device)
+    shard = SequenceShard(group, chunk["token_index"], chunk["sample_ids"], timeout)
+    with sequence_shard(shard), logits_only_at(model, rows):
+        logits = model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False).logits[0]
+    labels = input_ids.reshape(-1)[index[mine]] if local.numel() else input_ids.reshape(-1)[:1]
+    part = _place(mine, logprobs_from_logits(logits, labels, temperature)).reshape(token_index.shape)
+    logprobs = all_reduce(part, group=group)
+    if not with_entropy:
+        return logprobs
+    if entropy_grad:
+        entropy = _place(mine, entropy_from_logits(logits, temperature)).reshape(token_index.shape)
+        return logprobs, all_reduce(entropy, group=group)
+    with torch.no_grad():
+        entropy = _place(mine, entropy_from_logits(logits.detach(), temperature)).reshape(token_index.shape)
+        dist.all_reduce(entropy, group=group)
+    return logprobs, entropy

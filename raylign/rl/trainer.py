@@ -537,14 +537,16 @@ class RLTrainer:
         return metrics
 
     def _data_parallel(self, role: str) -> int:
-        """How many different shards of the data the role's ranks take: tensor-parallel groups (policy and
-        critic, ``engine.tensor_parallel_size`` consecutive ranks) share one."""
-        tp = self.cfg.engine.tensor_parallel_size if role in ("policy", "critic") else 1
-        return len(self.groups[role]) // tp
+        """How many different shards of the data the role's ranks take: the policy's tensor- or
+        sequence-parallel groups (``engine.tensor_parallel_size`` or ``sequence_parallel_size``
+        consecutive ranks) share one; the reference's and critic's ranks take one each."""
+        e = self.cfg.engine
+        group = e.tensor_parallel_size * e.sequence_parallel_size if role == "policy" else 1
+        return len(self.groups[role]) // group
 
     def _phase_call(self, role: str, method: str, per_shard: list[Any], phase: str) -> list[Any]:
         """``method`` on the role's ranks, each data-parallel shard ``per_shard[d]`` given to every rank of
-        its tensor-parallel group and answered once (by its first rank), each rank computing on the threads
+        its tensor- or sequence-parallel group and answered once (by its first rank), each rank computing on the threads
         decided for it (``self.threads``); the fewest a rank reported goes to the step's ``threads/<phase>``."""
         tp = len(self.groups[role]) // len(per_shard)
         per_rank = [shard for shard in per_shard for _ in range(tp)]

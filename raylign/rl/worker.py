@@ -76,6 +76,10 @@ class ModelWorker:
         self._store: Any = None
         self.rendezvous: tuple[str, int] | None = None
         self.engine: Any = None
+        # Sequence parallelism: the ranks of this rank's group run one chunk each of the same rows.
+        self.sequence_group: Any = None
+        # How many ranks take each data shard (a tensor- or sequence-parallel group) and give one answer.
+        self.copies = 1
 
     def rendezvous_address(self) -> tuple[str, int] | None:
         """Rank 0 of a trained role: host the process group's store on this node; returns
@@ -123,8 +127,17 @@ class ModelWorker:
             critic_cfg = self.cfg.model.model_copy(update={"path": self.cfg.critic.path or self.cfg.model.path})
             model, optim = load_score_model(critic_cfg, num_labels=1), self.cfg.critic.optim
         else:
-            empty = loads_sharded(self.cfg.model, self.cfg.engine)
-            model, optim = load_causal_lm(self.cfg.model, empty=empty), self.cfg.optim
+            from raylign.engine.distributed import sequence_parallel_groups
+            from raylign.models.sequence_parallel import RING_ATTENTION
+
+            e = self.cfg.engine
+            model_cfg = self.cfg.model
+            if e.sequence_parallel_size > 1:
+                model_cfg = model_cfg.model_copy(update={"attn_implementation": RING_ATTENTION})
+                self.sequence_group, _, _ = sequence_parallel_groups(e.sequence_parallel_size, e.dist_timeout_s)
+            self.copies = e.tensor_parallel_size * e.sequence_parallel_size
+            empty = loads_sharded(model_cfg, e)
+            model, optim = load_causal_lm(model_cfg, empty=empty), self.cfg.optim
         self.engine = create_engine(model, self.cfg.engine, optim, self.total_steps)
         self.module = self.engine.module
         self.device = self.engine.device
@@ -163,7 +176,8 @@ class ModelWorker:
         """Response log-probs ``[b, R]`` per micro-batch, at the sampling temperature."""
         self.module.eval()
         return [
-            response_logprobs(self.module, batch.to(self.device), self.temperature).cpu() for batch in micro_batches
+            response_logprobs(self.module, batch.to(self.device), self.temperature, self.sequence_group).cpu()
+            for batch in micro_batches
         ]
 
     @torch.no_grad()
@@ -244,12 +258,13 @@ class ModelWorker:
             self.cfg.algorithm,
             self.policy_loss,
             self.temperature,
+            self.sequence_group,
         )
         loss = sum(terms.values())
         metrics = {
             **_token_means(stats, mask),
-            "policy_loss": _loss_share(terms["policy_loss"], scale),
-            "policy_loss_total": _loss_share(loss, scale),
+            "policy_loss": _loss_share(terms["policy_loss"], scale, self.copies),
+            "policy_loss_total": _loss_share(loss, scale, self.copies),
         }
         if batch.behaviour == "this_policy":  # no recomputation to compare the engine with: measure it here
             metrics.update(_engine_mismatch(batch.rollout_logprobs, logprobs, mask))
@@ -477,14 +492,31 @@ def response_logprobs(
     module: torch.nn.Module,
     batch: MicroBatch,
     temperature: float,
+    sequence_group: Any = None,
     with_entropy: bool = False,
     entropy_grad: bool = True,
 ) -> Any:
     """Log-probs ``[b, R]`` of the response tokens (0 where masked), and with ``with_entropy`` their
     entropies: the output layer runs at the masked-in response positions only (see
-    :func:`raylign.models.selected_token_logprobs`, which also says what ``entropy_grad`` does)."""
+    :func:`raylign.models.selected_token_logprobs`, which also says what ``entropy_grad`` does).
+    With a ``sequence_group`` its ranks run one chunk each of the rows and all get the whole result
+    (:func:`raylign.models.sequence_parallel.sharded_selected_token_logprobs`)."""
     from raylign.models import selected_token_logprobs
 
+    if sequence_group is not None:
+        from raylign.models.sequence_parallel import sharded_selected_token_logprobs
+
+        return sharded_selected_token_logprobs(
+            module,
+            batch.input_ids,
+            batch.resp_index,
+            batch.position_ids,
+            sequence_group,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            mask=batch.mask,
+            entropy_grad=entropy_grad,
+        )
     return selected_token_logprobs(
         module,
         batch.input_ids,
@@ -506,6 +538,7 @@ def policy_loss_terms(
     a: AlgorithmConfig,
     policy_loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
     temperature: float,
+    sequence_group: Any = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """One micro-batch's policy loss as named terms (policy gradient, KL to the reference, entropy
     bonus), the algorithm library's statistics, and the training forward's log-probs ``[b, R]``.
@@ -515,7 +548,7 @@ def policy_loss_terms(
     float32 tokens x vocabulary tensors for it until the backward pass.
     """
     logprobs, entropy = response_logprobs(
-        module, batch, temperature, with_entropy=True, entropy_grad=a.entropy_coef > 0
+        module, batch, temperature, sequence_group, with_entropy=True, entropy_grad=a.entropy_coef > 0
     )
     pg_loss, stats = policy_loss(
         logprobs,
@@ -591,7 +624,7 @@ def _engine_mismatch(rollout_logprobs: torch.Tensor, logprobs: torch.Tensor, mas
     }
 
 
-def _loss_share(loss: torch.Tensor, scale: LossScale) -> Metric:
+def _loss_share(loss: torch.Tensor, scale: LossScale, copies: int = 1) -> Metric:
     """This micro-batch's share of the whole batch's loss.
 
     ``compute_loss_scale`` makes each micro-batch loss ``(its part of the global numerator) /
@@ -599,8 +632,12 @@ def _loss_share(loss: torch.Tensor, scale: LossScale) -> Metric:
     over ranks are those of the one-big-batch loss. Its value divided by ``world_size`` is then
     its share: summed over the micro-batches of all ranks, the shares give the batch loss,
     whatever the micro-batch split.
+
+    When ``copies`` ranks (a tensor- or sequence-parallel group) take the same data, the global
+    denominator counted their tokens ``copies`` times, and only one of them answers: its share is
+    ``copies`` times larger.
     """
-    return Metric(float(loss.detach()) / scale.world_size, "sum")
+    return Metric(float(loss.detach()) / scale.world_size * copies, "sum")
 
 
 def _step_metrics(step: dict[str, float]) -> dict[str, Metric]:

@@ -57,6 +57,42 @@ def model_inputs(vocab_size: int) -> dict[str, torch.Tensor]:
     }
 
 
+# RL micro-batch: packed rows of 11 tokens (padded to 12 and cut at 6), samples as (row, offset, prompt
+# length, response length). The second sample's response is predicted from both halves of its row.
+RL_ROW_TOKENS = 11
+RL_SAMPLES = [(0, 0, 2, 2), (0, 4, 1, 6), (1, 0, 2, 4)]
+
+
+def rl_inputs(vocab_size: int) -> dict[str, torch.Tensor]:
+    """``input_ids`` / ``position_ids`` ``[2, 11]``, ``resp_index`` / ``mask`` ``[3, 6]`` as RL packs them
+    (padding at positions restarting from 0), and weights for the log-probs and entropies."""
+    generator = torch.Generator().manual_seed(11)
+    rows = 1 + max(row for row, *_ in RL_SAMPLES)
+    width = max(response for *_, response in RL_SAMPLES)
+    input_ids = torch.randint(1, vocab_size, (rows, RL_ROW_TOKENS), generator=generator)
+    position_ids = torch.zeros(rows, RL_ROW_TOKENS, dtype=torch.long)
+    resp_index = torch.zeros(len(RL_SAMPLES), width, dtype=torch.long)
+    mask = torch.zeros(len(RL_SAMPLES), width, dtype=torch.long)
+    ends = [0] * rows
+    for i, (row, offset, prompt, response) in enumerate(RL_SAMPLES):
+        position_ids[row, offset : offset + prompt + response] = torch.arange(prompt + response)
+        start = row * RL_ROW_TOKENS + offset + prompt
+        resp_index[i, :response] = torch.arange(start, start + response)
+        mask[i, :response] = 1
+        ends[row] = max(ends[row], offset + prompt + response)
+    for row, end in enumerate(ends):
+        input_ids[row, end:] = 0
+        position_ids[row, end:] = torch.arange(RL_ROW_TOKENS - end)
+    return {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "resp_index": resp_index,
+        "mask": mask,
+        "logprob_weights": torch.randn(len(RL_SAMPLES), width, generator=generator),
+        "entropy_weights": torch.randn(len(RL_SAMPLES), width, generator=generator),
+    }
+
+
 def _chunk(tensor: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
     return tensor.chunk(WORLD_SIZE, dim=dim)[rank].contiguous()
 
@@ -118,6 +154,47 @@ def run_model_case(model_dir: str, rank: int) -> dict[str, object]:
     }
 
 
+def run_rl_case(model_dir: str, rank: int) -> dict[str, object]:
+    """RL's log-probs and entropies of response tokens, split over the ranks, and the gradient of a
+    weighted sum of both: each rank's gradient, averaged over the ranks as data-parallel training does."""
+    from transformers import AutoModelForCausalLM
+
+    from raylign.models.sequence_parallel import RING_ATTENTION, sharded_selected_token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=RING_ATTENTION)
+    full = rl_inputs(model.config.vocab_size)
+    logprobs, entropy = sharded_selected_token_logprobs(
+        model,
+        full["input_ids"],
+        full["resp_index"],
+        full["position_ids"],
+        dist.group.WORLD,
+        temperature=0.7,
+        with_entropy=True,
+        mask=full["mask"],
+    )
+    (logprobs * full["logprob_weights"] + entropy * full["entropy_weights"]).sum().backward()
+    grads = {name: grad / WORLD_SIZE for name, grad in _summed_grads(model).items()}
+    with torch.no_grad():  # the detached-entropy path
+        _, entropy_no_grad = sharded_selected_token_logprobs(
+            model,
+            full["input_ids"],
+            full["resp_index"],
+            full["position_ids"],
+            dist.group.WORLD,
+            temperature=0.7,
+            with_entropy=True,
+            mask=full["mask"],
+            entropy_grad=False,
+        )
+    return {
+        "logprobs": logprobs.detach(),
+        "entropy": entropy.detach(),
+        "entropy_no_grad": entropy_no_grad,
+        "grads": grads,
+    }
+
+
 def run_rank(rank: int, port: int, out_dir: str, model_dirs: dict[str, str]) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -132,6 +209,7 @@ def run_rank(rank: int, port: int, out_dir: str, model_dirs: dict[str, str]) -> 
         results: dict[str, object] = {name: run_attention_case(name, rank) for name in ATTENTION_CASES}
         for arch, model_dir in model_dirs.items():
             results[arch] = run_model_case(model_dir, rank)
+            results[f"{arch}_rl"] = run_rl_case(model_dir, rank)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

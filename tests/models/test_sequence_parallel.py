@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from raylign.models import token_logprobs
+from raylign.models import selected_token_logprobs, token_logprobs
 from raylign.models.ring_attention import ring_attention, sample_ids_from_position_ids
 from raylign.models.sequence_parallel import RING_ATTENTION, shard_packed_batch
 from tests.spawned_ranks import free_port, import_worker, spawn_and_join
@@ -145,3 +145,32 @@ def test_sft_loss_and_gradients_on_two_ranks_equal_one_process(rank_results, arc
     assert not got[:, total - 1 :].any(), "the row's last token and the padding predict nothing"
     for name, param in model.named_parameters():
         torch.testing.assert_close(rank_results[0][arch]["loss_grads"][name], param.grad, **TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_rl_response_logprobs_and_gradients_on_two_ranks_equal_one_process(rank_results, arch, tiny_qwen2, tiny_llama):
+    """RL's passes split over a sequence-parallel group: every rank holds the whole ``[b, R]`` of response
+    log-probs and entropies of packed rows (responses predicted from both halves of a row included),
+    and the ranks' gradients of a loss on them, averaged, are the whole rows' gradient."""
+    model, _ = _reference_model({"qwen2": tiny_qwen2, "llama": tiny_llama}[arch])
+    inputs = worker.rl_inputs(model.config.vocab_size)
+    logprobs, entropy = selected_token_logprobs(
+        model,
+        inputs["input_ids"],
+        inputs["resp_index"],
+        position_ids=inputs["position_ids"],
+        temperature=0.7,
+        with_entropy=True,
+        mask=inputs["mask"],
+    )
+    (logprobs * inputs["logprob_weights"] + entropy * inputs["entropy_weights"]).sum().backward()
+    assert bool((logprobs[inputs["mask"].bool()] < 0).all()) and not logprobs[~inputs["mask"].bool()].any()
+    for rank in rank_results:
+        got = rank[f"{arch}_rl"]
+        torch.testing.assert_close(got["logprobs"], logprobs.detach(), **TOLERANCE)
+        torch.testing.assert_close(got["entropy"], entropy.detach(), **TOLERANCE)
+        torch.testing.assert_close(got["entropy_no_grad"], entropy.detach(), **TOLERANCE)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(got["grads"][name], param.grad, **TOLERANCE, msg=name)

@@ -1,0 +1,84 @@
+"""RL with a model-parallel policy: two ranks that split every matrix of the policy (tensor parallel) or
+every packed row (sequence parallel), one data-parallel shard given to both, train like two
+data-parallel ranks holding whole layers and whole rows.
+
+Seeded GRPO runs on the same tiny model (two key/value heads, so two ranks can split them), the
+policy on 2 fsdp2 ranks with ``engine.tensor_parallel_size`` 2, with ``engine.sequence_parallel_size``
+2, and with neither. Rewards, the policy's loss terms (an entropy bonus keeps the total loss away from
+0, so its logged value is checked, not only its sign) and gradient norms of both steps, and the
+exported weights agree: the controller hands each group one shard and counts its answer once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raylign.models.tiny import build_tiny_model
+from raylign.rl.trainer import RLTrainer
+from raylign.trainers.metrics import read_metrics
+
+from .rl_helpers import resolve, rl_config_data
+
+pytestmark = pytest.mark.slow
+
+LAYOUTS = {"data": {}, "tensor": {"tensor_parallel_size": 2}, "sequence": {"sequence_parallel_size": 2}}
+
+
+@pytest.fixture(scope="module")
+def runs(ray_session, prompt_file, tmp_path_factory):
+    """Each layout's metrics and exported weights, and the initial weights."""
+    tmp_path = tmp_path_factory.mktemp("model_parallel")
+    model_dir = build_tiny_model(tmp_path / "policy", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, seed=3)
+    out = {"initial": load_file(model_dir / "model.safetensors")}
+    for layout, engine in LAYOUTS.items():
+        data = rl_config_data(model_dir, prompt_file, tmp_path / layout)
+        data["engine"] = {"backend": "fsdp2", **engine}
+        data["placement"] = {"policy_workers": 2}
+        data["algorithm"] = {"entropy_coef": 0.01}
+        trainer = RLTrainer(resolve(tmp_path, data))
+        trainer.run()
+        out[layout] = (read_metrics(trainer.out), load_file(trainer.out / "final" / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["tensor", "sequence"])
+def test_a_model_parallel_policy_trains_like_data_parallel_ranks(runs, layout):
+    (whole_records, whole_weights), (split_records, split_weights) = runs["data"], runs[layout]
+    assert [r["step"] for r in split_records] == [r["step"] for r in whole_records] == [1, 2]
+    for whole, split in zip(whole_records, split_records, strict=True):
+        assert split["reward/mean"] == whole["reward/mean"]
+        policy = [k for k in whole if k.startswith("policy/") and isinstance(whole[k], float)]
+        assert "policy/grad_norm" in policy
+        # The entropy bonus: -0.01 x the token-mean entropy of a random model's answers (a few nats).
+        assert whole["policy/policy_loss_total"] < -0.01
+        # fp32; the layouts differ in summation order only. Loss terms of an on-policy step sit near 0
+        # (ratio 1, advantages summing to ~0): measured ~1e-6 apart there, hence the absolute 1e-5.
+        for key in policy:
+            assert split[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-5), (whole["step"], key)
+    for name, value in whole_weights.items():
+        torch.testing.assert_close(split_weights[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert any(not torch.equal(value, runs["initial"][name]) for name, value in whole_weights.items())
+
+
+@pytest.mark.parametrize("field", ["tensor_parallel_size", "sequence_parallel_size"])
+def test_rl_refuses_model_parallel_layouts_it_cannot_split(prompt_file, tmp_path, field):
+    from raylign.config.base import ConfigError
+
+    data = rl_config_data(tmp_path / "m", prompt_file, tmp_path / "out")
+    data["engine"] = {"backend": "fsdp2", field: 2}
+    data["placement"] = {"policy_workers": 3}
+    data["train"]["prompts_per_step"] = 3
+    with pytest.raises((ConfigError, ValueError), match=rf"{field} \(2\) must divide placement.policy_workers \(3\)"):
+        resolve(tmp_path, data)
+    data["placement"]["policy_workers"] = 2
+    data["train"]["prompts_per_step"] = 4
+    with pytest.raises((ConfigError, ValueError), match=rf"engine.{field} > 1 does not support model.lora"):
+        resolve(tmp_path, {**data, "model": {**data["model"], "lora": {"rank": 4}}})
+    if field == "sequence_parallel_size":
+        with pytest.raises((ConfigError, ValueError), match="does not support model.gradient_checkpointing"):
+            resolve(tmp_path, {**data, "model": {**data["model"], "gradient_checkpointing": True}})
+    data["preset"] = "ppo"
+    with pytest.raises((ConfigError, ValueError), match="the critic .* does not support it yet"):
+        resolve(tmp_path, data)
