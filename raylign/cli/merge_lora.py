@@ -46,16 +46,15 @@ def adapter_base(adapter: Path, given: str | None) -> str:
 
 def run_merge_lora(cfg: MergeLoraConfig) -> str:
     import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from raylign.engine.export import merge_adapter_folder
     from raylign.models import resolve_model_path
 
     adapter = Path(cfg.adapter)
     base_path = resolve_model_path(adapter_base(adapter, cfg.base))
     dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
-    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    merged = merge_adapter_folder(adapter, base_path, dtype=dtype)
     output = Path(cfg.output_dir)
     merged.save_pretrained(output)
     AutoTokenizer.from_pretrained(base_path).save_pretrained(output)

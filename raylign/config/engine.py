@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -136,3 +136,15 @@ def refuse_model_parallel(engine: EngineConfig, command: str) -> None:
             f"set it to 1 (got {engine.tensor_parallel_size})"
         )
 
+
+def refuse_quantized_base(engine: EngineConfig, model: Any, command: str) -> None:
+    """A 4-bit base (``model.lora.quantize_base``) trains on one process for now: FSDP2 and ZeRO would
+    have to shard bitsandbytes' packed weights and their quantisation state."""
+    if model.lora.quantize_base == "none":
+        return
+    if engine.backend != "local" or engine.num_processes > 1:
+        raise ValueError(
+            f"model.lora.quantize_base {model.lora.quantize_base!r}: {command} trains a 4-bit base on one process "
+            f"only for now (engine.backend local, engine.num_processes 1; got {engine.backend!r}, "
+            f"{engine.num_processes})"
+        )

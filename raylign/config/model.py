@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from raylign.config.base import Section
 
@@ -16,6 +16,12 @@ class LoraConfig(Section):
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="Module names that get LoRA adapters.",
+    )
+    quantize_base: Literal["none", "nf4", "fp4"] = Field(
+        "none",
+        description="QLoRA: hold the frozen base model's linear layers in 4 bits (bitsandbytes, on CUDA or the CPU) "
+        "while the adapters train in model.dtype. nf4: the QLoRA paper's NormalFloat, with its scales quantised "
+        "too; none: the base in model.dtype. Needs rank > 0 and engine.backend local.",
     )
 
 
@@ -36,3 +42,12 @@ class ModelConfig(Section):
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
     trust_remote_code: bool = Field(False, description="Allow model code from the model folder.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Low-rank adapters (off when rank is 0).")
+
+    @model_validator(mode="after")
+    def _quantized_base_needs_adapters(self) -> ModelConfig:
+        if self.lora.quantize_base != "none" and self.lora.rank == 0:
+            raise ValueError(
+                f"model.lora.quantize_base {self.lora.quantize_base!r} freezes the base in 4 bits: only LoRA "
+                "adapters can train on it; set model.lora.rank > 0 (or quantize_base: none)"
+            )
+        return self

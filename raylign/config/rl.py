@@ -323,6 +323,12 @@ class RLConfig(Section):
     @model_validator(mode="after")
     def _possible(self) -> RLConfig:
         a, t, s, p = self.algorithm, self.train, self.sampling, self.placement
+        if self.model.lora.quantize_base != "none":
+            raise ValueError(
+                f"model.lora.quantize_base {self.model.lora.quantize_base!r}: rl does not support a 4-bit base yet "
+                "(the rollout engines serve the base in full precision, so their log-probs would not be the "
+                "policy's); set it to none"
+            )
         for field in ("tensor_parallel_size", "sequence_parallel_size"):
             size = getattr(self.engine, field)
             if size == 1:

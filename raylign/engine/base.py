@@ -12,7 +12,9 @@ process computes on the whole batch.
 
 from __future__ import annotations
 
+import copy
 import math
+import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -25,12 +27,15 @@ from raylign.engine.export import (
     ADAPTER_FOLDER,
     adapter_config,
     adapter_weights,
+    base_hf_model,
     is_adapter_weight,
+    merge_adapter_folder,
     to_hf_state_dict,
     write_adapter_folder,
     write_hf_folder,
 )
 from raylign.engine.optim import current_lr
+from raylign.models.loading import is_quantized
 
 SCHEDULER_FILE = "scheduler.pt"
 
@@ -177,12 +182,35 @@ class TrainEngine(ABC):
 
         Collective; rank 0 writes.
         """
+        if is_quantized(self.hf_model):
+            self._export_on_full_base(Path(directory), tokenizer)
+            return
         state_dict = self.full_state_dict()
         adapter = self.adapter_state_dict() if hasattr(self.hf_model, "peft_config") else None
         if is_main_process():
             write_hf_folder(directory, state_dict, self.hf_model, self.model_dtype, tokenizer)
             if adapter is not None:
                 write_adapter_folder(Path(directory) / ADAPTER_FOLDER, *adapter)
+        barrier()
+
+    def _export_on_full_base(self, directory: Path, tokenizer: Any | None) -> None:
+        """:meth:`export_hf` of a model with a 4-bit base (QLoRA): the adapter is merged into the base
+        model's own weights, read again from its folder in the dtype the 4-bit layers computed in, not
+        into the 4-bit values (merging there would write the quantisation error into the export)."""
+        tensors, adapter_cfg = self.adapter_state_dict()
+        if is_main_process():
+            base = base_hf_model(self.hf_model)
+            quantizer = getattr(base, "hf_quantizer", None)
+            dtype = getattr(getattr(quantizer, "quantization_config", None), "bnb_4bit_compute_dtype", None)
+            dtype = dtype or self.model_dtype
+            config = copy.deepcopy(base.config)
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            with tempfile.TemporaryDirectory() as scratch:
+                staged = write_adapter_folder(Path(scratch) / ADAPTER_FOLDER, tensors, adapter_cfg)
+                merged = merge_adapter_folder(staged, config._name_or_path, type(base), config, dtype)
+                write_hf_folder(directory, merged.state_dict(), merged, dtype, tokenizer)
+            write_adapter_folder(directory / ADAPTER_FOLDER, tensors, adapter_cfg)
         barrier()
 
     # ------------------------------------------------------------------ colocation

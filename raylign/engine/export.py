@@ -57,8 +57,9 @@ def active_adapter(model: torch.nn.Module) -> str:
 
 
 def is_adapter_weight(name: str) -> bool:
-    """A LoRA adapter's weight (PEFT names its tensors ``lora_A``, ``lora_B``, ``lora_embedding_A`` ...)."""
-    return ".lora_" in name
+    """A weight a PEFT adapter folder holds: a LoRA tensor (``lora_A``, ``lora_B``, ``lora_embedding_A`` ...)
+    or a fully trained module's copy (``modules_to_save``: a score model's head)."""
+    return ".lora_" in name or ".modules_to_save." in name
 
 
 def adapter_weights(
@@ -201,6 +202,25 @@ def write_adapter_folder(directory: str | Path, tensors: dict[str, torch.Tensor]
     shutil.rmtree(final, ignore_errors=True)
     temp.rename(final)
     return final
+
+
+def merge_adapter_folder(
+    adapter: str | Path,
+    base: str | Path,
+    model_class: Any = None,
+    config: Any = None,
+    dtype: torch.dtype | str = "auto",
+) -> PreTrainedModel:
+    """The base model in ``base`` (``model_class``, a causal LM by default, built with ``config`` when
+    given) loaded in ``dtype``, with the PEFT adapter folder ``adapter`` merged into its weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if config is not None:
+        kwargs["config"] = config
+    model = (model_class or AutoModelForCausalLM).from_pretrained(base, **kwargs)
+    return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
 
 
 def write_hf_folder(

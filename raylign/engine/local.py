@@ -20,6 +20,7 @@ from raylign.config.optim import OptimConfig
 from raylign.engine.base import TrainEngine, floating_dtype
 from raylign.engine.distributed import select_device
 from raylign.engine.optim import build_adamw, build_scheduler, clip_grad_norm, move_optimizer_state
+from raylign.models.loading import is_quantized
 
 ENGINE_STATE_FILE = "engine_state.pt"
 
@@ -89,19 +90,29 @@ class LocalEngine(TrainEngine):
         return grad_norm, update
 
     def _save_engine_state(self, directory: Path) -> None:
-        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = {"model": self._model_state(), "optimizer": self.optimizer.state_dict()}
         if self.master is not None:
             state["master"] = [m.detach() for m in self.master.masters]
         torch.save(state, directory / ENGINE_STATE_FILE)
 
     def _load_engine_state(self, directory: Path) -> None:
         state = torch.load(directory / ENGINE_STATE_FILE, map_location=self.device, weights_only=True)
-        self.module.load_state_dict(state["model"])
+        if is_quantized(self.module):
+            load_trainable(self.module, state["model"], directory)
+        else:
+            self.module.load_state_dict(state["model"])
         if self.master is not None:
             with torch.no_grad():
                 for master, saved in zip(self.master.masters, state["master"], strict=True):
                     master.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint keeps: all of them, or with a 4-bit base (frozen, and read again from
+        the model folder on resume) the trainable ones alone."""
+        if is_quantized(self.module):
+            return {name: p.detach() for name, p in self.module.named_parameters() if p.requires_grad}
+        return self.module.state_dict()
 
     def _gather_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
@@ -122,3 +133,19 @@ class LocalEngine(TrainEngine):
         move_optimizer_state(self.optimizer, device)
         if device.type == "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def load_trainable(model: torch.nn.Module, saved: dict[str, torch.Tensor], directory: Path) -> None:
+    """Restore the trainable parameters of ``model`` from ``saved``; raises naming the checkpoint when
+    it lacks one of them or holds a name the model does not have."""
+    params = dict(model.named_parameters())
+    wanted = {name for name, p in params.items() if p.requires_grad}
+    missing, unknown = sorted(wanted - set(saved)), sorted(set(saved) - set(params))
+    if missing or unknown:
+        raise ValueError(
+            f"checkpoint {directory}: does not match the model's trainable weights (missing {missing[:3]}, "
+            f"unknown {unknown[:3]}); was it written with the same model.lora settings?"
+        )
+    with torch.no_grad():
+        for name, value in saved.items():
+            params[name].copy_(value)

@@ -103,12 +103,60 @@ def load_tokenizer(path: str | Path, padding_side: str = "right") -> PreTrainedT
 
 
 def from_pretrained_kwargs(cfg: ModelConfig) -> dict:
-    """Arguments shared by every ``from_pretrained`` call for ``cfg``."""
-    return {
-        "dtype": torch_dtype(cfg.dtype),
+    """Arguments shared by every ``from_pretrained`` call for ``cfg`` (with ``model.lora.quantize_base``, the
+    bitsandbytes 4-bit configuration and the device its weights are quantised on)."""
+    dtype = torch_dtype(cfg.dtype)
+    kwargs: dict[str, Any] = {
+        "dtype": dtype,
         "attn_implementation": cfg.attn_implementation,
         "trust_remote_code": cfg.trust_remote_code,
     }
+    if cfg.lora.quantize_base != "none":
+        kwargs.update(quantized_base_kwargs(cfg, dtype))
+    return kwargs
+
+
+def quantized_base_kwargs(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """QLoRA's base (Dettmers et al. 2023): linear layers stored in 4 bits (``nf4`` or ``fp4``) with their
+    block scales quantised again, computing in ``dtype``; quantised on the GPU when there is one, else
+    on the CPU. Raises naming the setting when bitsandbytes is missing or cannot run here."""
+    # On CPUs with avx512_bf16, bitsandbytes looks for an optional kernel fetched from the Hugging Face Hub
+    # at run time and warns when it is absent; raylign never downloads at run time, so that is expected.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            f"model.lora.quantize_base {cfg.lora.quantize_base!r} needs the bitsandbytes package, which is not "
+            f"installed here ({err}); install it with: pip install bitsandbytes, or set quantize_base: none"
+        ) from err
+    from transformers import BitsAndBytesConfig
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=cfg.lora.quantize_base,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_use_double_quant=True,
+    )
+    return {"quantization_config": quantization, "device_map": {"": device}}
+
+
+def keep_4bit_layout_for_training(model: torch.nn.Module) -> None:
+    """On CPUs with avx512_bf16, bitsandbytes (0.50) repacks a 4-bit layer's weights for a faster kernel
+    the first time it runs without gradients (an evaluation), and a training forward after that fails
+    in the repacked kernel (an in-place bias add on a tensor that needs its gradient). A model that
+    alternates training and evaluation keeps the training layout instead."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010 - bitsandbytes' own attribute
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the model a PEFT wrapper holds) was loaded with a 4-bit base."""
+    get_base = getattr(model, "get_base_model", None)  # a peft wrapper
+    base = get_base() if callable(get_base) else model
+    return bool(getattr(base, "is_loaded_in_4bit", False))
 
 
 def apply_training_options(model: PreTrainedModel, cfg: ModelConfig, task_type: str) -> torch.nn.Module:
@@ -123,7 +171,13 @@ def apply_training_options(model: PreTrainedModel, cfg: ModelConfig, task_type: 
     if cfg.lora.rank == 0:
         return model
     from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if is_quantized(model):
+        # Norms, embeddings and heads in float32, inputs that require grad (for checkpointing): peft's
+        # preparation of a k-bit base for adapters.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+        keep_4bit_layout_for_training(model)
 
     lora = PeftLoraConfig(
         r=cfg.lora.rank,
@@ -174,6 +228,6 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device | str | None = None, e
         model.config._name_or_path = str(folder)
         return apply_training_options(model, cfg, task_type="CAUSAL_LM")
     model = AutoModelForCausalLM.from_pretrained(folder, **from_pretrained_kwargs(cfg))
-    if device is not None:
+    if device is not None and not is_quantized(model):  # a 4-bit base sits where it was quantised
         model.to(device)  # type: ignore[arg-type]  # transformers' decorator hides Module.to's signature
     return apply_training_options(model, cfg, task_type="CAUSAL_LM")

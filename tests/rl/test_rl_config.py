@@ -401,3 +401,10 @@ def test_an_agent_run_takes_env_or_client_and_room_for_a_whole_episode(base, tmp
     data["train"] = {**data.get("train", {}), "micro_batch_tokens": 2048}
     with pytest.raises(ConfigError, match=r"micro_batch_tokens \(2048\) must hold a whole episode"):
         resolve(tmp_path, data)
+
+
+def test_a_4bit_policy_base_is_refused_naming_why(base, tmp_path):
+    base["model"]["lora"] = {"rank": 4, "quantize_base": "nf4"}
+    message = _error(tmp_path, base)
+    assert "model.lora.quantize_base 'nf4': rl does not support a 4-bit base yet" in message
+    assert "full precision" in message
