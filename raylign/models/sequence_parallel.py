@@ -18,7 +18,8 @@ r + 1), so they are taken from the whole row before it is cut: each chunk carrie
 RL's passes read a few positions of rows ``[B, L]`` (the response tokens):
 :func:`sharded_selected_token_logprobs` runs each rank's chunk of every row, computes the
 log-probs its chunk predicts, and sums the ranks' parts into the whole ``[b, R]`` on every rank
-with an all-reduce that autograd differentiates.
+with an all-reduce that autograd differentiates; :func:`sharded_response_values` does the same for
+a critic's values.
 
 Not supported yet: 2D attention masks (padded batches), sliding windows, logit soft-capping,
 attention dropout, and recomputing activations in backward (gradient checkpointing would re-run
@@ -228,15 +229,7 @@ def sharded_selected_token_logprobs(
     """
     from torch.distributed.nn.functional import all_reduce
 
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    chunk, width = _chunk_of_rows(input_ids, position_ids, rank, size, pad_token_id=0)
-    index = token_index.reshape(-1)
-    keep = torch.ones_like(index, dtype=torch.bool) if mask is None else mask.reshape(-1).to(torch.bool)
-    length = input_ids.shape[-1]
-    predictor = (index - 1).clamp(min=0)
-    row, column = predictor // length, predictor % length
-    mine = keep & (column // width == rank)
-    local = (row * width + column % width)[mine]
+    chunk, index, mine, local = _predictors_in_chunk(input_ids, token_index, position_ids, group, mask)
     # A rank with nothing to read still runs one position, so its output layer takes part in the
     # backward pass (its parameters may be sharded across the data-parallel ranks).
     rows = local if local.numel() else torch.zeros(1, dtype=torch.long, device=index.device)
@@ -255,3 +248,51 @@ def sharded_selected_token_logprobs(
         entropy = _place(mine, entropy_from_logits(logits.detach(), temperature)).reshape(token_index.shape)
         dist.all_reduce(entropy, group=group)
     return logprobs, entropy
+
+
+def _predictors_in_chunk(
+    input_ids: torch.Tensor,
+    token_index: torch.Tensor,
+    position_ids: torch.Tensor,
+    group: dist.ProcessGroup,
+    mask: torch.Tensor | None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's chunk of the rows; the flat ``token_index``; which of its (masked-in) entries this rank
+    computes, those whose predicting position ``i - 1`` lies in its chunk; and those positions in the
+    chunk's flattened ``[B * width]``."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    chunk, width = _chunk_of_rows(input_ids, position_ids, rank, size, pad_token_id=0)
+    index = token_index.reshape(-1)
+    keep = torch.ones_like(index, dtype=torch.bool) if mask is None else mask.reshape(-1).to(torch.bool)
+    length = input_ids.shape[-1]
+    predictor = (index - 1).clamp(min=0)
+    row, column = predictor // length, predictor % length
+    mine = keep & (column // width == rank)
+    return chunk, index, mine, (row * width + column % width)[mine]
+
+
+def sharded_response_values(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    token_index: torch.Tensor,
+    position_ids: torch.Tensor,
+    group: dist.ProcessGroup,
+    mask: torch.Tensor | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> torch.Tensor:
+    """A one-label score model's output at the position before each ``token_index`` entry (a critic's
+    value of the state each response token is chosen in), float32 shaped like ``token_index``, 0 where
+    ``mask`` is 0: what ``gather_responses(token_scores(...), token_index, mask, shift=-1)`` gives on one
+    rank, computed by the ranks of ``group`` together as :func:`sharded_selected_token_logprobs` does
+    (the same all-reduce, the same gradient scaling). Collective over ``group``."""
+    from torch.distributed.nn.functional import all_reduce
+
+    from raylign.models.heads import token_scores
+
+    chunk, _, mine, local = _predictors_in_chunk(input_ids, token_index, position_ids, group, mask)
+    shard = SequenceShard(group, chunk["token_index"], chunk["sample_ids"], timeout)
+    with sequence_shard(shard):
+        scores = token_scores(model, chunk["input_ids"], position_ids=chunk["position_ids"])
+    # Every rank's head reads its whole chunk; a rank with nothing to read keeps a zero-weight term of it.
+    values = scores.reshape(-1)[local] if local.numel() else scores.reshape(-1)[:1] * 0
+    return all_reduce(_place(mine, values).reshape(token_index.shape), group=group)

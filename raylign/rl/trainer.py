@@ -537,11 +537,11 @@ class RLTrainer:
         return metrics
 
     def _data_parallel(self, role: str) -> int:
-        """How many different shards of the data the role's ranks take: the policy's tensor- or
-        sequence-parallel groups (``engine.tensor_parallel_size`` or ``sequence_parallel_size``
-        consecutive ranks) share one; the reference's and critic's ranks take one each."""
+        """How many different shards of the data the role's ranks take: the policy's and critic's tensor-
+        or sequence-parallel groups (``engine.tensor_parallel_size`` or ``sequence_parallel_size``
+        consecutive ranks) share one; the reference's ranks take one each."""
         e = self.cfg.engine
-        group = e.tensor_parallel_size * e.sequence_parallel_size if role == "policy" else 1
+        group = e.tensor_parallel_size * e.sequence_parallel_size if role in ("policy", "critic") else 1
         return len(self.groups[role]) // group
 
     def _phase_call(self, role: str, method: str, per_shard: list[Any], phase: str) -> list[Any]:

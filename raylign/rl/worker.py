@@ -123,21 +123,20 @@ class ModelWorker:
             self.module, self.device = shard_frozen(model, self.cfg.engine)
             return
         init_distributed(self.cfg.engine.dist_timeout_s, store=self._rendezvous_store(rendezvous))
-        if self.role == "critic":
-            critic_cfg = self.cfg.model.model_copy(update={"path": self.cfg.critic.path or self.cfg.model.path})
-            model, optim = load_score_model(critic_cfg, num_labels=1), self.cfg.critic.optim
-        else:
-            from raylign.engine.distributed import sequence_parallel_groups
-            from raylign.models.sequence_parallel import RING_ATTENTION
+        from raylign.engine.distributed import sequence_parallel_groups
+        from raylign.models.sequence_parallel import RING_ATTENTION
 
-            e = self.cfg.engine
-            model_cfg = self.cfg.model
-            if e.sequence_parallel_size > 1:
-                model_cfg = model_cfg.model_copy(update={"attn_implementation": RING_ATTENTION})
-                self.sequence_group, _, _ = sequence_parallel_groups(e.sequence_parallel_size, e.dist_timeout_s)
-            self.copies = e.tensor_parallel_size * e.sequence_parallel_size
-            empty = loads_sharded(model_cfg, e)
-            model, optim = load_causal_lm(model_cfg, empty=empty), self.cfg.optim
+        e, model_cfg = self.cfg.engine, self.cfg.model
+        if self.role == "critic":
+            model_cfg = model_cfg.model_copy(update={"path": self.cfg.critic.path or self.cfg.model.path})
+        if e.sequence_parallel_size > 1:
+            model_cfg = model_cfg.model_copy(update={"attn_implementation": RING_ATTENTION})
+            self.sequence_group, _, _ = sequence_parallel_groups(e.sequence_parallel_size, e.dist_timeout_s)
+        self.copies = e.tensor_parallel_size * e.sequence_parallel_size
+        if self.role == "critic":
+            model, optim = load_score_model(model_cfg, num_labels=1), self.cfg.critic.optim
+        else:
+            model, optim = load_causal_lm(model_cfg, empty=loads_sharded(model_cfg, e)), self.cfg.optim
         self.engine = create_engine(model, self.cfg.engine, optim, self.total_steps)
         self.module = self.engine.module
         self.device = self.engine.device
@@ -196,6 +195,12 @@ class ModelWorker:
     def _values(self, batch: MicroBatch) -> torch.Tensor:
         from raylign.models import token_scores
 
+        if self.sequence_group is not None:
+            from raylign.models.sequence_parallel import sharded_response_values
+
+            return sharded_response_values(
+                self.module, batch.input_ids, batch.resp_index, batch.position_ids, self.sequence_group, batch.mask
+            )
         scores = token_scores(self.module, batch.input_ids, position_ids=batch.position_ids)
         return gather_responses(scores, batch.resp_index, batch.mask, shift=-1)
 
@@ -288,7 +293,7 @@ class ModelWorker:
             )
             losses.append(loss.detach())
             self.engine.backward(a.vf_coef * loss)
-            stats.append({**_token_means(loss_stats, batch.mask), "value_loss": _loss_share(loss, scale)})
+            stats.append({**_token_means(loss_stats, batch.mask), "value_loss": _loss_share(loss, scale, self.copies)})
         return {**combine(stats), **_step_metrics(self.engine.step(finite_loss=self._finite("critic", losses)))}
 
     # ---- weights, checkpoints ------------------------------------------------------------

@@ -195,6 +195,31 @@ def run_rl_case(model_dir: str, rank: int) -> dict[str, object]:
     }
 
 
+def score_model(model_dir: str, attn_implementation: str) -> torch.nn.Module:
+    """A one-label score model on the tiny backbone; its fresh head is the same in every process (seeded)."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(5)
+    return AutoModelForSequenceClassification.from_pretrained(
+        model_dir, num_labels=1, dtype=torch.float32, attn_implementation=attn_implementation
+    )
+
+
+def run_critic_case(model_dir: str, rank: int) -> dict[str, object]:
+    """A critic's values of the states before response tokens, split over the ranks, and the averaged
+    gradient of a weighted sum of them."""
+    from raylign.models.sequence_parallel import RING_ATTENTION, sharded_response_values
+
+    model = score_model(model_dir, RING_ATTENTION)
+    full = rl_inputs(model.config.vocab_size)
+    values = sharded_response_values(
+        model, full["input_ids"], full["resp_index"], full["position_ids"], dist.group.WORLD, full["mask"]
+    )
+    (values * full["logprob_weights"]).sum().backward()
+    grads = {name: grad / WORLD_SIZE for name, grad in _summed_grads(model).items()}
+    return {"values": values.detach(), "grads": grads}
+
+
 def run_rank(rank: int, port: int, out_dir: str, model_dirs: dict[str, str]) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -210,6 +235,7 @@ def run_rank(rank: int, port: int, out_dir: str, model_dirs: dict[str, str]) -> 
         for arch, model_dir in model_dirs.items():
             results[arch] = run_model_case(model_dir, rank)
             results[f"{arch}_rl"] = run_rl_case(model_dir, rank)
+            results[f"{arch}_critic"] = run_critic_case(model_dir, rank)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

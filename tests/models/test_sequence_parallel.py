@@ -174,3 +174,25 @@ def test_rl_response_logprobs_and_gradients_on_two_ranks_equal_one_process(rank_
         torch.testing.assert_close(got["entropy_no_grad"], entropy.detach(), **TOLERANCE)
         for name, param in model.named_parameters():
             torch.testing.assert_close(got["grads"][name], param.grad, **TOLERANCE, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_critic_values_and_gradients_on_two_ranks_equal_one_process(rank_results, arch, tiny_qwen2, tiny_llama):
+    """A critic split over a sequence-parallel group: every rank holds the value of the state before each
+    response token (``V(s_t)`` read one position back), and the averaged gradients are the whole rows'."""
+    from raylign.models import token_scores
+    from raylign.rl.experience import gather_responses
+
+    model = worker.score_model(str({"qwen2": tiny_qwen2, "llama": tiny_llama}[arch]), "eager")
+    inputs = worker.rl_inputs(model.config.vocab_size)
+    scores = token_scores(model, inputs["input_ids"], position_ids=inputs["position_ids"])
+    values = gather_responses(scores, inputs["resp_index"], inputs["mask"], shift=-1)
+    (values * inputs["logprob_weights"]).sum().backward()
+    assert bool(values[inputs["mask"].bool()].abs().gt(0).all())
+    for rank in rank_results:
+        got = rank[f"{arch}_critic"]
+        torch.testing.assert_close(got["values"], values.detach(), **TOLERANCE)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(got["grads"][name], param.grad, **TOLERANCE, msg=name)
