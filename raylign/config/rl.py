@@ -337,16 +337,8 @@ class RLConfig(Section):
                 raise ValueError(f"engine.{field} ({size}) must divide placement.policy_workers ({p.policy_workers})")
             if self.model.lora.rank > 0:
                 raise ValueError(f"engine.{field} > 1 does not support model.lora yet")
-            if self.uses_critic and field == "tensor_parallel_size":
-                raise ValueError(
-                    f"engine.{field} > 1 splits the policy only; the critic (algorithm.advantage gae) "
-                    "does not support it yet"
-                )
-        sp = self.engine.sequence_parallel_size
-        if sp > 1 and self.uses_critic and p.critic_workers % sp:
-            raise ValueError(
-                f"engine.sequence_parallel_size ({sp}) must divide placement.critic_workers ({p.critic_workers})"
-            )
+            if self.uses_critic and p.critic_workers % size:
+                raise ValueError(f"engine.{field} ({size}) must divide placement.critic_workers ({p.critic_workers})")
         if self.engine.sequence_parallel_size > 1 and self.model.gradient_checkpointing:
             raise ValueError(
                 "engine.sequence_parallel_size > 1 does not support model.gradient_checkpointing yet "

@@ -207,9 +207,10 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> None:
             "cannot be split evenly over that many ranks"
         )
     apply_tensor_parallelism(model, mesh, plan)
-    if getattr(config, "tie_word_embeddings", False):
-        # The plan gives the embedding and the output head a parameter each (both split over the vocabulary
-        # alike); tied, they must stay one, or each trains its own half of the gradient.
+    if getattr(config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+        # (A score model has no output embeddings to tie.) The plan gives the embedding and the output head a
+        # parameter each (both split over the vocabulary alike); tied, they must stay one, or each trains its
+        # own half of the gradient.
         model.tie_weights()
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         if head is None or head.weight is not embedding.weight:

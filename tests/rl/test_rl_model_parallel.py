@@ -1,10 +1,10 @@
-"""RL with model-parallel training: two ranks that split every matrix of the policy (tensor parallel) or
-every packed row of the policy and the critic (sequence parallel), one data-parallel shard given to
+"""RL with model-parallel training: two ranks that split every matrix (tensor parallel) or every packed
+row (sequence parallel) of the policy and the critic, one data-parallel shard given to
 both, train like two data-parallel ranks holding whole layers and whole rows.
 
-Seeded runs on the same tiny model (two key/value heads, so two ranks can split them), each model on
-2 fsdp2 ranks: GRPO with ``engine.tensor_parallel_size`` 2 against 1, and PPO (a critic too) with
-``engine.sequence_parallel_size`` 2 against 1. Rewards, the policy's and critic's loss terms (an
+Seeded PPO runs (a policy and a critic) on the same tiny model (two key/value heads, so two ranks can
+split them), each model on 2 fsdp2 ranks, with ``engine.tensor_parallel_size`` 2, with
+``engine.sequence_parallel_size`` 2, and with neither. Rewards, the policy's and critic's loss terms (an
 entropy bonus keeps the policy's total loss away from 0, so its logged value is checked, not only its
 sign) and gradient norms of both steps, and the exported weights agree: the controller hands each
 group one shard and counts its answer once.
@@ -24,13 +24,7 @@ from .rl_helpers import resolve, rl_config_data
 
 pytestmark = pytest.mark.slow
 
-# name -> (preset, engine settings)
-LAYOUTS = {
-    "data": ("grpo", {}),
-    "tensor": ("grpo", {"tensor_parallel_size": 2}),
-    "data_ppo": ("ppo", {}),
-    "sequence_ppo": ("ppo", {"sequence_parallel_size": 2}),
-}
+LAYOUTS = {"data": {}, "tensor": {"tensor_parallel_size": 2}, "sequence": {"sequence_parallel_size": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +33,8 @@ def runs(ray_session, prompt_file, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("model_parallel")
     model_dir = build_tiny_model(tmp_path / "policy", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, seed=3)
     out = {"initial": load_file(model_dir / "model.safetensors")}
-    for layout, (preset, engine) in LAYOUTS.items():
-        data = rl_config_data(model_dir, prompt_file, tmp_path / layout, preset=preset)
+    for layout, engine in LAYOUTS.items():
+        data = rl_config_data(model_dir, prompt_file, tmp_path / layout, preset="ppo")
         data["engine"] = {"backend": "fsdp2", **engine}
         data["placement"] = {"policy_workers": 2, "critic_workers": 2}
         data["algorithm"] = {"entropy_coef": 0.01}
@@ -50,24 +44,28 @@ def runs(ray_session, prompt_file, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize(("layout", "baseline"), [("tensor", "data"), ("sequence_ppo", "data_ppo")])
-def test_model_parallel_training_equals_data_parallel_ranks(runs, layout, baseline):
-    (whole_records, whole_weights), (split_records, split_weights) = runs[baseline], runs[layout]
+@pytest.mark.parametrize("layout", ["tensor", "sequence"])
+def test_model_parallel_training_equals_data_parallel_ranks(runs, layout):
+    (whole_records, whole_weights), (split_records, split_weights) = runs["data"], runs[layout]
     assert [r["step"] for r in split_records] == [r["step"] for r in whole_records] == [1, 2]
     for whole, split in zip(whole_records, split_records, strict=True):
         assert split["reward/mean"] == whole["reward/mean"]
         trained = [k for k in whole if k.startswith(("policy/", "critic/")) and isinstance(whole[k], float)]
-        assert "policy/grad_norm" in trained
-        if baseline == "data_ppo":
-            assert {"critic/grad_norm", "critic/value_loss"} <= set(trained)
+        assert {"policy/grad_norm", "critic/grad_norm", "critic/value_loss"} <= set(trained)
         # The entropy bonus: -0.01 x the token-mean entropy of a random model's answers (a few nats).
         assert whole["policy/policy_loss_total"] < -0.01
         # fp32; the layouts differ in summation order only. Loss terms of an on-policy step sit near 0
         # (ratio 1, advantages summing to ~0): measured ~1e-6 apart there, hence the absolute 1e-5.
         for key in trained:
             assert split[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-5), (whole["step"], key)
+    # AdamW moves each weight by about lr * m / sqrt(v) per step, at most ~lr: for a weight whose gradient
+    # is as small as the layouts' rounding differences (measured: 1 of 16,384 in one matrix), that ratio
+    # is not reproducible, so a few weights may differ by up to lr per step; every other one agrees to 1e-5.
+    lr, steps = 1e-3, 2
     for name, value in whole_weights.items():
-        torch.testing.assert_close(split_weights[name], value, rtol=1e-5, atol=1e-5, msg=name)
+        diff = (split_weights[name] - value).abs()
+        near = diff <= 1e-5 + 1e-5 * value.abs()
+        assert float(near.float().mean()) >= 0.999 and float(diff.max()) <= lr * steps, (name, float(diff.max()))
     assert any(not torch.equal(value, runs["initial"][name]) for name, value in whole_weights.items())
 
 
@@ -89,11 +87,7 @@ def test_rl_refuses_model_parallel_layouts_it_cannot_split(prompt_file, tmp_path
         with pytest.raises((ConfigError, ValueError), match="does not support model.gradient_checkpointing"):
             resolve(tmp_path, {**data, "model": {**data["model"], "gradient_checkpointing": True}})
     data["preset"] = "ppo"
-    if field == "tensor_parallel_size":
-        with pytest.raises((ConfigError, ValueError), match="the critic .* does not support it yet"):
-            resolve(tmp_path, data)
-    else:
-        with pytest.raises((ConfigError, ValueError), match=r"\(2\) must divide placement.critic_workers \(1\)"):
-            resolve(tmp_path, data)
-        data["placement"]["critic_workers"] = 2
-        assert resolve(tmp_path, data).uses_critic
+    with pytest.raises((ConfigError, ValueError), match=rf"{field} \(2\) must divide placement.critic_workers \(1\)"):
+        resolve(tmp_path, data)
+    data["placement"]["critic_workers"] = 2
+    assert resolve(tmp_path, data).uses_critic
