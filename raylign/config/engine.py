@@ -60,8 +60,9 @@ class EngineConfig(Section):
         description="Ranks that split every attention and MLP matrix of the model between them (tensor "
         "parallel, the transformers tensor-parallel plan of the architecture: Llama, Qwen2/Qwen3, Mistral, ...), "
         "each computing its share of every layer on the same micro-batch; composed with fsdp2 as a 2-D mesh "
-        "(data-parallel ranks = ranks / this, each sharding its weights over those). sft, and rl's policy "
-        "(placement.policy_workers are the ranks; not with a critic yet), with engine.backend fsdp2; 1 turns it off.",
+        "(data-parallel ranks = ranks / this, each sharding its weights over those), or with deepspeed as "
+        "DeepSpeed AutoTP (ZeRO stage 1 or 2 over the data-parallel ranks). sft, and rl's policy and critic "
+        "(placement.policy_workers / critic_workers are the ranks); 1 turns it off.",
     )
 
     data_parallel_shard_size: int | None = Field(
@@ -78,8 +79,15 @@ class EngineConfig(Section):
         tp = self.tensor_parallel_size
         if tp == 1:
             return self
-        if self.backend != "fsdp2":
-            raise ValueError(f"engine.tensor_parallel_size {tp} needs engine.backend 'fsdp2' (got {self.backend!r})")
+        if self.backend == "local":
+            raise ValueError(
+                f"engine.tensor_parallel_size {tp} needs engine.backend 'fsdp2' or 'deepspeed' (got 'local')"
+            )
+        if self.backend == "deepspeed" and self.zero_stage == 3:
+            raise ValueError(
+                f"engine.tensor_parallel_size {tp} with engine.backend deepspeed (AutoTP) needs engine.zero_stage "
+                "1 or 2 (got 3: DeepSpeed does not combine AutoTP with partitioned parameters)"
+            )
         if self.num_processes > 1 and self.num_processes % tp:  # 1: an outer launcher starts the ranks
             raise ValueError(
                 f"engine.tensor_parallel_size ({tp}) must divide engine.num_processes ({self.num_processes})"

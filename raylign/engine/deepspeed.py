@@ -141,6 +141,12 @@ def deepspeed_config(
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if engine_cfg.tensor_parallel_size > 1:
+        # AutoTP: DeepSpeed splits every linear layer of the model over groups of this many consecutive ranks
+        # as it initialises, and ZeRO then runs over the data-parallel ranks.
+        # Full-vocabulary logits: raylign's losses read log-probs from them (a vocabulary-parallel head, which
+        # DeepSpeed picks by itself for a tied one, would hand each rank a slice of the vocabulary).
+        config["tensor_parallel"] = {"autotp_size": engine_cfg.tensor_parallel_size, "vocab_parallel_lm_head": False}
     if model_dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
         config["communication_data_type"] = "fp32" if engine_cfg.reduce_dtype == "float32" else "bf16"
@@ -188,6 +194,7 @@ class DeepSpeedZeroEngine(TrainEngine):
         self.model_dtype = floating_dtype(model)
         self.max_grad_norm = optim_cfg.max_grad_norm
         self.zero_stage = engine_cfg.zero_stage
+        self.tensor_parallel = engine_cfg.tensor_parallel_size
         self.offload_params = engine_cfg.offload_params
         config = deepspeed_config(engine_cfg, optim_cfg, self.model_dtype, self.device)
         groups = build_param_groups(model.named_parameters(), optim_cfg.weight_decay)
@@ -226,6 +233,8 @@ class DeepSpeedZeroEngine(TrainEngine):
 
     def _gather_state_dict(self) -> dict[str, torch.Tensor]:
         module = self.engine.module
+        if self.tensor_parallel > 1:
+            return self._gather_autotp_state_dict(module)
         if self.zero_stage < 3:  # every rank holds the full (updated) weights
             if self.rank != 0:
                 return {}
@@ -239,6 +248,23 @@ class DeepSpeedZeroEngine(TrainEngine):
             return {n: p.detach().to("cpu", copy=True) for n, p in named} if self.rank == 0 else {}
         with self._deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
             return {n: p.detach().to("cpu", copy=True) for n, p in named} if self.rank == 0 else {}
+
+    def _gather_autotp_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """AutoTP's split layers gathered one at a time (DeepSpeed's ``GatherReplacedLayerParams``), whole
+        weights under the model's own names; only rank 0 keeps the copies. Collective."""
+        from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+        wanted = set(module.state_dict().keys())
+        gathered: dict[str, torch.Tensor] = {}
+        for prefix, submodule in module.named_modules():
+            own = list(submodule.named_parameters(recurse=False))
+            with GatherReplacedLayerParams([p for _, p in own], submodule, enabled=True):
+                if self.rank == 0:
+                    for name, tensor in own + list(submodule.named_buffers(recurse=False)):
+                        key = f"{prefix}.{name}" if prefix else name
+                        if key in wanted:
+                            gathered[key] = tensor.detach().to("cpu", copy=True)
+        return gathered
 
     def _gather_zero3_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """All-gather one submodule's partitioned parameters at a time, so the peak extra memory

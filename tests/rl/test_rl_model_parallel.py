@@ -1,13 +1,13 @@
 """RL with model-parallel training: two ranks that split every matrix (tensor parallel) or every packed
-row (sequence parallel) of the policy and the critic, one data-parallel shard given to
-both, train like two data-parallel ranks holding whole layers and whole rows.
+row (sequence parallel) of the policy and the critic, one data-parallel shard given to both, train
+like two data-parallel ranks holding whole layers and whole rows.
 
 Seeded PPO runs (a policy and a critic) on the same tiny model (two key/value heads, so two ranks can
 split them), each model on 2 fsdp2 ranks, with ``engine.tensor_parallel_size`` 2, with
-``engine.sequence_parallel_size`` 2, and with neither. Rewards, the policy's and critic's loss terms (an
-entropy bonus keeps the policy's total loss away from 0, so its logged value is checked, not only its
-sign) and gradient norms of both steps, and the exported weights agree: the controller hands each
-group one shard and counts its answer once.
+``engine.sequence_parallel_size`` 2, and with neither; and on 2 deepspeed ranks with AutoTP 2.
+Rewards, the policy's and critic's loss terms (an entropy bonus keeps the policy's total loss away
+from 0, so its logged value is checked, not only its sign) and gradient norms of both steps, and the
+exported weights agree: the controller hands each group one shard and counts its answer once.
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ from .rl_helpers import resolve, rl_config_data
 
 pytestmark = pytest.mark.slow
 
-LAYOUTS = {"data": {}, "tensor": {"tensor_parallel_size": 2}, "sequence": {"sequence_parallel_size": 2}}
+LAYOUTS = {
+    "data": {},
+    "tensor": {"tensor_parallel_size": 2},
+    "sequence": {"sequence_parallel_size": 2},
+    "deepspeed_tensor": {"backend": "deepspeed", "zero_stage": 1, "tensor_parallel_size": 2},
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,7 @@ def runs(ray_session, prompt_file, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", ["tensor", "sequence"])
+@pytest.mark.parametrize("layout", ["tensor", "sequence", "deepspeed_tensor"])
 def test_model_parallel_training_equals_data_parallel_ranks(runs, layout):
     (whole_records, whole_weights), (split_records, split_weights) = runs["data"], runs[layout]
     assert [r["step"] for r in split_records] == [r["step"] for r in whole_records] == [1, 2]

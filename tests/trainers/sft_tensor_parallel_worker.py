@@ -4,7 +4,7 @@ each splitting every matrix over 2) and 4 (one data-parallel rank split over all
 sharding (``engine.data_parallel_shard_size`` 2: two groups of 2 ranks, each sharding the model,
 replicating each other), tensor parallel 2 with the 2 data-parallel ranks replicating (shard size
 1), tensor parallel 2 with gradient checkpointing, and tensor parallel 2 stopped after step 2 and
-resumed from its checkpoint: one after the other in one process group."""
+resumed from its checkpoint, and DeepSpeed AutoTP 2 with ZeRO-1: one after the other in one process group."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ RUNS: dict[str, dict] = {
     "tp2_replicated": {"tensor_parallel_size": 2, "data_parallel_shard_size": 1},
     "tp2_checkpointing": {"tensor_parallel_size": 2, "model": {"gradient_checkpointing": True}},
     "tp2_resumed": {"tensor_parallel_size": 2, "stop_after": 2},
+    "deepspeed_tp2": {"backend": "deepspeed", "zero_stage": 1, "tensor_parallel_size": 2},
 }
 
 
@@ -73,3 +74,22 @@ def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str
             if "stop_after" in run:
                 SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run, run["stop_after"])).run()
             SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run)).run()
+        record_autotp_shapes(model_dir, Path(out_dir) / f"autotp_rank{rank}.json")
+
+
+def record_autotp_shapes(model_dir: str, path: Path) -> None:
+    """The shapes this rank holds of a few weights once DeepSpeed AutoTP (2) has split the model."""
+    import json
+
+    from raylign.config.engine import EngineConfig
+    from raylign.config.model import ModelConfig
+    from raylign.config.optim import OptimConfig
+    from raylign.engine import create_engine
+    from raylign.models import load_causal_lm
+
+    model = load_causal_lm(ModelConfig(path=model_dir, dtype="float32"))
+    engine_cfg = EngineConfig(backend="deepspeed", zero_stage=1, tensor_parallel_size=2, dist_timeout_s=120)
+    engine = create_engine(model, engine_cfg, OptimConfig(), total_steps=1)
+    layer = engine.hf_model.model.layers[0]
+    shapes = {"q_proj": layer.self_attn.q_proj.weight.shape, "down_proj": layer.mlp.down_proj.weight.shape}
+    path.write_text(json.dumps({name: list(shape) for name, shape in shapes.items()}))

@@ -1,7 +1,8 @@
 """SFT with tensor parallelism: every attention and MLP matrix split over 2 or 4 gloo ranks (alone, and
 composed with fsdp2 as a 2 x 2 mesh) trains exactly like 4 data-parallel ranks holding whole layers;
 so does hybrid sharding (HSDP: groups of ranks that shard, replicating each other), alone and beside
-tensor parallel, and tensor parallel with gradient checkpointing or resumed from a checkpoint.
+tensor parallel, tensor parallel with gradient checkpointing or resumed from a checkpoint, and the
+deepspeed backend's AutoTP (2, with ZeRO-1).
 
 Runs of the same data and seed on 4 ranks (``sft_tensor_parallel_worker.RUNS``). The loss and
 gradient norm (clipped at 0.5, so the norm over every mesh matters) of every step and the exported
@@ -10,6 +11,7 @@ weights agree.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,10 @@ def test_sft_with_matrices_split_over_ranks_trains_like_whole_layers(tmp_path):
         assert weights[n].keys() == weights["tp1"].keys()
         for name, value in weights["tp1"].items():
             torch.testing.assert_close(weights[n][name], value, rtol=1e-5, atol=1e-5, msg=f"{n} {name}")
+    # AutoTP really split the layers: q_proj by its output rows, down_proj by its input columns.
+    for rank in range(worker.WORLD_SIZE):
+        shapes = json.loads((tmp_path / f"autotp_rank{rank}.json").read_text())
+        assert shapes == {"q_proj": [32, 64], "down_proj": [64, 128]}, (rank, shapes)
     moved = load_file(model_dir / "model.safetensors")
     assert any(not torch.allclose(moved[k], weights["tp1"][k]) for k in moved)  # training changed the weights
 
@@ -58,9 +64,10 @@ def test_sft_with_matrices_split_over_ranks_trains_like_whole_layers(tmp_path):
 @pytest.mark.parametrize(
     "fields, message",
     [
+        ({"engine": {"backend": "local", "tensor_parallel_size": 2}}, "needs engine.backend 'fsdp2' or 'deepspeed'"),
         (
-            {"engine": {"backend": "deepspeed", "tensor_parallel_size": 2}},
-            "tensor_parallel_size 2 needs engine.backend",
+            {"engine": {"backend": "deepspeed", "zero_stage": 3, "tensor_parallel_size": 2}},
+            "needs engine.zero_stage 1 or 2",
         ),
         ({"engine": {"backend": "fsdp2", "tensor_parallel_size": 2, "num_processes": 3}}, "must divide"),
         (
