@@ -136,6 +136,8 @@ def estimate_training_memory(shape: ModelShape, layout: Layout) -> MemoryEstimat
     t, sp = layout.tensor_parallel, layout.sequence_parallel
     if layout.ranks % (t * sp):
         raise ValueError(f"{layout.ranks} ranks cannot hold tensor parallel {t} x sequence parallel {sp}")
+    if layout.backend == "deepspeed" and layout.zero_stage == 3 and t > 1:
+        raise ValueError("deepspeed's tensor parallel (AutoTP) runs with ZeRO stage 1 or 2, not 3")
     d = layout.ranks // t  # ranks each tensor-parallel slice is sharded over (sequence parallel shards too)
     width = 2 if layout.dtype == "bfloat16" else 4
     split, rest = shape.layer_params()
