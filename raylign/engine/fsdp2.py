@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from raylign.config.engine import EngineConfig
 from raylign.config.optim import OptimConfig
@@ -84,9 +84,9 @@ def offload_policy(engine_cfg: EngineConfig, device: torch.device) -> OffloadPol
 def load_sharded_weights(model: torch.nn.Module, device: torch.device) -> int:
     """Give an FSDP2 model sharded on the meta device its memory on ``device`` and fill each rank's
     shard of every parameter from the safetensors files of ``model.config._name_or_path``, reading
-    only that shard's rows (FSDP2 shards dim 0 in ``torch.chunk``'s pieces) and casting them to the
-    shard's dtype. Buffers (rotary frequencies) keep the values they were built with. Returns the
-    bytes this rank read."""
+    only that shard's block (FSDP2's rows; with tensor parallel, the rows or columns of its slice of
+    them too) and casting it to the shard's dtype. Buffers (rotary frequencies) keep the values they
+    were built with. Returns the bytes this rank read."""
     from safetensors import safe_open
 
     folder = Path(model.config._name_or_path)
@@ -104,34 +104,33 @@ def load_sharded_weights(model: torch.nn.Module, device: torch.device) -> int:
                     f"must equal the model's parameter names); set engine.load_sharded: false to load it whole"
                 )
             local = param.to_local() if isinstance(param, DTensor) else param
-            start, stop = _rows_of_rank(param)
-            if local.shape[0] != stop - start:
-                raise RuntimeError(f"fsdp2: shard of {name!r} has {local.shape[0]} rows, expected {stop - start}")
+            block = _block_of_rank(param)
+            if tuple(local.shape) != tuple(s.stop - s.start for s in block):
+                raise RuntimeError(f"fsdp2: shard of {name!r} is {tuple(local.shape)}, expected the block {block}")
             # Opened for each weight: the file is memory-mapped, and pages read stay resident until it closes.
             with safe_open(str(files[name]), framework="pt", device="cpu") as handle:
                 stored = handle.get_slice(name)
                 if list(stored.get_shape()) != list(param.shape):
                     shapes = f"{stored.get_shape()}, the model {list(param.shape)}"
                     raise ValueError(f"{files[name]}: weight {name!r} has shape {shapes}")
-                if stop > start:
-                    rows = stored[start:stop]
-                    local.copy_(rows)
-                    read += rows.numel() * rows.element_size()
-                    del rows
+                if local.numel():
+                    values = stored[block]
+                    local.copy_(values)
+                    read += values.numel() * values.element_size()
+                    del values
     return read
 
 
-def _rows_of_rank(param: torch.Tensor) -> tuple[int, int]:
-    """The rows ``[start, stop)`` of a dim-0-sharded parameter this rank holds (torch.chunk's split)."""
+def _block_of_rank(param: torch.Tensor) -> tuple[slice, ...]:
+    """The block of the whole parameter this rank holds, one slice per dimension: from DTensor's own
+    placement arithmetic, whatever the mesh (FSDP2's dim-0 shards, tensor-parallel row or column
+    slices, both nested, replicas)."""
     if not isinstance(param, DTensor):
-        return 0, param.shape[0]
-    # The mesh dimension that shards dim 0 (hybrid sharding replicates over the other one).
-    dims = [i for i, p in enumerate(param.placements) if isinstance(p, Shard) and p.dim == 0] or [0]
-    world, rank = param.device_mesh.size(dims[0]), param.device_mesh.get_local_rank(dims[0])
-    rows = param.shape[0]
-    chunk = -(-rows // world)
-    start = min(rows, rank * chunk)
-    return start, min(rows, start + chunk)
+        return tuple(slice(0, size) for size in param.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:
