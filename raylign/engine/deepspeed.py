@@ -254,26 +254,25 @@ class DeepSpeedZeroEngine(TrainEngine):
         weights under the model's own names; only rank 0 keeps the copies. Collective."""
         from deepspeed.module_inject.layers import GatherReplacedLayerParams
 
-        wanted = set(module.state_dict().keys())
-        gathered: dict[str, torch.Tensor] = {}
-        for prefix, submodule in module.named_modules():
-            own = list(submodule.named_parameters(recurse=False))
-            with GatherReplacedLayerParams([p for _, p in own], submodule, enabled=True):
-                if self.rank == 0:
-                    for name, tensor in own + list(submodule.named_buffers(recurse=False)):
-                        key = f"{prefix}.{name}" if prefix else name
-                        if key in wanted:
-                            gathered[key] = tensor.detach().to("cpu", copy=True)
-        return gathered
+        return self._gather_layer_by_layer(
+            module, lambda params, submodule: GatherReplacedLayerParams(params, submodule, enabled=True)
+        )
 
     def _gather_zero3_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """All-gather one submodule's partitioned parameters at a time, so the peak extra memory
         is one layer rather than the whole model; only rank 0 keeps the copies."""
+        return self._gather_layer_by_layer(
+            module, lambda params, _: self._deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        )
+
+    def _gather_layer_by_layer(self, module: torch.nn.Module, gather: Any) -> dict[str, torch.Tensor]:
+        """Each submodule's own parameters made whole by ``gather(params, submodule)`` (a context
+        manager) in turn, rank 0 copying them and the buffers out under the model's state-dict names."""
         wanted = set(module.state_dict().keys())
         gathered: dict[str, torch.Tensor] = {}
         for prefix, submodule in module.named_modules():
             own = list(submodule.named_parameters(recurse=False))
-            with self._deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
+            with gather([p for _, p in own], submodule):
                 if self.rank == 0:
                     for name, tensor in own + list(submodule.named_buffers(recurse=False)):
                         key = f"{prefix}.{name}" if prefix else name

@@ -163,20 +163,9 @@ def run_rl_case(model_dir: str, rank: int) -> dict[str, object]:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=RING_ATTENTION)
     full = rl_inputs(model.config.vocab_size)
-    logprobs, entropy = sharded_selected_token_logprobs(
-        model,
-        full["input_ids"],
-        full["resp_index"],
-        full["position_ids"],
-        dist.group.WORLD,
-        temperature=0.7,
-        with_entropy=True,
-        mask=full["mask"],
-    )
-    (logprobs * full["logprob_weights"] + entropy * full["entropy_weights"]).sum().backward()
-    grads = {name: grad / WORLD_SIZE for name, grad in _summed_grads(model).items()}
-    with torch.no_grad():  # the detached-entropy path
-        _, entropy_no_grad = sharded_selected_token_logprobs(
+
+    def run(entropy_grad: bool):
+        return sharded_selected_token_logprobs(
             model,
             full["input_ids"],
             full["resp_index"],
@@ -185,8 +174,14 @@ def run_rl_case(model_dir: str, rank: int) -> dict[str, object]:
             temperature=0.7,
             with_entropy=True,
             mask=full["mask"],
-            entropy_grad=False,
+            entropy_grad=entropy_grad,
         )
+
+    logprobs, entropy = run(entropy_grad=True)
+    (logprobs * full["logprob_weights"] + entropy * full["entropy_weights"]).sum().backward()
+    grads = {name: grad / WORLD_SIZE for name, grad in _summed_grads(model).items()}
+    with torch.no_grad():  # the detached-entropy path
+        _, entropy_no_grad = run(entropy_grad=False)
     return {
         "logprobs": logprobs.detach(),
         "entropy": entropy.detach(),
