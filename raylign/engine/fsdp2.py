@@ -92,12 +92,19 @@ def load_sharded_weights(model: torch.nn.Module, device: torch.device) -> int:
     folder = Path(model.config._name_or_path)
     files = _weight_files(folder)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    fresh = getattr(model, "fresh_weights", {})  # weights the files lack, made whole by a function (a new head)
     model.to_empty(device=device)
     read = 0
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
         for name, param in model.named_parameters():
+            if name in fresh:
+                whole = torch.empty(param.shape, dtype=param.dtype)
+                fresh[name](name, whole)
+                local = param.to_local() if isinstance(param, DTensor) else param
+                local.copy_(whole[_block_of_rank(param)])
+                continue
             if name not in files:
                 raise ValueError(
                     f"engine.load_sharded: the safetensors files in {folder} hold no weight {name!r} (names there "

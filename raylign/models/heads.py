@@ -8,8 +8,10 @@ an ordinary Hugging Face folder. The same head read at every position gives crit
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -34,11 +36,22 @@ def init_score_head(head: nn.Linear) -> None:
 
     With unit-scale final hidden states this starts scores at about unit variance, as in
     Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences" (reward head init).
+    Drawn from a generator seeded with the process's seed (``torch.initial_seed()``), so a model
+    loaded whole and one loaded shard by shard (:func:`fresh_head_weight`) start from the same head.
     """
     with torch.no_grad():
-        nn.init.normal_(head.weight, mean=0.0, std=1.0 / math.sqrt(head.in_features + 1))
+        fresh_head_weight(head.weight)
         if head.bias is not None:
             head.bias.zero_()
+
+
+def fresh_head_weight(weight: torch.Tensor) -> None:
+    """Fill a whole head weight ``[labels, hidden]`` as :func:`init_score_head` does."""
+    generator = torch.Generator().manual_seed(torch.initial_seed())
+    values = torch.empty(weight.shape, dtype=torch.float32).normal_(
+        0.0, 1.0 / math.sqrt(weight.shape[-1] + 1), generator=generator
+    )
+    weight.copy_(values.to(weight.device))
 
 
 def _split_missing_keys(missing: list[str] | set[str]) -> tuple[list[str], list[str]]:
@@ -52,6 +65,7 @@ def load_score_model(
     num_labels: int = 1,
     init_from_causal_lm: bool = True,
     device: torch.device | str | None = None,
+    empty: bool = False,
 ) -> nn.Module:
     """Load a score model (``AutoModelForSequenceClassification``) for ``cfg``.
 
@@ -61,11 +75,17 @@ def load_score_model(
     it. With ``init_from_causal_lm=False`` the head must be in the folder. ``config.pad_token_id``
     is set from the tokenizer. Gradient checkpointing and LoRA follow ``cfg`` (with LoRA the
     head stays fully trainable).
+
+    ``empty``: the parameters are left on the meta device for an engine that reads each rank's shard
+    from the folder (:func:`raylign.engine.fsdp2.load_sharded_weights`); a head the folder lacks is
+    then listed in ``model.fresh_weights`` with the function that initialises it whole.
     """
     if num_labels < 1:
         raise ValueError(f"num_labels must be >= 1, got {num_labels}")
     folder = resolve_model_path(cfg.path)
     tokenizer = load_tokenizer(cfg.tokenizer_path or folder)
+    if empty:
+        return _empty_score_model(cfg, folder, num_labels, init_from_causal_lm, tokenizer.pad_token_id)
     model, info = AutoModelForSequenceClassification.from_pretrained(
         folder, num_labels=num_labels, output_loading_info=True, **from_pretrained_kwargs(cfg)
     )
@@ -94,6 +114,64 @@ def load_score_model(
     if device is not None:
         model.to(device)
     return apply_training_options(model, cfg, task_type="SEQ_CLS")
+
+
+def _empty_score_model(
+    cfg: ModelConfig, folder: Path, num_labels: int, init_from_causal_lm: bool, pad_token_id: int | None
+) -> nn.Module:
+    """:func:`load_score_model` on the meta device: the weights' names are checked against the folder's
+    files now; their values are read later, shard by shard."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    if cfg.lora.rank > 0:
+        raise ValueError("an empty (meta-device) model cannot take LoRA adapters: their weights are not in the files")
+    config = AutoConfig.from_pretrained(folder, num_labels=num_labels, trust_remote_code=cfg.trust_remote_code)
+    config.pad_token_id = pad_token_id
+    kwargs = from_pretrained_kwargs(cfg)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForSequenceClassification.from_config(
+            config,
+            dtype=kwargs["dtype"],
+            attn_implementation=kwargs["attn_implementation"],
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    head = getattr(model, HEAD_NAME, None)
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"'{cfg.path}': {type(model).__name__} has no linear '{HEAD_NAME}' head")
+    stored = stored_weight_names(folder)
+    names = [name for name, _ in model.named_parameters()]
+    missing_head, missing_backbone = _split_missing_keys(set(names) - stored)
+    if missing_backbone:
+        raise ValueError(f"'{cfg.path}' lacks backbone weights for {type(model).__name__}: {missing_backbone[:5]}")
+    if missing_head and not init_from_causal_lm:
+        raise ValueError(f"'{cfg.path}' holds no '{HEAD_NAME}' head (a causal LM?); expected a saved score model")
+
+    def fresh_head(name: str, full: torch.Tensor) -> None:
+        """The whole tensor ``name`` of a fresh head, as :func:`init_score_head` makes it: every rank draws
+        the same values (the ranks share the process seed) and keeps its block."""
+        if name.endswith("bias"):
+            full.zero_()
+        else:
+            fresh_head_weight(full)
+
+    model.fresh_weights = {name: fresh_head for name in missing_head}
+    model.config._name_or_path = str(folder)
+    return apply_training_options(model, cfg, task_type="SEQ_CLS")
+
+
+def stored_weight_names(folder: Path) -> set[str]:
+    """The weight names the safetensors files of a model folder hold (read from the headers only)."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            names.update(handle.keys())
+    return names
 
 
 def _backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:

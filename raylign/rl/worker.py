@@ -134,7 +134,8 @@ class ModelWorker:
             self.sequence_group, _, _ = sequence_parallel_groups(e.sequence_parallel_size, e.dist_timeout_s)
         self.copies = e.tensor_parallel_size * e.sequence_parallel_size
         if self.role == "critic":
-            model, optim = load_score_model(model_cfg, num_labels=1), self.cfg.critic.optim
+            model = load_score_model(model_cfg, num_labels=1, empty=loads_sharded(model_cfg, e))
+            optim = self.cfg.critic.optim
         else:
             model, optim = load_causal_lm(model_cfg, empty=loads_sharded(model_cfg, e)), self.cfg.optim
         self.engine = create_engine(model, self.cfg.engine, optim, self.total_steps)

@@ -22,7 +22,7 @@ from raylign.algorithms import REWARD_MODEL_LOSSES
 from raylign.config.rm import RMConfig
 from raylign.data.preference import PairSample, build_pair_datasets, collate_pairs, num_pairs
 from raylign.engine.distributed import all_reduce_scalars
-from raylign.models import load_score_model, load_tokenizer
+from raylign.models import load_score_model, load_tokenizer, loads_sharded
 from raylign.models.heads import HEAD_NAME
 from raylign.models.packing import attention_kwargs
 from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
@@ -79,7 +79,7 @@ class RMTrainer(OfflineTrainer):
         return load_tokenizer(m.tokenizer_path or m.path, padding_side="right")
 
     def build_model(self) -> torch.nn.Module:
-        return load_score_model(self.cfg.model, num_labels=1)
+        return load_score_model(self.cfg.model, num_labels=1, empty=loads_sharded(self.cfg.model, self.cfg.engine))
 
     def build_datasets(self) -> tuple[list, list, dict[str, Any]]:
         data = build_pair_datasets(self.cfg.data, self.tokenizer, margin_key=self.cfg.rm.margin_key)
