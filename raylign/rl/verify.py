@@ -174,13 +174,14 @@ def verify_sync(
     Adds the time it took."""
     start = time.perf_counter()
     submitted = pool.submit_score(probe)
-    submitted_base = pool.submit_score(probe, True) if adapter else []
     scored = policy.call("score_probe", probe)[0]
     scored_base = policy.call("score_probe", probe, True)[0] if adapter else None
     engines = pool.scores(submitted)
     metrics = compare_probe(version, scored, engines, names, max_diff)
     if scored_base is not None:
-        engines_base = pool.scores(submitted_base)
+        # The base-model probe goes in once the adapter's has come back, so neither shares a batch with
+        # the other (the two must differ only by the adapter).
+        engines_base = pool.scores(pool.submit_score(probe, True))
         pairs = list(zip(engines, engines_base))
         metrics.update(compare_adapter_shift(version, (scored[1], scored_base[1]), pairs, names))
     return {**metrics, "sync/probe_s": time.perf_counter() - start}
