@@ -185,7 +185,11 @@ class PythonFileReward(RewardSource):
     def _score_once(
         self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]
     ) -> RewardResult:
-        chunks = self._submit_chunks(prompts, responses, labels, metadata)
+        try:
+            chunks = self._submit_chunks(prompts, responses, labels, metadata)
+        except BrokenProcessPool:  # a worker died on an earlier chunk before the later ones went in
+            self.close()
+            raise _WorkerDied(describe_batch(prompts, 0)) from None
         deadline = time.monotonic() + self.timeout_s
         results = []
         for start, end, future in chunks:

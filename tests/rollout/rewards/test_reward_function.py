@@ -171,6 +171,23 @@ def test_a_worker_killed_mid_batch_is_restarted_and_the_batch_scored_again(tmp_p
         assert source.restarts == 1
 
 
+def test_a_worker_killed_between_batches_is_restarted_on_the_next_one(reward_file):
+    """The pool is already broken when the next batch is handed in (the OOM killer struck while it
+    idled): handing in fails, not waiting, and the batch is scored by fresh workers all the same."""
+    import signal
+
+    with PythonFileReward(reward_file, num_workers=1, timeout_s=60) as source:
+        (pid,) = set(source.score(["a"], ["xy"], ["xy"], [{"bonus": 1}]).metrics["worker_pid"])
+        os.kill(int(pid), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not source._executor._broken and time.monotonic() < deadline:  # the pool notices the death
+            time.sleep(0.05)
+        assert source._executor._broken, "the process pool did not notice its worker's death within 30 s"
+        result = source.score(["b"], ["xyz"], ["no"], [{"bonus": 2}])
+        assert result.rewards == [3.0] and result.metrics["worker_pid"] != [pid]
+        assert source.restarts == 1
+
+
 def test_a_batch_that_kills_its_worker_after_a_restart_too_is_an_error(tmp_path):
     path = tmp_path / "killer.py"
     path.write_text(textwrap.dedent(KILLER_FILE))
