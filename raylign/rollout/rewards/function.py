@@ -36,6 +36,12 @@ from raylign.rollout.rewards.base import (
 from raylign.rollout.rewards.function_worker import call_reward_function, check_loadable, ignore_interrupts
 
 RESERVED_KEYWORDS = ("prompts", "responses", "labels")
+# The most common reason a worker dies at start: a script that builds the source at import time
+# (spawned workers import the main module again, and would start workers of their own).
+_MAIN_GUARD_HINT = (
+    ' (if a script of yours creates this reward source, create it under `if __name__ == "__main__":`: '
+    "the worker processes import the script again)"
+)
 
 log = logging.getLogger("raylign")
 
@@ -126,7 +132,9 @@ class PythonFileReward(RewardSource):
             raise RewardError(f"{self.description}: importing the file took over {self.startup_timeout_s} s") from None
         except BrokenProcessPool as err:
             self.close()
-            raise RewardError(f"{self.description}: a worker process died while importing the file: {err}") from None
+            raise RewardError(
+                f"{self.description}: a worker process died while importing the file: {err}{_MAIN_GUARD_HINT}"
+            ) from None
         failures = [e for e in errors if e is not None]
         if failures:
             self.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -214,3 +216,16 @@ def test_workers_ignore_an_interrupt_sent_to_the_whole_process_group(reward_file
         result = source.score(["b"], ["xyz"], ["no"], [{"bonus": 2}])
         assert result.rewards == [3.0] and result.metrics["worker_pid"] == [pid]
         assert source.restarts == 0
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(reward_file, tmp_path):
+    """Spawned workers import the main script again; one that builds the source at import time
+    kills them at start, and the error says how to fix the script."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from raylign.rollout.rewards import PythonFileReward\n"
+        f"PythonFileReward({str(reward_file)!r}, num_workers=1, timeout_s=60).close()\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert 'create it under `if __name__ == "__main__":`' in proc.stderr.splitlines()[-1]
