@@ -1,47 +1,22 @@
 """The README's commands, run as a newcomer runs them: in a fresh clone, from a clean environment.
 
-Nothing is inherited from the test suite: each command runs under ``env -i HOME=$HOME
-PATH=/usr/local/bin:/usr/bin:/bin``. The install part of the first command (``bash
-scripts/install.sh``) is what ``.ci/run`` itself does on a fresh clone; here the clone uses
-the environment that install made.
+Nothing is inherited from the test suite (see ``tests/clean_run.py``). The install part of the
+first command (``bash scripts/install.sh``) is what ``.ci/run`` itself does on a fresh clone; here
+the clone uses the environment that install made.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-CLEAN_ENV = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/local/bin:/usr/bin:/bin"}
+from tests.clean_run import REPO, fresh_clone, run_clean
 
 
 def readme_blocks() -> list[str]:
     return re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
-
-
-def fresh_clone(tmp_path: Path) -> Path:
-    clone = tmp_path / "clone"
-    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=300, env=CLEAN_ENV)
-    (clone / ".venv").symlink_to(Path(sys.prefix))  # the environment scripts/install.sh made
-    return clone
-
-
-def run_clean(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        ["env", "-i", *(f"{k}={v}" for k, v in CLEAN_ENV.items()), "bash", "-c", command],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{command!r} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
 
 
 def test_readme_opens_with_install_then_quickstart():
