@@ -61,7 +61,8 @@ class EngineConfig(Section):
         "parallel, the transformers tensor-parallel plan of the architecture: Llama, Qwen2/Qwen3, Mistral, ...), "
         "each computing its share of every layer on the same micro-batch; composed with fsdp2 as a 2-D mesh "
         "(data-parallel ranks = ranks / this, each sharding its weights over those), or with deepspeed as "
-        "DeepSpeed AutoTP (ZeRO stage 1 or 2 over the data-parallel ranks). sft, and rl's policy and critic "
+        "DeepSpeed AutoTP (ZeRO stage 1 or 2 over the data-parallel ranks). Every offline command (sft, rm, prm, "
+        "dpo, kto, kd; their frozen models are sharded, not split) and rl's policy and critic "
         "(placement.policy_workers / critic_workers are the ranks); 1 turns it off.",
     )
 
@@ -132,16 +133,6 @@ def refuse_sequence_parallel(engine: EngineConfig, command: str) -> None:
         raise ValueError(
             f"engine.sequence_parallel_size: {command} does not support sequence parallelism yet (sft "
             f"and rl do); set it to 1 (got {engine.sequence_parallel_size})"
-        )
-
-
-def refuse_model_parallel(engine: EngineConfig, command: str) -> None:
-    """For commands whose training path does not split rows or matrices across ranks yet."""
-    refuse_sequence_parallel(engine, command)
-    if engine.tensor_parallel_size > 1:
-        raise ValueError(
-            f"engine.tensor_parallel_size: {command} does not support tensor parallelism yet (sft and rl do); "
-            f"set it to 1 (got {engine.tensor_parallel_size})"
         )
 
 

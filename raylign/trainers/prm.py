@@ -47,8 +47,11 @@ def _hf_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def fit_embeddings_to_tokenizer(model: nn.Module, tokenizer: PreTrainedTokenizerBase, init_text: str = "\n") -> None:
-    """Grow the input embeddings when tokens (the step separator) were added to the tokenizer.
+def fit_embeddings_to_tokenizer(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, init_text: str = "\n", rows_multiple: int = 1
+) -> None:
+    """Grow the input embeddings when tokens (the step separator) were added to the tokenizer, to a
+    multiple of ``rows_multiple`` rows (the tensor-parallel size, which splits the rows evenly).
 
     New rows start as a copy of the embedding of ``init_text`` (a newline, the usual step
     delimiter of plain-text solutions). Transformers' default puts them near the mean of all
@@ -60,7 +63,7 @@ def fit_embeddings_to_tokenizer(model: nn.Module, tokenizer: PreTrainedTokenizer
     old_rows = base.get_input_embeddings().weight.shape[0]
     if old_rows >= len(tokenizer):
         return
-    base.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    base.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=rows_multiple, mean_resizing=False)
     init_ids = [i for i in tokenizer.encode(init_text, add_special_tokens=False) if i < old_rows]
     if init_ids:
         weight = base.get_input_embeddings().weight
@@ -90,7 +93,7 @@ class PRMTrainer(OfflineTrainer):
 
     def build_model(self) -> nn.Module:
         model = load_score_model(self.cfg.model, num_labels=NUM_CLASSES)
-        fit_embeddings_to_tokenizer(model, self.tokenizer)
+        fit_embeddings_to_tokenizer(model, self.tokenizer, rows_multiple=self.cfg.engine.tensor_parallel_size)
         record_step_layout(model, self.cfg.prm.step_separator, self.cfg.data.format, self.cfg.data.prompt_template)
         return model
 

@@ -94,15 +94,15 @@ def test_tensor_parallel_settings_that_cannot_work_are_refused_by_name(fields, m
         parse_config(SFTConfig, data)
 
 
-def test_other_commands_refuse_tensor_parallel(tmp_path):
+def test_other_offline_commands_refuse_sequence_parallel(tmp_path):
     from raylign.config.dpo import DPOConfig
 
     data = {
         "model": {"path": "m"},
         "data": {"train": ["t.jsonl"]},
-        "engine": {"backend": "fsdp2", "tensor_parallel_size": 2},
+        "engine": {"backend": "fsdp2", "sequence_parallel_size": 2, "num_processes": 2},
     }
-    with pytest.raises(ConfigError, match="dpo does not support tensor parallelism yet"):
+    with pytest.raises(ConfigError, match="dpo does not support sequence parallelism yet"):
         parse_config(DPOConfig, data)
 
 
