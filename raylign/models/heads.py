@@ -20,6 +20,7 @@ from transformers import AutoModelForSequenceClassification
 from raylign.config.model import ModelConfig
 from raylign.models.loading import (
     apply_training_options,
+    build_empty,
     from_pretrained_kwargs,
     load_tokenizer,
     resolve_model_path,
@@ -121,21 +122,8 @@ def _empty_score_model(
 ) -> nn.Module:
     """:func:`load_score_model` on the meta device: the weights' names are checked against the folder's
     files now; their values are read later, shard by shard."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig
-
-    if cfg.lora.rank > 0:
-        raise ValueError("an empty (meta-device) model cannot take LoRA adapters: their weights are not in the files")
-    config = AutoConfig.from_pretrained(folder, num_labels=num_labels, trust_remote_code=cfg.trust_remote_code)
-    config.pad_token_id = pad_token_id
-    kwargs = from_pretrained_kwargs(cfg)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForSequenceClassification.from_config(
-            config,
-            dtype=kwargs["dtype"],
-            attn_implementation=kwargs["attn_implementation"],
-            trust_remote_code=cfg.trust_remote_code,
-        )
+    model = build_empty(AutoModelForSequenceClassification, cfg, folder, num_labels=num_labels)
+    model.config.pad_token_id = pad_token_id
     head = getattr(model, HEAD_NAME, None)
     if not isinstance(head, nn.Linear):
         raise ValueError(f"'{cfg.path}': {type(model).__name__} has no linear '{HEAD_NAME}' head")
@@ -156,7 +144,6 @@ def _empty_score_model(
             fresh_head_weight(full)
 
     model.fresh_weights = {name: fresh_head for name in missing_head}
-    model.config._name_or_path = str(folder)
     return apply_training_options(model, cfg, task_type="SEQ_CLS")
 
 

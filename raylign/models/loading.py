@@ -198,6 +198,28 @@ def loads_sharded(model_cfg: ModelConfig, engine_cfg: Any) -> bool:
     return engine_cfg.backend == "fsdp2" and engine_cfg.load_sharded and not whole
 
 
+def build_empty(auto_class: Any, cfg: ModelConfig, folder: Path, **config_fields: Any) -> Any:
+    """The model ``auto_class`` builds from ``folder``'s config (with ``config_fields`` set on it), on
+    the meta device: the dtype and attention kernel of ``cfg``, no memory and no values (buffers such as
+    rotary frequencies are real); ``config._name_or_path`` names the folder its weights are read from."""
+    if cfg.lora.rank > 0:
+        raise ValueError("an empty (meta-device) model cannot take LoRA adapters: their weights are not in the files")
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code, **config_fields)
+    kwargs = from_pretrained_kwargs(cfg)
+    with init_empty_weights(include_buffers=False):
+        model = auto_class.from_config(
+            config,
+            dtype=kwargs["dtype"],
+            attn_implementation=kwargs["attn_implementation"],
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    model.config._name_or_path = str(folder)
+    return model
+
+
 def load_causal_lm(cfg: ModelConfig, device: torch.device | str | None = None, empty: bool = False) -> torch.nn.Module:
     """Load the causal LM of ``cfg``: dtype, attention kernel, gradient checkpointing, LoRA.
 
@@ -209,24 +231,8 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device | str | None = None, e
     """
     folder = resolve_model_path(cfg.path)
     if empty:
-        if cfg.lora.rank > 0:
-            raise ValueError(
-                "an empty (meta-device) model cannot take LoRA adapters: their weights are not in the files"
-            )
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
-        kwargs = from_pretrained_kwargs(cfg)
-        with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(
-                config,
-                dtype=kwargs["dtype"],
-                attn_implementation=kwargs["attn_implementation"],
-                trust_remote_code=cfg.trust_remote_code,
-            )
+        model = build_empty(AutoModelForCausalLM, cfg, folder)
         model.tie_weights()  # from_pretrained ties embeddings after loading; from_config leaves them apart
-        model.config._name_or_path = str(folder)
         return apply_training_options(model, cfg, task_type="CAUSAL_LM")
     model = AutoModelForCausalLM.from_pretrained(folder, **from_pretrained_kwargs(cfg))
     if device is not None and not is_quantized(model):  # a 4-bit base sits where it was quantised

@@ -50,6 +50,7 @@ class Sample:
     # Agent episodes: (response position, reward) of each turn; ``reward`` is their sum
     turn_rewards: list[tuple[int, float]] | None = None
     episode: Any = None  # the raylign.agents.episode.Episode it came from, for the logs
+    metadata: dict[str, Any] = field(default_factory=dict)  # the prompt row's other fields, for the rewards
 
 
 # Where the behaviour log-probs of the ratio pi / pi_behaviour come from:

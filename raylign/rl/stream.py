@@ -284,6 +284,7 @@ def sample_from(c: Completion, prompt: Prompt) -> Sample:
         c.finish_reason,
         weight_version=c.weight_version,
         token_versions=list(c.token_versions),
+        metadata=prompt.metadata,
     )
 
 

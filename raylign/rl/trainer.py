@@ -388,7 +388,7 @@ class RLTrainer:
             [s.prompt_text for s in samples],
             [s.response_text for s in samples],
             [s.label for s in samples],
-            [{"source": s.source} for s in samples],
+            [{"source": s.source, **s.metadata} for s in samples],  # a row's own "source" field wins
         )
         for i, s in enumerate(samples):
             s.reward = float(result.rewards[i])
