@@ -262,16 +262,36 @@ def main(argv: list[str] | None = None) -> int:
     if command.distributed and engine is not None and engine.num_processes > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(name, rest, engine.num_processes)
     setup_logging()
-    from raylign.rollout.rewards.base import RewardError
-
     try:
         command.runner()(cfg)
-    except (ValueError, FileNotFoundError, ConfigError, RewardError) as err:
+    except _user_facing_errors() as err:
         if os.environ.get("RAYLIGN_DEBUG"):
             raise
         logging.getLogger("raylign").error("%s (set RAYLIGN_DEBUG=1 for the traceback)", err)
         return 1
     return 0
+
+
+def _user_facing_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message says what went wrong and what to do: logged as one line, no traceback."""
+    from raylign.cluster import StartupError
+    from raylign.engine.checkpoint import CheckpointError
+    from raylign.rl.shared_dir import SharedDirectoryError
+    from raylign.rl.verify import AdapterMismatch, WeightSyncDrift
+    from raylign.rollout.rewards.base import RewardError
+
+    return (
+        ValueError,  # ConfigError, DataError and the checks of every command
+        FileNotFoundError,
+        ImportError,  # a missing optional package, named with its install command
+        FloatingPointError,  # too many steps in a row skipped for non-finite values
+        RewardError,
+        CheckpointError,
+        StartupError,
+        SharedDirectoryError,
+        WeightSyncDrift,
+        AdapterMismatch,
+    )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from pydantic import Field, model_validator
 
 from raylign.config.base import Section
 from raylign.config.data import DataConfig
-from raylign.config.engine import EngineConfig, refuse_quantized_base
+from raylign.config.engine import EngineConfig, refuse_unsupported_layouts
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.config.train import TrainConfig
@@ -23,12 +23,7 @@ class SFTConfig(Section):
 
     @model_validator(mode="after")
     def _tensor_parallel_needs(self) -> SFTConfig:
-        refuse_quantized_base(self.engine, self.model, "sft")
-        if self.engine.tensor_parallel_size > 1 and self.model.lora.rank > 0:
-            raise ValueError(
-                "engine.tensor_parallel_size > 1 does not support model.lora yet (the tensor-parallel plan splits "
-                "the base layers the adapters wrap); set model.lora.rank: 0 or engine.tensor_parallel_size: 1"
-            )
+        refuse_unsupported_layouts(self.engine, self.model, "sft")
         return self
 
     @model_validator(mode="after")

@@ -136,11 +136,26 @@ def refuse_sequence_parallel(engine: EngineConfig, command: str) -> None:
         )
 
 
-def refuse_quantized_base(engine: EngineConfig, model: Any, command: str) -> None:
-    """A 4-bit base (``model.lora.quantize_base``) trains on one process for now: FSDP2 and ZeRO would
-    have to shard bitsandbytes' packed weights and their quantisation state."""
+def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str) -> None:
+    """What an offline command cannot train yet, refused by name before anything starts:
+
+    * LoRA with tensor parallelism: the plan splits the base layers the adapters wrap;
+    * a 4-bit base (``model.lora.quantize_base``) on several processes: FSDP2 and ZeRO would have to
+      shard bitsandbytes' packed weights and their quantisation state; and for prm at all, whose
+      grown embedding has no full-precision original to merge the export into.
+    """
+    if engine.tensor_parallel_size > 1 and model.lora.rank > 0:
+        raise ValueError(
+            "engine.tensor_parallel_size > 1 does not support model.lora yet (the tensor-parallel plan splits "
+            "the base layers the adapters wrap); set model.lora.rank: 0 or engine.tensor_parallel_size: 1"
+        )
     if model.lora.quantize_base == "none":
         return
+    if command == "prm":
+        raise ValueError(
+            f"model.lora.quantize_base {model.lora.quantize_base!r}: prm grows the embedding by its step "
+            "separator, which a 4-bit base's export cannot merge into; use model.lora with quantize_base: none"
+        )
     if engine.backend != "local" or engine.num_processes > 1:
         raise ValueError(
             f"model.lora.quantize_base {model.lora.quantize_base!r}: {command} trains a 4-bit base on one process "

@@ -50,3 +50,16 @@ def test_unknown_command_exits_2(capsys):
 def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "raylign.cli.main", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "sft" in out.stdout and "quickstart" in out.stdout
+
+
+def test_a_run_stopped_by_a_known_fault_ends_in_one_line_and_exit_1(tmp_path):
+    """Faults the user can fix (here an output folder that cannot be written) end the command with
+    their message on one line, not a traceback; RAYLIGN_DEBUG=1 brings the traceback back."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    args = ["-m", "raylign.cli.main", "sft", "--model.path", "m", "--data.train", "[x.jsonl]"]
+    args += ["--train.output_dir", str(blocker / "run")]
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert f"train.output_dir {blocker}/run cannot be written (Not a directory)" in proc.stderr.splitlines()[-1]

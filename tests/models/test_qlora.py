@@ -114,6 +114,10 @@ def test_a_4bit_base_without_adapters_or_on_a_sharding_backend_is_refused(tiny_q
     sft = {"model": {"path": str(tiny_qwen2), "lora": {"rank": 4, "quantize_base": "nf4"}}, "data": {"train": ["x"]}}
     with pytest.raises(Exception, match="sft trains a 4-bit base on one process only for now"):
         parse_config(SFTConfig, {**sft, "engine": {"backend": "fsdp2"}})
+    from raylign.config.prm import PRMConfig
+
+    with pytest.raises(Exception, match="prm grows the embedding by its step separator"):
+        parse_config(PRMConfig, sft)
 
 
 def test_a_missing_bitsandbytes_is_named_with_the_install_command(tiny_qwen2):

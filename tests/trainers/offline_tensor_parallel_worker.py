@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMMANDS = ("rm", "prm", "dpo", "kto", "kd")
 
 
-def command_config(command: str, model_dir: str, out: Path, engine: dict[str, Any]):
+def command_config(command: str, model_dir: str, out: Path, engine: dict[str, Any], lora_rank: int = 0):
     """The command's shipped tiny example, on ``model_dir`` (the KD teacher: ``<model_dir>-teacher``),
     for STEPS steps."""
     from raylign.cli.main import COMMANDS as CLI
@@ -35,6 +35,7 @@ def command_config(command: str, model_dir: str, out: Path, engine: dict[str, An
         "train.logging.tensorboard": False,
         "optim.max_grad_norm": 0.5,  # clipping in play: the norm over every block of the mesh matters
         **{f"engine.{k}": v for k, v in engine.items()},
+        "model.lora.rank": lora_rank,
     }
     if command == "kd":
         overrides["teacher.path"] = f"{model_dir}-teacher"

@@ -65,3 +65,12 @@ def test_each_offline_command_trains_with_matrices_split_over_ranks_as_with_whol
         assert shapes == {command: [32, 64] for command in worker.COMMANDS}, (rank, shapes)
     # prm: 512 tokens + its step separator, padded to an even 514 rows for the split
     assert json.loads((tmp_path / "tp2" / "prm" / "final" / "config.json").read_text())["vocab_size"] == 514
+
+
+@pytest.mark.parametrize("command", worker.COMMANDS)
+def test_lora_with_tensor_parallel_is_refused_by_name_before_anything_starts(command, tmp_path):
+    from raylign.config.base import ConfigError
+
+    engine = {"backend": "fsdp2", "num_processes": 2, "tensor_parallel_size": 2}
+    with pytest.raises(ConfigError, match="engine.tensor_parallel_size > 1 does not support model.lora yet"):
+        worker.command_config(command, str(tmp_path), tmp_path / "out", {**engine}, lora_rank=4)
