@@ -135,6 +135,22 @@ def kv_bytes_per_token(model_path: str, dtype: str, hf: Any = None) -> int:
     return 2 * hf.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
+def check_cpu_head_size(model_path: str) -> None:
+    """vLLM's CPU attention runs some head sizes only; another one would kill the engine at its first
+    request, long after start-up. A ValueError naming the model, its head size and the sizes it takes."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    hf = _text_config(model_path)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise ValueError(
+            f"{model_path}: attention head size {head_dim} is not one vLLM's CPU attention runs "
+            f"({', '.join(map(str, supported))}); use rollout.engine: hf for this model, or a model with one of "
+            "those head sizes (raylign tiny-model --hidden_size 128 gives 32)"
+        )
+
+
 def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int | None) -> int:
     """The CPU KV cache for ``max_model_len`` (None: the model's own maximum): room for
     :data:`CPU_KV_CACHE_SEQUENCES` sequences of that length, at least :data:`CPU_DEFAULT_KV_CACHE_BYTES`
@@ -243,6 +259,8 @@ class VLLMEngine(RolloutEngine):
 
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config or {})
         self.on_cpu = current_platform.is_cpu()
+        if self.on_cpu:
+            check_cpu_head_size(str(model_path))
         self.llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**build_llm_kwargs(str(model_path), self.config, self.on_cpu, lora_rank))
         )

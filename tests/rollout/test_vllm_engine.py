@@ -180,3 +180,14 @@ def test_sleep_is_a_no_op_on_cpu(ray_session, untied_engine):
     ray_session.get(untied_engine.sleep.remote())
     ray_session.get(untied_engine.wake_up.remote())
     assert len(generate(ray_session, untied_engine, [PROMPTS[0]], max_new_tokens=2)) == 1
+
+
+def test_a_head_size_cpu_attention_cannot_run_is_refused_before_the_engine_starts(tmp_path):
+    """Head size 16 (the default tiny model): vLLM's CPU attention would fail at the first request."""
+    from raylign.models.tiny import build_tiny_model
+    from raylign.rollout.vllm_engine import check_cpu_head_size
+
+    small = build_tiny_model(tmp_path / "small", hidden_size=64, num_heads=4)  # 64 / 4 = 16
+    with pytest.raises(ValueError, match=r"small: attention head size 16 is not one vLLM's CPU attention runs \(32, "):
+        check_cpu_head_size(str(small))
+    check_cpu_head_size(str(build_tiny_model(tmp_path / "ok", hidden_size=64, num_heads=2)))  # 32: accepted
