@@ -22,13 +22,11 @@ called once when the episode ends, however it ends.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from raylign.user_code import load_callable
 
 Message = dict[str, Any]
 
@@ -103,32 +101,6 @@ async def call(method: Any, *args: Any) -> Any:
     if inspect.iscoroutinefunction(method):
         return await method(*args)
     return await asyncio.to_thread(method, *args)
-
-
-def load_callable(spec: str, setting: str) -> Any:
-    """What ``spec`` names: ``path/to/file.py:name`` or ``package.module:name`` (``setting`` for errors)."""
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"{setting}: {spec!r} must be 'path/to/file.py:Name' or 'package.module:Name'")
-    where, name = spec.split(":")
-    if where.endswith(".py"):
-        path = Path(where).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"{setting}: {path} does not exist")
-        module_name = f"raylign_user_{abs(hash(str(path.resolve())))}"
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        if module_spec is None or module_spec.loader is None:
-            raise ImportError(f"{setting}: cannot load {path} as a Python module")
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module  # so that what it defines pickles by reference within this process
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    found = getattr(module, name, None)
-    if found is None:
-        raise AttributeError(f"{setting}: {where} has no {name!r}")
-    if not callable(found):
-        raise TypeError(f"{setting}: {spec} is not callable")
-    return found
 
 
 def load_environment(spec: str) -> type:
