@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 T = TypeVar("T", bound="Section")
 
@@ -183,7 +183,34 @@ def save_yaml(config: BaseModel, path: str | Path) -> None:
     tmp.replace(path)
 
 
-def _type_text(annotation: Any) -> str:
+def registered(registry: str, builtin: tuple[str, ...], default: str, description: str) -> Any:
+    """A field that names a function of the algorithm library (``registry`` is the name of a
+    :mod:`raylign.algorithms.registry` registry): one of the ``builtin`` names, or one a plugin
+    registered (validated by :func:`check_registered`)."""
+    return Field(default, description=description, json_schema_extra={"registry": registry, "builtin": list(builtin)})
+
+
+def check_registered(section: type[BaseModel], field_name: str, name: str) -> str:
+    """``name`` if the registry behind ``section.field_name`` holds it, else a ValueError listing the
+    registered names. The algorithm library (and torch) is imported only for a name not built in."""
+    extra = section.model_fields[field_name].json_schema_extra
+    assert isinstance(extra, dict), f"{section.__name__}.{field_name} is not a registered() field"
+    if name in extra["builtin"]:  # type: ignore[operator]
+        return name
+    from raylign.algorithms import registry
+
+    functions = getattr(registry, str(extra["registry"]))
+    if name in functions:
+        return name
+    raise ValueError(
+        f"unknown {functions.kind} {name!r}; registered: {', '.join(functions.names())}. A name your own code "
+        "registers needs that code listed in `plugins` (a .py file or a module)"
+    )
+
+
+def _type_text(annotation: Any, extra: Any = None) -> str:
+    if isinstance(extra, dict) and "builtin" in extra:
+        return "one of " + " | ".join(extra["builtin"]) + " | a name a plugin registers"
     if get_origin(annotation) is Literal:
         return "one of " + " | ".join(str(a) for a in get_args(annotation))
     name = getattr(annotation, "__name__", None)
@@ -215,7 +242,7 @@ def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, s
             rows.append((dotted, "section", "", f"{field.description or ''} Each item has these fields:".strip()))
             rows.extend(describe_fields(item, dotted + "[]."))
             continue
-        type_text = _type_text(annotation)
+        type_text = _type_text(annotation, field.json_schema_extra)
         if field.is_required():
             default = "(required)"
         elif field.default_factory is not None:

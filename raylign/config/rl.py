@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from raylign.config.agent import AgentConfig
-from raylign.config.base import Section, deep_merge
+from raylign.config.base import Section, check_registered, deep_merge, registered
 from raylign.config.data import DatasetSpec
 from raylign.config.engine import EngineConfig
 from raylign.config.model import ModelConfig
@@ -21,26 +21,36 @@ from raylign.config.reward import RewardConfig
 from raylign.config.rollout import MAX_ENGINE_LORA_RANK, RolloutConfig, SamplingConfig
 from raylign.config.train import LoggingConfig
 
+# The algorithm library's built-in names of the functions a field below selects (a test checks them
+# against the registries); plugins may register more. Listed here so that a config loads without torch.
+ADVANTAGE_ESTIMATORS = (
+    "gae", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "grpo", "dr_grpo"
+)  # fmt: skip
 GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"}
+POLICY_LOSSES = ("ppo", "gspo")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant_normalizer")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 PresetName = Literal["ppo", "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "gspo", "dapo"]
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal[
-        "gae", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "grpo", "dr_grpo"
-    ] = Field("grpo", description="Advantage estimator (gae needs a critic).")
+    advantage: str = registered(
+        "ADVANTAGE_ESTIMATORS", ADVANTAGE_ESTIMATORS, "grpo", "Advantage estimator (gae needs a critic)."
+    )
     normalize_std: bool = Field(True, description="grpo: divide by the group's reward std (false: Dr.GRPO-style).")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
-    policy_loss: Literal["ppo", "gspo"] = Field(
+    policy_loss: str = registered(
+        "POLICY_LOSSES",
+        POLICY_LOSSES,
         "ppo",
-        description="ppo: token-level clipped surrogate; gspo: sequence-level ratio (geometric mean over tokens).",
+        "ppo: token-level clipped surrogate; gspo: sequence-level ratio (geometric mean over tokens).",
     )
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="Lower clip: ratio >= 1 - clip_eps_low.")
     clip_eps_high: float | None = Field(None, gt=0, description="Upper clip (clip-higher); None = clip_eps_low.")
     dual_clip_c: float | None = Field(None, gt=1, description="Dual-clip bound for negative advantages; None off.")
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant_normalizer"] = Field(
-        "token_mean", description="How token losses become the batch loss."
+    aggregation: str = registered(
+        "LOSS_AGGREGATIONS", LOSS_AGGREGATIONS, "token_mean", "How token losses become the batch loss."
     )
     constant_normalizer: float | None = Field(
         None, gt=0, description="constant_normalizer aggregation: divide token sums by this (default max_new_tokens)."
@@ -48,9 +58,11 @@ class AlgorithmConfig(Section):
     kl_mode: Literal["none", "reward", "loss"] = Field(
         "loss", description="KL to the reference policy: none, a per-token reward penalty, or a loss term."
     )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+    kl_estimator: str = registered(
+        "KL_ESTIMATORS",
+        KL_ESTIMATORS,
         "k3",
-        description="KL estimator (Schulman's k1/k2/k3); k3 is clamped at 10 per token (it grows as "
+        "KL estimator (Schulman's k1/k2/k3); k3 is clamped at 10 per token (it grows as "
         "exp(-log_ratio)), k1 and k2 are not clamped.",
     )
     kl_coef: float = Field(0.001, ge=0, description="KL coefficient (reward penalty or loss weight).")
@@ -85,6 +97,21 @@ class AlgorithmConfig(Section):
         1.0, description="kimi length penalty: a reward at or above this is a correct answer."
     )
     reward_clip: float | None = Field(None, gt=0, description="Clip rewards to [-c, c]; None disables.")
+
+    @field_validator("advantage", "policy_loss", "aggregation", "kl_estimator")
+    @classmethod
+    def _registered(cls, name: str, info: ValidationInfo) -> str:
+        assert info.field_name is not None
+        return check_registered(cls, info.field_name, name)
+
+    def estimator_needs(self, what: str) -> bool:
+        """Whether the advantage estimator's registration says it needs ``what`` (``needs_groups``,
+        ``needs_values``); built-in names are answered without importing the algorithm library."""
+        if self.advantage in ADVANTAGE_ESTIMATORS:
+            return {"needs_groups": self.advantage in GROUP_ESTIMATORS, "needs_values": self.advantage == "gae"}[what]
+        from raylign.algorithms import ADVANTAGE_ESTIMATORS as registry
+
+        return bool(registry.metadata(self.advantage).get(what))
 
 
 class CriticConfig(Section):
@@ -214,6 +241,13 @@ class RLTrainConfig(Section):
 class RLConfig(Section):
     """raylign rl: online RL with rollouts from vLLM (or HF) and rewards from functions, models or servers."""
 
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="Python files (path/to/file.py) or modules (package.module) imported before "
+        "the rest of the config is read, in the controller and in every training worker: the advantage "
+        "estimators, policy losses, loss aggregations and KL estimators they register can then be named "
+        "in algorithm. A file path is made absolute; on a cluster every node must be able to read it.",
+    )
     preset: PresetName = Field(
         "grpo",
         description="Algorithm defaults: ppo, grpo, dr_grpo, reinforce_pp, reinforce_pp_baseline, rloo, gspo, dapo.",
@@ -254,16 +288,22 @@ class RLConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _apply_preset(cls, data: Any) -> Any:
-        """The preset's settings under what was given, however the config is built (file, command line,
+    def _plugins_then_preset(cls, data: Any) -> Any:
+        """The plugins imported (so that the names they register validate below), then the preset's
+        settings under what was given, however the config is built (file, command line,
         ``RLConfig.model_validate``): each field given wins over the preset, the preset over the schema."""
         if not isinstance(data, dict):
             return data
+        plugins = data.get("plugins")
+        if isinstance(plugins, list) and all(isinstance(p, str) for p in plugins):  # else the field's check says
+            from raylign.plugins import import_plugins
+
+            data = {**data, "plugins": import_plugins(plugins)}
         return deep_merge(cls.preset_defaults(data), data)
 
     @property
     def uses_critic(self) -> bool:
-        return self.algorithm.advantage == "gae"
+        return self.algorithm.estimator_needs("needs_values")
 
     @property
     def uses_reference(self) -> bool:
@@ -361,7 +401,7 @@ class RLConfig(Section):
                 f"model.lora.rank {self.model.lora.rank}: vLLM serves adapters up to rank {MAX_ENGINE_LORA_RANK}; "
                 "use rollout.lora_sync: merged"
             )
-        if a.advantage in GROUP_ESTIMATORS and s.n < 2:
+        if a.estimator_needs("needs_groups") and s.n < 2:
             raise ValueError(
                 f"algorithm.advantage '{a.advantage}' compares samples of a prompt: "
                 f"sampling.n must be at least 2 (got {s.n})"
