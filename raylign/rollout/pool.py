@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import inspect
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -26,15 +28,16 @@ from typing import Any
 import torch
 
 from raylign.config.rollout import RolloutConfig, SamplingConfig
-from raylign.rollout.base import Completion, default_prompt_indices
+from raylign.rollout.base import Completion, RolloutEngine, default_prompt_indices
 from raylign.rollout.vllm_engine import VLLM_ENV_DEFAULTS
 from raylign.rollout.weight_sync import SyncStats, WeightSyncSender
 
 logger = logging.getLogger(__name__)
 
 
-def engine_class(name: str) -> type:
-    """The engine class behind ``rollout.engine``."""
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The engine class behind ``rollout.engine``: a built-in one (vllm, hf), or the
+    :class:`RolloutEngine` subclass ``path/to/file.py:Class`` or ``package.module:Class`` names."""
     if name == "vllm":
         from raylign.rollout.vllm_engine import VLLMEngine
 
@@ -43,7 +46,33 @@ def engine_class(name: str) -> type:
         from raylign.rollout.hf_engine import HFEngine
 
         return HFEngine
-    raise ValueError(f"rollout.engine: unknown engine {name!r}; allowed: 'vllm', 'hf'")
+    if ":" not in name:
+        raise ValueError(
+            f"rollout.engine: unknown engine {name!r}; allowed: 'vllm', 'hf', 'path/to/file.py:Class' "
+            "or 'package.module:Class'"
+        )
+    return user_engine_class(name)
+
+
+def user_engine_class(spec: str) -> type[RolloutEngine]:
+    """The engine class of the user's own that ``spec`` names, checked to be a concrete RolloutEngine.
+
+    A class from a file loaded by path lives in a module that no other process can import, so it is
+    registered to travel by value: Ray then ships its code, not its module's name, to the engine actors
+    (on any node, whether or not the file is there)."""
+    import ray.cloudpickle
+
+    from raylign.user_code import load_callable, loaded_from_file
+
+    cls = load_callable(spec, "rollout.engine")
+    if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
+        raise TypeError(f"rollout.engine: {spec} is {cls!r}, not a subclass of raylign.rollout.base.RolloutEngine")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise TypeError(f"rollout.engine: {spec} does not implement RolloutEngine's abstract methods {missing}")
+    if loaded_from_file(cls):
+        ray.cloudpickle.register_pickle_by_value(sys.modules[cls.__module__])
+    return cls
 
 
 def launch_engines(

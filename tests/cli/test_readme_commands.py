@@ -12,6 +12,8 @@ import re
 
 import pytest
 
+from raylign.trainers.metrics import read_metrics
+from raylign.trainers.plots import plot_quickstart_reward
 from tests.clean_run import REPO, fresh_clone, run_clean
 
 
@@ -40,6 +42,12 @@ def test_quickstart_as_written_learns_to_the_stated_targets(tmp_path):
     warmup_gain = summary["after_warmup"]["reward"] - summary["base_model"]["reward"]
     assert rl_gain > warmup_gain
     assert (out / "rl" / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The documentation's figure of this run (scripts/docs_plots.py): every step's reward, the held-out
+    # evaluations at the start and every 20 steps, the last of them the one summary.json reports.
+    drawn = plot_quickstart_reward(read_metrics(out / "rl"), tmp_path / "quickstart_reward.png", "this run")
+    assert [step for step, _ in drawn["reward/mean"]] == list(range(1, 81))
+    assert [step for step, _ in drawn["eval/all/reward_mean"]] == [0, 20, 40, 60, 80]
+    assert drawn["eval/all/reward_mean"][-1][1] == summary["after_rl"]["reward"]
     assert (out / "rl" / "final" / "config.json").exists()
     # The closing lines say in words what improved; logs are plain lines without a terminal.
     assert "RL raised the held-out mean reward" in proc.stderr
