@@ -66,7 +66,10 @@ def user_engine_class(spec: str) -> type[RolloutEngine]:
 
     cls = load_callable(spec, "rollout.engine")
     if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
-        raise TypeError(f"rollout.engine: {spec} is {cls!r}, not a subclass of raylign.rollout.base.RolloutEngine")
+        what = f"class {cls.__name__}" if isinstance(cls, type) else f"a {type(cls).__name__}"
+        raise TypeError(
+            f"rollout.engine: {spec} names {what}, which is not a subclass of raylign.rollout.base.RolloutEngine"
+        )
     if inspect.isabstract(cls):
         missing = ", ".join(sorted(cls.__abstractmethods__))
         raise TypeError(f"rollout.engine: {spec} does not implement RolloutEngine's abstract methods {missing}")

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from raylign.config.rollout import ENGINE_LORA_RANKS, RolloutConfig, SamplingConfig
+from raylign.engine.memory import ModelShape
 from raylign.hardware import resolve_and_log
 from raylign.rollout.base import (
     Completion,
@@ -128,24 +129,20 @@ def _text_config(model_path: str) -> Any:
 
 def kv_bytes_per_token(model_path: str, dtype: str, hf: Any = None) -> int:
     """KV-cache bytes one token takes: keys and values of every layer's KV heads."""
-    hf = hf or _text_config(model_path)
-    heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-    return 2 * hf.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    shape = ModelShape.from_config(hf or _text_config(model_path))
+    return 2 * shape.layers * shape.kv_heads * shape.dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def check_cpu_head_size(model_path: str) -> None:
+def check_cpu_head_size(model_path: str, hf: Any = None) -> None:
     """vLLM's CPU attention runs some head sizes only; another one would kill the engine at its first
     request, long after start-up. A ValueError naming the model, its head size and the sizes it takes."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    hf = _text_config(model_path)
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    head_size = ModelShape.from_config(hf or _text_config(model_path)).dim
     supported = CPUAttentionBackend.get_supported_head_sizes()
-    if head_dim not in supported:
+    if head_size not in supported:
         raise ValueError(
-            f"{model_path}: attention head size {head_dim} is not one vLLM's CPU attention runs "
+            f"{model_path}: attention head size {head_size} is not one vLLM's CPU attention runs "
             f"({', '.join(map(str, supported))}); use rollout.engine: hf for this model, or a model with one of "
             "those head sizes (raylign tiny-model --hidden_size 128 gives 32)"
         )
