@@ -276,6 +276,7 @@ def _user_facing_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message says what went wrong and what to do: logged as one line, no traceback."""
     from raylign.cluster import StartupError
     from raylign.engine.checkpoint import CheckpointError
+    from raylign.errors import MissingPackageError
     from raylign.rl.shared_dir import SharedDirectoryError
     from raylign.rl.verify import AdapterMismatch, WeightSyncDrift
     from raylign.rollout.rewards.base import RewardError
@@ -283,7 +284,7 @@ def _user_facing_errors() -> tuple[type[BaseException], ...]:
     return (
         ValueError,  # ConfigError, DataError and the checks of every command
         FileNotFoundError,
-        ImportError,  # a missing optional package, named with its install command
+        MissingPackageError,  # a missing optional package, named with its install command
         FloatingPointError,  # too many steps in a row skipped for non-finite values
         RewardError,
         CheckpointError,

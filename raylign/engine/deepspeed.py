@@ -41,6 +41,7 @@ from raylign.engine.checkpoint import CheckpointError
 from raylign.engine.distributed import ensure_process_group
 from raylign.engine.export import is_adapter_weight
 from raylign.engine.optim import build_param_groups, build_scheduler
+from raylign.errors import MissingPackageError
 
 CHECKPOINT_TAG = "zero"
 
@@ -72,7 +73,7 @@ def _import_deepspeed() -> Any:
         import deepspeed
     except ImportError as err:
         message = "the deepspeed backend needs the deepspeed package: pip install 'raylign[deepspeed]'"
-        raise ImportError(message) from err
+        raise MissingPackageError(message) from err
     return deepspeed
 
 

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from raylign.config.model import ModelConfig
+from raylign.errors import MissingPackageError
 from raylign.models.smollm2 import SMOLLM2_NAME, ensure_smollm2
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ def quantized_base_kwargs(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as err:
-        raise ImportError(
+        raise MissingPackageError(
             f"model.lora.quantize_base {cfg.lora.quantize_base!r} needs the bitsandbytes package, which is not "
             f"installed here ({err}); install it with: pip install bitsandbytes, or set quantize_base: none"
         ) from err

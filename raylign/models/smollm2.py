@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from raylign.errors import MissingPackageError
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
@@ -61,10 +63,6 @@ _TEMPLATE_PROBES = [
         {"role": "user", "content": "Bye"},
     ],
 ]
-
-
-class MissingPackageError(ImportError):
-    """A package the shipped SmolLM2 model needs is not installed; the message says how to install it."""
 
 
 def smollm2_cache_dir() -> Path:

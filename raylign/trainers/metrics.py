@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from raylign.config.train import LoggingConfig
+from raylign.errors import MissingPackageError
 
 log = logging.getLogger("raylign")
 
@@ -37,7 +38,7 @@ class MetricsLogger:
             try:
                 import wandb
             except ImportError:
-                raise RuntimeError(
+                raise MissingPackageError(
                     "logging.wandb is on but wandb is not installed: pip install 'raylign[wandb]'"
                 ) from None
             self._wandb = wandb.init(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from raylign.cli.main import main
@@ -63,3 +65,18 @@ def test_a_run_stopped_by_a_known_fault_ends_in_one_line_and_exit_1(tmp_path):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert f"train.output_dir {blocker}/run cannot be written (Not a directory)" in proc.stderr.splitlines()[-1]
+
+
+def test_a_setting_whose_package_is_missing_ends_in_one_line_naming_the_install(tied_model_dir, tmp_path):
+    """logging.wandb without wandb installed: the install command on one line, exit 1. Only a missing
+    optional package is reported that way; any other ImportError is a bug and keeps its traceback."""
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(f'{{"prompt": "a{i}", "completion": "b{i}"}}\n' for i in range(32)))
+    args = ["-m", "raylign.cli.main", "sft", "--model.path", str(tied_model_dir), "--data.train", f"[{data}]"]
+    args += ["--train.output_dir", str(tmp_path / "run"), "--train.logging.wandb", "true"]
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "wandb is not installed: pip install 'raylign[wandb]'" in proc.stderr.splitlines()[-1]
