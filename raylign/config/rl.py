@@ -296,7 +296,7 @@ class RLConfig(Section):
             return data
         plugins = data.get("plugins")
         if isinstance(plugins, list) and all(isinstance(p, str) for p in plugins):  # else the field's check says
-            from raylign.plugins import import_plugins
+            from raylign.user_code import import_plugins
 
             data = {**data, "plugins": import_plugins(plugins)}
         return deep_merge(cls.preset_defaults(data), data)
