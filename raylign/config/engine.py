@@ -127,23 +127,23 @@ class EngineConfig(Section):
         return self
 
 
-def refuse_sequence_parallel(engine: EngineConfig, command: str) -> None:
-    """For commands whose training path does not split rows across ranks yet."""
-    if engine.sequence_parallel_size > 1:
-        raise ValueError(
-            f"engine.sequence_parallel_size: {command} does not support sequence parallelism yet (sft "
-            f"and rl do); set it to 1 (got {engine.sequence_parallel_size})"
-        )
+SPLITS_ROWS = {"sft"}  # offline commands whose rows sequence parallelism splits over ranks
 
 
 def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str) -> None:
     """What an offline command cannot train yet, refused by name before anything starts:
 
+    * sequence parallelism, but in sft: the others' training paths do not split rows across ranks;
     * LoRA with tensor parallelism: the plan splits the base layers the adapters wrap;
     * a 4-bit base (``model.lora.quantize_base``) on several processes: FSDP2 and ZeRO would have to
       shard bitsandbytes' packed weights and their quantisation state; and for prm at all, whose
       grown embedding has no full-precision original to merge the export into.
     """
+    if engine.sequence_parallel_size > 1 and command not in SPLITS_ROWS:
+        raise ValueError(
+            f"engine.sequence_parallel_size: {command} does not support sequence parallelism yet (sft "
+            f"and rl do); set it to 1 (got {engine.sequence_parallel_size})"
+        )
     if engine.tensor_parallel_size > 1 and model.lora.rank > 0:
         raise ValueError(
             "engine.tensor_parallel_size > 1 does not support model.lora yet (the tensor-parallel plan splits "

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from raylign.config.base import Section
 from raylign.config.data import DataConfig
-from raylign.config.engine import EngineConfig, refuse_sequence_parallel, refuse_unsupported_layouts
+from raylign.config.engine import EngineConfig, refuse_unsupported_layouts
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.config.train import TrainConfig
@@ -62,6 +62,5 @@ class KDConfig(Section):
 
     @model_validator(mode="after")
     def _no_sequence_parallel(self) -> KDConfig:
-        refuse_sequence_parallel(self.engine, "kd")
         refuse_unsupported_layouts(self.engine, self.model, "kd")
         return self

@@ -6,7 +6,7 @@ from pydantic import Field, model_validator
 
 from raylign.config.base import Section
 from raylign.config.data import DataConfig
-from raylign.config.engine import EngineConfig, refuse_sequence_parallel, refuse_unsupported_layouts
+from raylign.config.engine import EngineConfig, refuse_unsupported_layouts
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.config.train import TrainConfig
@@ -51,7 +51,6 @@ class KTOConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> KTOConfig:
-        refuse_sequence_parallel(self.engine, "kto")
         refuse_unsupported_layouts(self.engine, self.model, "kto")
         if self.data.loss == "full":
             raise ValueError("data.loss 'full' does not apply to KTO (it scores the completion given the prompt)")

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from raylign.config.base import Section
 from raylign.config.data import DataConfig
-from raylign.config.engine import EngineConfig, refuse_sequence_parallel, refuse_unsupported_layouts
+from raylign.config.engine import EngineConfig, refuse_unsupported_layouts
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.config.train import TrainConfig
@@ -66,7 +66,6 @@ class RMConfig(Section):
 
     @model_validator(mode="after")
     def _pairs_have_no_loss_mode(self) -> RMConfig:
-        refuse_sequence_parallel(self.engine, "rm")
         refuse_unsupported_layouts(self.engine, self.model, "rm")
         if self.data.loss != "prompt_masked":
             raise ValueError("data.loss applies to sft only; a reward model scores whole pairs")
