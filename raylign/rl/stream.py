@@ -15,7 +15,8 @@ NaN or infinite (``reward.non_finite: drop``) is dropped and counted, and anothe
 How many groups may be started: the ``q``-th group to be trained on (0-based) goes into step
 ``q // prompts_per_step``, so once ``t`` groups have been trained on (``t / prompts_per_step``
 weight updates), a group started now can only be on time if
-``q < t + (max_staleness + 1) * prompts_per_step``; no more are started than that. (Counted
+``q < t + (max_staleness + 1) * prompts_per_step``; no more are started than that, nor any past
+the run's last step. (Counted
 from the groups trained, not from the engines' version number, so the bound holds whatever
 version the engines started at.) With ``max_staleness: 0`` this is the synchronous loop: one step's groups are started,
 all of them finish, the step trains, the weights are synced, the next step's groups start.
@@ -111,15 +112,18 @@ class RolloutFeed:
         max_uniform_per_step: int = 0,
         ordered: bool = False,
         request: Callable[[Prompt], Any] | None = None,
+        max_groups: int | None = None,
     ):
         """``request(prompt)`` is what the stream's ``submit`` gets for a prompt (default: its token ids;
-        an :class:`~raylign.rl.episodes.EpisodeStream` takes the prompt itself)."""
+        an :class:`~raylign.rl.episodes.EpisodeStream` takes the prompt itself). ``max_groups``: the
+        groups the whole run trains on (max_steps x per_step); none is started that no step would take."""
         self.request = request or _token_ids
         self.stream, self.prompts, self.positions, self.sampling = stream, prompts, positions, sampling
         self.per_step, self.k, self.stale = per_step, max_staleness, stale
         self.to_samples, self.score, self.uniform = to_samples, score, uniform
         self.max_uniform_per_step = max_uniform_per_step
         self.ordered = ordered
+        self.max_groups = max_groups
         self.ready: list[Group] = []
         self.started = 0  # groups started over the run
         self.discarded = 0  # of those, groups that will never be trained on
@@ -136,7 +140,10 @@ class RolloutFeed:
         while self.restarting:
             self._submit(*self.restarting.pop(0), version)
             self._restarted += 1
-        while self.started - self.discarded < self.trained + (self.k + 1) * self.per_step:
+        wanted = self.trained + (self.k + 1) * self.per_step
+        if self.max_groups is not None:
+            wanted = min(wanted, self.max_groups)
+        while self.started - self.discarded < wanted:
             self._submit(self.started, self.requeued.pop(0) if self.requeued else next(self.positions), version)
             self.started += 1
 

@@ -207,6 +207,7 @@ class RLTrainer:
             max_uniform_per_step=a.max_refill_rounds * cfg.train.prompts_per_step,
             ordered=r.reproducible,
             request=None if self.episodes is None else _prompt_itself,
+            max_groups=cfg.train.max_steps * cfg.train.prompts_per_step,
         )
         self.metrics = MetricsLogger(self.out, cfg.train.logging, dump)
         self.skipped = SkippedSteps(cfg.train.max_skipped_steps)

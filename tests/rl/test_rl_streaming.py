@@ -56,7 +56,9 @@ def _prompts(n: int = 8) -> list[Prompt]:
     return [Prompt(f"p{i}", [5 + i, 6, 7 + 2 * i, 8], None, "test", RowRef("test", i)) for i in range(n)]
 
 
-def _feed(engines, max_staleness: int, stale: str = "drop", max_new_tokens: int = 6) -> RolloutFeed:
+def _feed(
+    engines, max_staleness: int, stale: str = "drop", max_new_tokens: int = 6, max_groups: int | None = None
+) -> RolloutFeed:
     return RolloutFeed(
         GroupStream(RolloutPool(engines), timeout_s=120),
         _prompts(),
@@ -67,6 +69,7 @@ def _feed(engines, max_staleness: int, stale: str = "drop", max_new_tokens: int 
         stale,
         RLTrainer._group_samples,
         score=lambda samples: None,
+        max_groups=max_groups,
     )
 
 
@@ -95,6 +98,16 @@ def hf_engines(ray_session, rl_model_dir):
     )
     yield engines
     stop_engines(engines)
+
+
+def test_no_group_is_started_past_the_runs_last_step(hf_engines, weights):
+    """A run of 2 steps with max_staleness 2 would keep 3 steps' groups going; it starts exactly the
+    2 x PER_STEP its steps take, and nothing is left generating when it ends."""
+    version = ray.get(hf_engines[0].weight_version_now.remote())
+    feed = _feed(hf_engines, 2, max_groups=2 * PER_STEP)
+    taken = _run_steps(feed, hf_engines, 2, weights, start_version=version)
+    assert [len(step.groups) for _, step in taken] == [PER_STEP, PER_STEP]
+    assert feed.started == 2 * PER_STEP and len(feed.stream) == 0
 
 
 @pytest.mark.parametrize("max_staleness", [1, 2, 4])
