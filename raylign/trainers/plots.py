@@ -112,20 +112,26 @@ def plot_math_example(records: Sequence[dict[str, float]], out_png: str | Path, 
     return drawn
 
 
-ASYNC_BARS = (("step_s", "seconds per step (median)", "{:.2f}"), ("tokens_per_s", "generated tokens/s", "{:.0f}"))
+# A step's time follows how long the answers run, which differs between settings' runs: the length is drawn beside it.
+ASYNC_BARS = (
+    ("step_s", "seconds per step (median)", "{:.2f}"),
+    ("tokens_per_s", "generated tokens/s", "{:.0f}"),
+    ("len_mean", "mean response length (tokens)", "{:.1f}"),
+)
 
 
 def plot_async_throughput(
     rows: Sequence[dict[str, Any]], out_png: str | Path, caption: str, title: str
 ) -> dict[str, dict[str, float]]:
-    """``benchmarks/async_rl.py``'s result rows, one bar per setting: the median seconds of a step
-    and the generated tokens per second of wall time. Returns ``{"step_s": {setting: value}, ...}``."""
+    """``benchmarks/async_rl.py``'s result rows, one bar per setting: the median seconds of a step,
+    the generated tokens per second of wall time and the mean response length. Returns
+    ``{"step_s": {setting: value}, "tokens_per_s": ..., "len_mean": ...}``."""
     if not rows:
         raise ValueError("no result rows to plot")
     plt = _pyplot()
     settings = [row["setting"] for row in rows]
     drawn = {key: {row["setting"]: float(row[key]) for row in rows} for key, _, _ in ASYNC_BARS}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     colors = ["0.55" if setting == "sync" else "tab:blue" for setting in settings]
     for ax, (key, label, fmt) in zip(axes, ASYNC_BARS):
         values = [drawn[key][setting] for setting in settings]

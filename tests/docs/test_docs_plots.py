@@ -119,13 +119,13 @@ def test_an_evaluation_logged_after_later_steps_is_drawn_at_its_own_step(tmp_pat
     assert metric_points(records, "reward/mean") == [(2, 0.1), (3, 0.2)]
 
 
-def test_async_figure_draws_seconds_per_step_and_tokens_per_second_of_each_setting(tmp_path):
+def test_async_figure_draws_seconds_per_step_tokens_per_second_and_length_of_each_setting(tmp_path):
     # Rows as benchmarks/async_rl.py writes them to --json (other columns left out).
     report = {
         "tiny": [
-            {"setting": "sync", "step_s": 0.41, "generate": 0.17, "tokens_per_s": 228.0, "reward_last2": 0.081},
-            {"setting": "k=1", "step_s": 0.48, "generate": 0.0, "tokens_per_s": 350.0, "reward_last2": 0.084},
-            {"setting": "k=2+partial", "step_s": 0.56, "generate": 0.0, "tokens_per_s": 328.0, "reward_last2": 0.151},
+            {"setting": "sync", "step_s": 0.41, "generate": 0.17, "tokens_per_s": 228.0, "len_mean": 5.1},
+            {"setting": "k=1", "step_s": 0.48, "generate": 0.0, "tokens_per_s": 350.0, "len_mean": 5.4},
+            {"setting": "k=2+partial", "step_s": 0.56, "generate": 0.0, "tokens_per_s": 328.0, "len_mean": 11.1},
         ]
     }
     (tmp_path / "results.json").write_text(json.dumps(report))
@@ -135,8 +135,9 @@ def test_async_figure_draws_seconds_per_step_and_tokens_per_second_of_each_setti
     assert drawn == {
         "step_s": {"sync": 0.41, "k=1": 0.48, "k=2+partial": 0.56},
         "tokens_per_s": {"sync": 228.0, "k=1": 350.0, "k=2+partial": 328.0},
+        "len_mean": {"sync": 5.1, "k=1": 5.4, "k=2+partial": 11.1},
     }
-    assert read_png(png) == (380, 1000)
+    assert read_png(png) == (380, 1200)
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="reads /proc/cpuinfo")
