@@ -8,9 +8,9 @@ from what that run logged (the trainers' metrics.jsonl, the benchmark's JSON res
   async       python benchmarks/async_rl.py --steps 6 --prompts-per-step 8 -> docs/img/async_throughput.png
 
 The targets run one after the other: each uses every core. On 2 CPU cores the quickstart takes
-about 4 minutes, the math example 11-15 and the benchmark about 15. Under each figure a caption
-line names the machine (CPU model, cores, AMX / AVX-512 / AVX2 flags, a GPU if any), the day the
-run ended and the command.
+about 4 minutes, the math example 11-15 and the benchmark about 10, longer while other work shares
+the cores. Under each figure a caption line names the machine (CPU model, cores, AMX / AVX-512 /
+AVX2 flags, a GPU if any), the day the run ended and the command.
 
     python scripts/docs_plots.py                      # all three
     python scripts/docs_plots.py --only quickstart

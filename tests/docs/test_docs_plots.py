@@ -1,4 +1,5 @@
-"""The documentation's figures: what their renderers draw from a run's records.
+"""The documentation's figures: what their renderers draw from a run's records, and that the
+images in docs/img and the pages that show them match.
 
 The records are written by the trainers' own ``MetricsLogger`` and read back with
 ``read_metrics``, as ``scripts/docs_plots.py`` reads a run's ``metrics.jsonl``.
@@ -6,8 +7,11 @@ The records are written by the trainers' own ``MetricsLogger`` and read back wit
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
+import sys
 from datetime import date
 from pathlib import Path
 
@@ -23,8 +27,12 @@ from raylign.trainers.plots import (
     plot_math_example,
     plot_quickstart_reward,
 )
+from tests.clean_run import REPO
 
+DOCS = REPO / "docs"
+IMAGES = DOCS / "img"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)\s]+)")
 
 
 def logged(tmp_path: Path, steps: list[tuple[int, dict[str, float]]]) -> list[dict[str, float]]:
@@ -152,3 +160,33 @@ def test_the_caption_names_the_cpu_its_cores_its_vector_and_bf16_flags_and_the_d
     for flag in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
         assert (flag in caption) == (flag in flags), flag
     assert caption.endswith("2026-01-02")
+
+
+def image_links() -> dict[Path, list[str]]:
+    """Every page under docs/ -> the images it shows (Markdown ``![alt](path)``), as written."""
+    return {page: IMAGE_LINK.findall(page.read_text()) for page in sorted(DOCS.rglob("*.md"))}
+
+
+def test_every_image_in_docs_img_is_shown_by_a_page_and_every_image_shown_exists():
+    shown = set()
+    for page, links in image_links().items():
+        for link in links:
+            path = (page.parent / link).resolve()
+            assert path.is_file(), f"{page.relative_to(REPO)} shows {link}, which does not exist"
+            shown.add(path)
+    in_img = {path.resolve() for path in IMAGES.iterdir()}
+    assert sorted(p.name for p in in_img - shown) == [], "images in docs/img that no page shows"
+
+
+def test_each_docs_figure_is_in_docs_img_small_and_named_with_the_command_that_remakes_it():
+    spec = importlib.util.spec_from_file_location("docs_plots", REPO / "scripts" / "docs_plots.py")
+    assert spec is not None and spec.loader is not None
+    docs_plots = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = docs_plots  # its dataclass looks its module up there
+    spec.loader.exec_module(docs_plots)
+    pages = "\n".join(page.read_text() for page in image_links())
+    for name, target in docs_plots.TARGETS.items():
+        png = IMAGES / target.png
+        assert png.read_bytes()[:8] == PNG_SIGNATURE, png
+        assert png.stat().st_size < 150 * 1024, f"{png} is {png.stat().st_size} bytes"
+        assert f"python scripts/docs_plots.py --only {name}`" in pages, name
