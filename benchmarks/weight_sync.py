@@ -4,8 +4,8 @@ What an RL step's sync does, without the rest of the step: this process plays th
 and sends the model's weights (bf16 by default, a tied output head once) to one rollout engine
 actor through :class:`~raylign.rollout.weight_sync.WeightSyncSender`, ``--syncs`` times. Each sync
 packs the weights into buckets with their checksums, broadcasts them over a gloo group, and the
-engine checks and loads them (vLLM: ``reload_weights``, with the CPU backend's repacking of its
-linear layers) between two scheduler steps.
+engine checks and loads them (vLLM: through its weight-transfer API on raylign's gloo backend,
+whose layerwise reload repacks the CPU backend's linear layers) between two scheduler steps.
 
 Printed, as medians over the syncs after the first (warm-up):
 

@@ -16,6 +16,7 @@ import copy
 import math
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from raylign.engine.export import (
     is_adapter_weight,
     merge_adapter_folder,
     to_hf_state_dict,
+    without_tied_output,
     write_adapter_folder,
     write_hf_folder,
 )
@@ -160,6 +162,15 @@ class TrainEngine(ABC):
         if not is_main_process():
             return {}
         return to_hf_state_dict(raw, self.hf_model, self.model_dtype)
+
+    def iter_full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a weight sync sends: :meth:`full_state_dict` without a tied output head (it travels
+        once, as the embedding), one tensor at a time, on rank 0; nothing elsewhere.
+
+        Collective: every rank iterates it to the end, in step with the others. Backends that can
+        gather one parameter at a time (FSDP2) hold one gathered tensor at a time; this default
+        gathers the whole model first."""
+        yield from without_tied_output(self.full_state_dict(), self.hf_model).items()
 
     def adapter_state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """A LoRA model's adapter weights, unsharded, under PEFT's saved names in ``model_dtype``,

@@ -145,8 +145,9 @@ def to_hf_state_dict(
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in raw.items()}
 
 
-def _tied_output_key(model: PreTrainedModel) -> str | None:
+def tied_output_key(model: torch.nn.Module) -> str | None:
     """Name of the output-embedding weight when the config ties it to the input embedding."""
+    model = base_hf_model(model)
     if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         return None
     output = model.get_output_embeddings()
@@ -160,7 +161,7 @@ def without_tied_output(state_dict: dict[str, torch.Tensor], model: torch.nn.Mod
     """``state_dict`` without the output embedding when ``model``'s config ties it to the input
     embedding (state dicts list the one tensor under both names): what a checkpoint stores and a
     weight sync sends, once."""
-    tied_key = _tied_output_key(base_hf_model(model))
+    tied_key = tied_output_key(model)
     return {k: v for k, v in state_dict.items() if k != tied_key}
 
 

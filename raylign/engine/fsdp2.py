@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,7 +46,7 @@ from raylign.config.engine import EngineConfig
 from raylign.config.optim import OptimConfig
 from raylign.engine.base import TrainEngine, floating_dtype
 from raylign.engine.distributed import ensure_process_group
-from raylign.engine.export import is_adapter_weight
+from raylign.engine.export import is_adapter_weight, tied_output_key
 from raylign.engine.optim import build_adamw, build_scheduler, clip_grad_norm, move_optimizer_state
 
 DCP_FOLDER = "dcp"
@@ -317,6 +318,25 @@ class FSDP2Engine(TrainEngine):
     def _gather_state_dict(self) -> dict[str, torch.Tensor]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.module, options=options)
+
+    def iter_full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each parameter all-gathered on its own, on the device, and handed out before the next is
+        gathered: rank 0 holds one full tensor at a time, never the whole model. A LoRA model (whose
+        merge needs a layer's base and adapter together) and CPU-offloaded shards on a GPU take the
+        whole-model gather instead."""
+        offloaded_on_gpu = self.device.type != "cpu" and isinstance(self.offload_policy, CPUOffloadPolicy)
+        if hasattr(self.hf_model, "get_base_model") or offloaded_on_gpu:
+            yield from super().iter_full_state()
+            return
+        tied = tied_output_key(self.hf_model)
+        main = not dist.is_initialized() or dist.get_rank() == 0
+        for name, tensor in self.module.state_dict().items():
+            if name == tied:
+                continue
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # every rank, in the same order
+            if main:
+                yield name, (full.to(self.model_dtype) if full.is_floating_point() else full).detach()
+            del full
 
     def _gather_adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """Each adapter tensor all-gathered on its own (every rank, in the same order); rank 0 keeps them."""

@@ -315,13 +315,15 @@ class ModelWorker:
             self._pool.reconnect_weight_sync(replaced)
 
     def sync_weights(self, version: int | None = None, only: list[int] | None = None) -> dict[str, float]:
-        """Collective over the policy ranks: gather full weights, then rank 0 pushes them in buckets
-        to the engine actors (all, or the engines ``only``), or (colocated) every rank loads them into
-        its own engine; the engines label them ``version`` (the controller's count of updates). A
+        """Collective over the policy ranks: gather full weights while rank 0 pushes them in buckets
+        to the engine actors (all, or the engines ``only``), or (colocated) gather them, then every rank
+        loads them into its own engine; the engines label them ``version`` (the controller's count of updates). A
         LoRA policy with ``rollout.lora_sync: adapter`` gathers and sends its adapter weights only."""
         from raylign.engine.export import without_tied_output
 
         start = time.perf_counter()
+        if self._local_engine is None and not self.cfg.syncs_adapters:
+            return self._stream_weights(version, only)
         adapter: dict[str, Any] | None = None
         if self.cfg.syncs_adapters:
             state, adapter = self.engine.adapter_state_dict()
@@ -343,6 +345,32 @@ class ModelWorker:
         )
         return {
             "sync/gather_s": gathered - start,
+            "sync/total_s": time.perf_counter() - start,
+            **{f"sync/{k}": float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))},
+        }
+
+    def _stream_weights(self, version: int | None, only: list[int] | None) -> dict[str, float]:
+        """Full weights to the engine actors as they are gathered (:meth:`TrainEngine.iter_full_state`):
+        rank 0 packs each tensor into the buckets while the next one is gathered. ``sync/gather_s`` is
+        the time spent gathering, inside ``sync/total_s``."""
+        from raylign.rollout.weight_sync import TimedIterator
+
+        start = time.perf_counter()
+        stream = self.engine.iter_full_state()
+        if self.rank != 0:
+            for _ in stream:  # the gathers are collectives: keep in step with rank 0
+                pass
+            return {}
+        gather = TimedIterator(stream)
+        try:
+            stats = self._pool.sync_weights(
+                gather, keep_running=self.cfg.rollout.partial_rollouts, version=version, only=only
+            )
+        finally:
+            for _ in stream:  # a sync that failed part-way: the other ranks still gather the rest
+                pass
+        return {
+            "sync/gather_s": gather.seconds,
             "sync/total_s": time.perf_counter() - start,
             **{f"sync/{k}": float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))},
         }

@@ -100,6 +100,24 @@ def with_tied_lm_head(
             yield LM_HEAD_NAME, tensor
 
 
+class TimedIterator:
+    """Iterates ``source``, adding up in :attr:`seconds` the time spent producing its items
+    (a weight stream's gathering, apart from what its consumer does with them)."""
+
+    def __init__(self, source: Iterable[tuple[str, torch.Tensor]]):
+        self.source, self.seconds = iter(source), 0.0
+
+    def __iter__(self) -> TimedIterator:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        start = time.perf_counter()
+        try:
+            return next(self.source)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
 def check_receipts(
     receipts: Sequence[SyncReceipt], sent: SentSync, version: int | None, indices: Sequence[int], label: str
 ) -> None:

@@ -119,6 +119,23 @@ def save_weights(engine, path: Path) -> None:
         torch.save(state, path)
 
 
+def save_streamed(engine, path: Path) -> None:
+    """What a weight sync sends (``iter_full_state``), in order, and the most gathered tensors the
+    stream kept alive at once: each yielded tensor is dropped here at once, so a stream that holds
+    one tensor at a time shows 1."""
+    import weakref
+
+    names, tensors, refs, held = [], {}, [], 0
+    for name, tensor in engine.iter_full_state():
+        held = max(held, 1 + sum(ref() is not None for ref in refs))
+        names.append(name)
+        tensors[name] = tensor.clone()
+        refs.append(weakref.ref(tensor))
+        del tensor
+    if get_rank() == 0:
+        torch.save({"names": names, "tensors": tensors, "held_at_once": held}, path)
+
+
 def reference_then_resume(args: argparse.Namespace, run: str, out: Path, vocab_size: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     reference = build_engine(args, run)
@@ -127,6 +144,7 @@ def reference_then_resume(args: argparse.Namespace, run: str, out: Path, vocab_s
         reference_log.append(train_step(reference, step, vocab_size))
         save_step_checkpoint(reference, out / "reference_ckpt", step, {"step": step}, keep_last=2)
     save_weights(reference, out / "reference_weights.pt")
+    save_streamed(reference, out / "streamed_weights.pt")
     reference.export_hf(out / "export", tokenizer)
     del reference
 

@@ -84,6 +84,7 @@ def crash_then_resume(runs: list[str], model_dir: Path, out: Path, nproc: int) -
         result = json.loads((out / run / "result.json").read_text())
         result["reference_weights"] = torch.load(out / run / "reference_weights.pt")
         result["resumed_weights"] = torch.load(out / run / "resumed_weights.pt")
+        result["streamed"] = torch.load(out / run / "streamed_weights.pt")
         result["export"] = out / run / "export"
         results[run] = result
     return results
@@ -153,3 +154,30 @@ def test_sharded_backend_export_reloads_and_generates(run, sharded_results, loca
     assert_export_loads_and_generates(result["export"], result["reference_weights"])
     # The gathered weights are the trained ones: they match the single-process run's.
     assert_export_loads_and_generates(result["export"], local_result["reference_weights"], atol=WEIGHT_ATOL)
+
+
+def assert_stream_is_the_full_state(result: dict, model_dir: Path) -> None:
+    """The weight-sync stream holds the full state's tensors, in its order, bitwise, less a tied head."""
+    from transformers import AutoConfig
+
+    full, streamed = result["reference_weights"], result["streamed"]
+    tied = AutoConfig.from_pretrained(model_dir).tie_word_embeddings
+    expected = [name for name in full if not (tied and name == "lm_head.weight")]
+    assert streamed["names"] == expected
+    for name in expected:
+        assert torch.equal(streamed["tensors"][name], full[name]), name
+
+
+@pytest.mark.slow
+def test_local_weight_stream_is_the_full_state(local_result, tiny_model_dir):
+    assert_stream_is_the_full_state(local_result, tiny_model_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", RUN_PARAMS)
+def test_sharded_weight_stream_is_the_full_state(run, sharded_results, tiny_model_dir):
+    assert_stream_is_the_full_state(sharded_results[run], tiny_model_dir)
+    if run in FSDP2_RUNS:
+        # Gathered one parameter at a time: rank 0 never held two gathered tensors at once.
+        assert sharded_results[run]["streamed"]["held_at_once"] == 1
