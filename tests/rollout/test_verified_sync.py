@@ -2,7 +2,7 @@
 worker extension. A bucket damaged on the way is caught by its checksum and named; each engine
 reports the version it holds and the checksum of what it received; its probe scores are those of
 a plain fp32 forward; a peer that dies mid-sync ends the sync with an error well within the
-timeout, on either side."""
+timeout, on either side, and an engine whose trainer died keeps serving."""
 
 from __future__ import annotations
 
@@ -170,8 +170,9 @@ def test_an_engine_that_dies_mid_sync_ends_the_sync_naming_it_long_before_the_ti
     print(f"an engine killed mid-sync failed the sync after {elapsed:.1f} s")
 
 
+@pytest.mark.parametrize("kind", ENGINES)
 def test_a_trainer_that_dies_mid_sync_frees_the_engine_with_an_error_naming_the_sync(
-    ray_session, tied_model_dir, trainer
+    kind, ray_session, tied_model_dir, trainer
 ):
     ray = ray_session
 
@@ -189,7 +190,7 @@ def test_a_trainer_that_dies_mid_sync_frees_the_engine_with_an_error_naming_the_
             out.finish(out.start(next(self.sender.pack(self.named_tensors))))
             time.sleep(600)
 
-    (engine,) = launch_engines(tied_model_dir, _config("hf"), env_vars=ENV)
+    (engine,) = launch_engines(tied_model_dir, _config(kind), env_vars=ENV)
     try:
         sending = Trainer.remote(engine, [(n, t.detach().clone()) for n, t in trainer.named_parameters()])
         ray.get(sending.__ray_ready__.remote(), timeout=120)  # the engine has joined its group
@@ -204,6 +205,9 @@ def test_a_trainer_that_dies_mid_sync_frees_the_engine_with_an_error_naming_the_
         assert elapsed < 20 + 10, f"the engine waited {elapsed:.0f} s after the trainer died (group timeout 20 s)"
         assert "holds partly updated weights" in str(raised.value)
         assert ray.get(engine.weight_version_now.remote(), timeout=60) == 0  # alive, and not claiming version 2
+        # It still serves (vLLM finished its layerwise reload: every layer has weights, old or new).
+        completions = ray.get(engine.generate.remote(PROMPTS, SamplingConfig(max_new_tokens=3)), timeout=120)
+        assert len(completions) == 2 and all(1 <= len(c.response_token_ids) <= 3 for c in completions)
         print(f"a trainer killed mid-sync freed the engine after {elapsed:.1f} s")
     finally:
         stop_engines([engine])
