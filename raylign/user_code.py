@@ -75,6 +75,12 @@ def load_callable(spec: str, setting: str) -> Any:
     return found
 
 
+def absolute_file(spec: str) -> str:
+    """A user's file path, absolute, so that processes started elsewhere (worker processes, other
+    nodes) find the same file whatever their working directory."""
+    return str(Path(spec).expanduser().resolve())
+
+
 def import_plugins(specs: list[str], setting: str = "plugins") -> list[str]:
     """Import every plugin in order, once per process; the specs with file paths made absolute (so
     that worker processes, whatever their working directory, import the same files)."""
@@ -87,7 +93,7 @@ def import_plugins(specs: list[str], setting: str = "plugins") -> list[str]:
             path = Path(spec).expanduser()
             if not path.is_file():  # a ValueError, which a config validator reports as a config error
                 raise UserCodeError(f"{where}: {spec} does not exist (relative to {Path.cwd()})")
-            spec = str(path.resolve())
+            spec = absolute_file(spec)
         import_user_module(spec, where)
         resolved.append(spec)
     return resolved

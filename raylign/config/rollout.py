@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -193,7 +192,12 @@ class RolloutConfig(Section):
                 "must be 'vllm', 'hf', or an engine class of your own: 'path/to/file.py:Class' or "
                 "'package.module:Class'"
             )
-        return f"{os.path.abspath(os.path.expanduser(where))}:{name}" if is_file else value
+        if not is_file:
+            return value
+        from raylign.user_code import absolute_file
+
+        # Not checked for existence here: engine actors on other nodes validate the config again.
+        return f"{absolute_file(where)}:{name}"
 
     def with_room_for(self, longest_prompt: int, new_tokens: int) -> RolloutConfig:
         """This config, with ``max_model_len`` set to what a run needs when the user left it unset."""
