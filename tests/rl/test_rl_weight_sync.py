@@ -1,10 +1,12 @@
 """After one policy update and a weight sync, the rollout engine samples from the trained policy.
 
-For each training backend (``local`` on one rank, ``fsdp2`` and DeepSpeed ZeRO-3 on two) the
-pieces the controller uses are driven directly: a policy ``WorkerGroup``, ``connect_engines`` to
-an hf engine actor, one ``train_policy`` step on hand-made micro-batches, ``sync_weights``. Then
-the engine's greedy log-probs of fixed prompts must equal the workers' ``compute_logprobs`` of
-the same sequences.
+For each training backend (``local`` on one rank, ``fsdp2`` and DeepSpeed ZeRO-3 on two) and each
+engine (hf; vLLM, which takes the weights through its weight-transfer API on raylign's gloo
+backend) the pieces the controller uses are driven directly: a policy ``WorkerGroup``,
+``connect_engines`` to the engine actor, one ``train_policy`` step on hand-made micro-batches,
+``sync_weights``. Then the engine's greedy log-probs of fixed prompts must equal the workers'
+``compute_logprobs`` of the same sequences. The model has tied embeddings (vLLM on CPU keeps a
+separately repacked output head, which must follow).
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ pytestmark = pytest.mark.slow
 
 ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41], [100, 7, 300, 12]]
-# Both sides run the same fp32 torch model; only the order of floating-point sums differs (the
-# engine decodes token by token with a KV cache, the worker runs one packed forward). fp32
-# rounding is ~6e-8 relative per operation; on every backend the measured gaps are at most 1e-6
-# (a few ulps of log-probs near -5). One step at lr 1e-2 moves these log-probs by about 0.5, so
-# an engine left with stale weights fails by far.
+# hf engine: both sides run the same fp32 torch model; only the order of floating-point sums
+# differs (the engine decodes token by token with a KV cache, the worker runs one packed forward).
+# fp32 rounding is ~6e-8 relative per operation; on every backend the measured gaps are at most
+# 1e-6 (a few ulps of log-probs near -5), so 1e-5. One step at lr 1e-2 moves these log-probs by
+# about 0.5, so an engine left with stale weights fails by far.
 LOGPROB_TOL = 1e-5
 STALE_GAP = 1e-2
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -48,11 +50,28 @@ BACKENDS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(ray_session, rl_model_dir):
-    config = RolloutConfig(engine="hf", dtype="float32", sync_timeout_s=60)
+# The vLLM engine takes the weights through vLLM's weight-transfer API (raylign's gloo backend)
+# and computes with its own CPU kernels (repacked GEMMs, paged attention): against the torch
+# forward its fp32 log-probs differ by < 5e-6 on these models (tests/rollout/test_vllm_engine.py).
+ENGINES = [
+    pytest.param(("hf", LOGPROB_TOL), id="hf"),
+    pytest.param(
+        ("vllm", 1e-4),
+        id="vllm",
+        marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request, ray_session, rl_model_dir):
+    """An engine actor and the log-prob tolerance against the trainer's forward."""
+    kind, tolerance = request.param
+    config = RolloutConfig(
+        engine=kind, dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=256, sync_timeout_s=60
+    )
     (engine,) = launch_engines(rl_model_dir, config, env_vars=ENV)
-    yield engine
+    yield engine, tolerance
     stop_engines([engine])
 
 
@@ -100,12 +119,13 @@ def test_engine_matches_the_trained_policy_after_sync(
         rl_model_dir, prompt_file, tmp_path / "run", backend, workers, zero_stage=zero_stage, optim={"lr": 1e-2}
     )
     cfg["model"]["lora"]["rank"] = lora_rank
+    engine, tolerance = engine
     group = WorkerGroup("policy", cfg, workers, 1, None, env=ENV)
     try:
         group.call("connect_engines", [engine])
         group.call("sync_weights")  # the initial weights: whatever an earlier test left in the engine is gone
         initial = _greedy(ray_session, engine)
-        assert _gap(initial, _trainer_logprobs(group, initial)) <= LOGPROB_TOL
+        assert _gap(initial, _trainer_logprobs(group, initial)) <= tolerance
 
         samples, per_token = _training_batch(rl_model_dir)
         stats = group.call_sharded("train_policy", shard_for_ranks(samples, per_token, workers, max_tokens=16))
@@ -118,6 +138,6 @@ def test_engine_matches_the_trained_policy_after_sync(
         assert all(s == {} for s in sync[1:])  # only rank 0 talks to the engines
 
         trained = _greedy(ray_session, engine)
-        assert _gap(trained, _trainer_logprobs(group, trained)) <= LOGPROB_TOL
+        assert _gap(trained, _trainer_logprobs(group, trained)) <= tolerance
     finally:
         group.kill()

@@ -1,0 +1,81 @@
+"""One rank of an FSDP2 policy measuring what a weight sync's gather costs in resident memory.
+
+Run under ``python -m torch.distributed.run --nproc_per_node 2``. Each rank measures how far its
+resident memory rises (Linux's VmHWM, reset through ``/proc/self/clear_refs`` before each
+measurement, against VmRSS at that moment) while it iterates :meth:`TrainEngine.iter_full_state`
+to the end, dropping every tensor as it arrives (as the bucket packer does), and then while it
+takes :meth:`TrainEngine.full_state_dict` (what a sync held before the stream). Each is run once
+untimed first, so that lazy imports and allocator set-up do not count. Rank 0 writes
+``<out>/stream_memory.json`` with every rank's figures and the sizes of the streamed tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from raylign.config.engine import EngineConfig
+from raylign.config.model import ModelConfig
+from raylign.config.optim import OptimConfig
+from raylign.engine import create_engine, init_distributed
+from raylign.models import load_causal_lm
+
+
+def resident(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def rise_while(action) -> int:
+    """How far the resident high-water mark rose above the resident size while ``action()`` ran."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets VmHWM to the current resident size
+    before = resident("VmRSS:")
+    action()
+    return resident("VmHWM:") - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    init_distributed(600)
+    torch.set_num_threads(1)
+    model = load_causal_lm(ModelConfig(path=args.model_dir, dtype="float32"))
+    engine = create_engine(model, EngineConfig(backend="fsdp2"), OptimConfig(lr=1e-3), total_steps=1)
+    sizes: list[int] = []
+
+    def stream() -> None:
+        sizes.clear()
+        for _, tensor in engine.iter_full_state():
+            sizes.append(tensor.numel() * tensor.element_size())
+            del tensor
+
+    def whole() -> None:
+        state = engine.full_state_dict()
+        del state
+
+    stream()
+    stream_rise = rise_while(stream)
+    whole()
+    whole_rise = rise_while(whole)
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {"stream_rise": stream_rise, "whole_rise": whole_rise})
+    if dist.get_rank() == 0:
+        result = {"ranks": ranks, "largest": max(sizes), "total": sum(sizes), "tensors": len(sizes)}
+        (Path(args.out) / "stream_memory.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
