@@ -91,8 +91,10 @@ class RolloutConfig(Section):
     enable_prefix_caching: bool = Field(
         True, description="Reuse KV blocks of shared prompt prefixes (the n samples of a prompt share them)."
     )
-    enable_sleep_mode: bool = Field(
-        False, description="GPU only: let sleep() free weights and KV cache while training runs on the same GPUs."
+    enable_sleep_mode: bool | None = Field(
+        None,
+        description="GPU only: let vLLM free its weights and KV cache while training runs on the same GPUs. "
+        "Default: on for the engines of placement.colocate, off for engines of their own.",
     )
     bucket_mb: float = Field(
         32.0, gt=0.0, le=4096.0, description="Weight-sync bucket bound in MiB (0-4096]; larger tensors go alone."

@@ -226,8 +226,10 @@ class TrainEngine(ABC):
 
     # ------------------------------------------------------------------ colocation
 
-    def offload(self) -> None:  # noqa: B027 - a no-op is right for backends whose state stays on the CPU
-        """Move parameters and optimizer state to the CPU (no-op where they already are)."""
+    def offload(self, keep_weights: bool = False) -> None:  # noqa: B027 - a no-op is right where state stays on the CPU
+        """Move parameters and optimizer state to the CPU (no-op where they already are). With
+        ``keep_weights`` the model's weights stay (a weight sync gathers them next); a later call
+        without it moves them too."""
 
     def onload(self) -> None:  # noqa: B027
         """Undo :meth:`offload`."""

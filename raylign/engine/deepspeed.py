@@ -281,12 +281,18 @@ class DeepSpeedZeroEngine(TrainEngine):
                             gathered[key] = tensor.detach().to("cpu", copy=True)
         return gathered
 
-    def offload(self) -> None:
+    def offload(self, keep_weights: bool = False) -> None:
         """ZeRO states (weights, fp32 masters, optimizer moments, grads) to the CPU with DeepSpeed's
-        ``offload_states``. No-op on CPU runs, and with ``offload_params`` (already on the CPU)."""
-        if self.device.type != "cpu" and not self.offload_params:
-            self.engine.offload_states(pin_memory=True)
-            torch.cuda.empty_cache()
+        ``offload_states``; with ``keep_weights`` all but the (partitioned) model weights. No-op on CPU
+        runs, and with ``offload_params`` (already on the CPU)."""
+        if self.device.type == "cpu" or self.offload_params:
+            return
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+        # DeepSpeed skips states offloaded already: a later call without keep_weights moves the weights alone.
+        states = [s for s in OffloadStateTypeEnum if not (keep_weights and s == OffloadStateTypeEnum.lp_params)]
+        self.engine.offload_states(include=states, pin_memory=True)
+        torch.cuda.empty_cache()
 
     def onload(self) -> None:
         if self.device.type != "cpu" and not self.offload_params:

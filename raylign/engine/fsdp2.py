@@ -350,10 +350,11 @@ class FSDP2Engine(TrainEngine):
                 gathered[name] = full.detach().to("cpu", copy=True)
         return gathered
 
-    def offload(self) -> None:
+    def offload(self, keep_weights: bool = False) -> None:
         """Sharded parameters and optimizer state to the CPU; no-op on CPU runs or with CPU offload."""
         if self._moves_needed():
-            self.module.to("cpu")
+            if not keep_weights:
+                self.module.to("cpu")
             move_optimizer_state(self.optimizer, torch.device("cpu"))
             torch.cuda.empty_cache()
 

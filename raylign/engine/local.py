@@ -117,17 +117,18 @@ class LocalEngine(TrainEngine):
     def _gather_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
-    def offload(self) -> None:
+    def offload(self, keep_weights: bool = False) -> None:
         """Parameters, fp32 masters and optimizer state to the CPU (nothing to do on a CPU run)."""
-        self._move_to(torch.device("cpu"))
+        self._move_to(torch.device("cpu"), weights=not keep_weights)
 
     def onload(self) -> None:
         self._move_to(self.device)
 
-    def _move_to(self, device: torch.device) -> None:
+    def _move_to(self, device: torch.device, weights: bool = True) -> None:
         if self.device.type == "cpu":
             return
-        self.module.to(device)
+        if weights:
+            self.module.to(device)
         if self.master is not None:
             self.master.to(device)
         move_optimizer_state(self.optimizer, device)

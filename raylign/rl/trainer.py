@@ -11,6 +11,7 @@ engines keep generating while the policy trains.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -79,6 +80,9 @@ class RLTrainer:
         self.groups: dict[str, Any] = {}
         self.early_reference: EarlyReference | None = None  # set up in setup() when the run uses it
         self.syncs = 0  # weight syncs sent to the engines (their weight_version once received)
+        # Colocated placement: the phase the devices were last made room for, and what of the engines sleeps.
+        self._room: str | None = None
+        self._asleep: set[str] = set()
         self.events: list[tuple[str, int, float]] = []  # (what, step, time.time()): when each step's phases began
         self.group_log: list[tuple[int, int, float]] = []  # (step, group seq, time.time() its engine finished it)
         self._pending_evals: list[tuple[int, int, Any]] = []  # (step, weight version, request) started, not logged
@@ -600,8 +604,7 @@ class RLTrainer:
         is replaced first (:meth:`_restart_engines`) and the sync is sent again: the others had been
         sent part of it."""
         colocate = self.cfg.placement.colocate
-        if colocate:
-            self.pool.wake_up()
+        self._make_room_for("sync")
         version = self.syncs + 1
         try:
             results = self.groups["policy"].call("sync_weights", version)
@@ -617,6 +620,7 @@ class RLTrainer:
         every = self.cfg.rollout.verify_every
         if every and version % every == 0:
             return {**results[0], **self.verify_sync(version)}
+        self._make_room_for("generation")
         return results[0]
 
     def verify_sync(self, version: int) -> dict[str, float]:
@@ -627,7 +631,9 @@ class RLTrainer:
             names = [f"rollout engine {i}" for i in range(len(self.pool.engines))]
         limit = self.cfg.rollout.verify_max_logprob_diff
         adapter = self.cfg.syncs_adapters
-        return verify_sync(self.pool, self.groups["policy"], self.probe_tokens, version, names, limit, adapter)
+        # Colocated: the policy scores with its weights still in place, the engines once they have their cache.
+        between = functools.partial(self._make_room_for, "generation") if self.cfg.placement.colocate else None
+        return verify_sync(self.pool, self.groups["policy"], self.probe_tokens, version, names, limit, adapter, between)
 
     def _engine_lora_rank(self) -> int:
         """The LoRA rank the engines serve adapters of; 0 when they take merged full weights."""
@@ -662,18 +668,32 @@ class RLTrainer:
         self.engine_restarts += len(dead)
 
     def _make_room_for(self, phase: str) -> None:
-        """Colocated placement (the hybrid engine): only one side holds its memory at a time.
+        """Colocated placement (the hybrid engine): the trainers and the engines share the devices, so
+        each phase first moves out what it does not need, then brings in what it does, and the two
+        sides never hold all their memory at once:
 
-        Before generation the training workers offload weights and optimizer state; before
-        experience and training the engines in the policy workers sleep (free weights and KV
-        cache; a no-op where the engine cannot sleep, e.g. vLLM on CPU). They wake up for the next
-        weight sync."""
-        if not self.cfg.placement.colocate:
+        * ``sync``: the training groups offload their optimizer state (the reference and critic their
+          weights too); the policy keeps its weights, which the sync gathers; the engines wake their weights;
+        * ``generation``: the policy's weights go as well; the engines wake their KV cache;
+        * ``training``: the engines sleep (weights and cache); the training groups load everything back.
+
+        A phase entered twice in a row moves nothing. Where an engine cannot sleep (vLLM on the CPU,
+        ``rollout.enable_sleep_mode: false``, the hf engine) its part is a no-op."""
+        if not self.cfg.placement.colocate or phase == self._room:
             return
-        for group in self.groups.values():
-            group.call("offload" if phase == "generation" else "onload")
         if phase == "training":
             self.pool.sleep()
+            self._asleep = {"weights", "kv_cache"}
+            for group in self.groups.values():
+                group.call("onload")
+        else:
+            for role, group in self.groups.items():
+                group.call("offload", phase == "sync" and role == "policy")
+            waking = {"weights"} if phase == "sync" else {"weights", "kv_cache"}
+            if waking & self._asleep:
+                self.pool.wake_up(sorted(waking & self._asleep))
+                self._asleep -= waking
+        self._room = phase
 
     # ---- evaluation, checkpoints ---------------------------------------------------------
 
@@ -684,6 +704,7 @@ class RLTrainer:
         step trains; they are collected before its weight sync, so they are generated by the weights
         of the step they were started at, and logged under it."""
         cfg = self.cfg
+        self._make_room_for("generation")
         sampling = cfg.sampling.model_copy(
             update={
                 "n": cfg.train.eval_n,

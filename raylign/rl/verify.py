@@ -36,7 +36,7 @@ sets a tighter value from the logged ``sync/probe_logprob_diff_max``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from raylign.rollout.base import TokenScores
@@ -167,15 +167,21 @@ def verify_sync(
     names: Sequence[str],
     max_diff: float | None,
     adapter: bool = False,
+    between: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Score ``probe`` on every engine of ``pool`` and on the ``policy`` worker group (every rank
     takes part; rank 0's answer), the two at once, then :func:`compare_probe`; with ``adapter`` (the
     engines serve the policy's LoRA adapter) both also without it, for :func:`compare_adapter_shift`.
+    With ``between`` the policy scores first, then ``between()`` runs (a colocated run moves the
+    policy's weights out and wakes the engines' cache there), then the engines score.
     Adds the time it took."""
     start = time.perf_counter()
-    submitted = pool.submit_score(probe)
+    submitted = pool.submit_score(probe) if between is None else None
     scored = policy.call("score_probe", probe)[0]
     scored_base = policy.call("score_probe", probe, True)[0] if adapter else None
+    if between is not None:
+        between()
+        submitted = pool.submit_score(probe)
     engines = pool.scores(submitted)
     metrics = compare_probe(version, scored, engines, names, max_diff)
     if scored_base is not None:

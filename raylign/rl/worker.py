@@ -386,7 +386,10 @@ class ModelWorker:
         self._engine_loop = asyncio.new_event_loop()
         threading.Thread(target=self._engine_loop.run_forever, name="rollout-engine-loop", daemon=True).start()
         lora_rank = self.cfg.model.lora.rank if self.cfg.syncs_adapters else 0
-        self._local_engine = engine_class(self.cfg.rollout.engine)(model_path, self.cfg.rollout, lora_rank)
+        rollout = self.cfg.rollout
+        if rollout.enable_sleep_mode is None:  # a colocated engine sleeps by phase unless told otherwise
+            rollout = rollout.model_copy(update={"enable_sleep_mode": True})
+        self._local_engine = engine_class(rollout.engine)(model_path, rollout, lora_rank)
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -470,9 +473,9 @@ class ModelWorker:
         if self._local_engine is not None:
             self._on_engine_loop(self._local_engine.sleep(level))
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         if self._local_engine is not None:
-            self._on_engine_loop(self._local_engine.wake_up())
+            self._on_engine_loop(self._local_engine.wake_up(tags))
 
     def reset_prefix_cache(self) -> None:
         if self._local_engine is not None:
@@ -509,9 +512,9 @@ class ModelWorker:
             "weight_bytes": sum(p.numel() * p.element_size() for p in local),
         }
 
-    def offload(self) -> None:
+    def offload(self, keep_weights: bool = False) -> None:
         if self.engine is not None:
-            self.engine.offload()
+            self.engine.offload(keep_weights)
 
     def onload(self) -> None:
         if self.engine is not None:

@@ -202,8 +202,10 @@ class RolloutEngine(ABC):
         """Free weights / KV cache while the devices train; a logged no-op where unsupported."""
         log_once(f"{type(self).__name__}: sleep() is not supported here; the engine stays loaded")
 
-    async def wake_up(self) -> None:
-        """Undo :meth:`sleep`; a no-op where unsupported."""
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo :meth:`sleep`, for all the engine's memory or for ``tags`` only (vLLM's ``"weights"``,
+        ``"kv_cache"``: a colocated run wakes the weights for the sync, the cache once the trainer has
+        moved out); a no-op where unsupported."""
         log_once(f"{type(self).__name__}: wake_up() is not supported here; nothing to do")
 
     async def weight_version_now(self) -> int:

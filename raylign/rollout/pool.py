@@ -349,8 +349,8 @@ class RolloutPool:
     def sleep(self, level: int = 1) -> None:
         self._call_all("sleep", level)
 
-    def wake_up(self) -> None:
-        self._call_all("wake_up")
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call_all("wake_up", tags)
 
 
 @dataclass

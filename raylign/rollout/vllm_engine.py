@@ -501,10 +501,10 @@ class VLLMEngine(RolloutEngine):
             return
         await self.llm.sleep(level=level)
 
-    async def wake_up(self) -> None:
+    async def wake_up(self, tags: list[str] | None = None) -> None:
         if self.on_cpu or not self.config.enable_sleep_mode:
             return
-        await self.llm.wake_up()
+        await self.llm.wake_up(tags=tags)
 
     async def shutdown(self) -> None:
         """Stop the engine core process (before the actor is killed); remove the adapters' folders."""

@@ -147,3 +147,65 @@ def test_a_run_generates_with_the_users_engine_in_its_engine_actor(ray_session, 
     assert len(pids) == 1 and os.getpid() not in pids  # one engine actor, not this process
     # Step 1's four groups were generated with the weights the engine loaded, step 2's with the first sync's.
     assert [g["version"] for g in groups[:8]] == [0] * 4 + [1] * 4
+
+
+ORDERED_ENGINE = """
+import json
+
+from raylign.rollout.hf_engine import HFEngine
+
+
+class OrderedEngine(HFEngine):
+    \"\"\"The hf engine, noting each call that moves its memory or uses it, in order.\"\"\"
+
+    def _note(self, event):
+        with open({record!r}, "a") as f:
+            f.write(json.dumps(event) + "\\n")
+
+    async def sleep(self, level=1):
+        self._note("sleep")
+        await super().sleep(level)
+
+    async def wake_up(self, tags=None):
+        self._note("wake " + "+".join(tags or ["all"]))
+        await super().wake_up(tags)
+
+    async def update_weights(self, named_tensors, keep_running=False, version=None):
+        self._note("sync")
+        return await super().update_weights(named_tensors, keep_running, version)
+
+    async def score(self, token_ids, base=False):
+        self._note("probe")
+        return await super().score(token_ids, base)
+
+    async def _group(self, prompt, sampling, index):
+        self._note("generate")
+        return await super()._group(prompt, sampling, index)
+"""
+
+
+@pytest.mark.slow
+def test_a_colocated_run_wakes_and_sleeps_its_users_engine_in_order(ray_session, tied_model_dir, tmp_path):
+    """placement.colocate with an engine of the user's own, in the policy worker's process: each sync
+    wakes the engine's weights before the weights arrive and its KV cache only after, once the
+    policy has scored the sync's probe and moved out; the engine sleeps before training."""
+    from raylign.rl.trainer import RLTrainer
+    from raylign.tasks.strings import make_string_rows
+    from tests.rl.rl_helpers import resolve, rl_config_data
+
+    record = tmp_path / "events.jsonl"
+    engine_file = tmp_path / "ordered.py"
+    engine_file.write_text(ORDERED_ENGINE.format(record=str(record)))
+    prompts = tmp_path / "prompts.jsonl"
+    rows = make_string_rows("copy", 8, seed=0)
+    prompts.write_text("".join(json.dumps({"prompt": r["prompt"], "label": r["completion"]}) + "\n" for r in rows))
+    data = rl_config_data(tied_model_dir, prompts, tmp_path / "run")
+    data["rollout"]["engine"] = f"{engine_file}:OrderedEngine"
+    data["placement"] = {**data.get("placement", {}), "colocate": True}
+    data["algorithm"] = {"kl_mode": "none", "kl_coef": 0.0}  # no reference workers to start
+    RLTrainer(resolve(tmp_path, data)).run()
+
+    events = [json.loads(line) for line in record.read_text().splitlines()]
+    collapsed = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]  # one "generate" per phase
+    one_step = ["generate", "sleep", "wake weights", "sync", "wake kv_cache", "probe"]
+    assert collapsed == one_step * 2, events
