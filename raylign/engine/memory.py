@@ -195,3 +195,49 @@ def parameter_count(shape: ModelShape) -> str:
     """``shape``'s parameters as people say them (0.49B, 135M)."""
     n = shape.params()
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+class PhasePeak:
+    """The peak memory of the work inside ``with PhasePeak(device) as peak:``, as :attr:`bytes` once it ends.
+
+    On a CUDA device: the most memory torch's allocator had allocated on it (its peak counter, reset
+    at the start). Elsewhere: the resident memory of this process at its highest (Linux's ``VmHWM``,
+    reset at the start through ``/proc/self/clear_refs``), so the figure includes everything the process
+    holds, not only what the phase allocated. None where neither can be read.
+    """
+
+    def __init__(self, device: Any):
+        self.device = device
+        self.bytes: int | None = None
+
+    def __enter__(self) -> PhasePeak:
+        import torch
+
+        if getattr(self.device, "type", None) == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as refs:
+                    refs.write("5")  # the high-water mark starts again from the resident size
+            except OSError:
+                pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        if getattr(self.device, "type", None) == "cuda":
+            self.bytes = int(torch.cuda.max_memory_allocated(self.device))
+        else:
+            self.bytes = _resident_high_water_mark()
+
+
+def _resident_high_water_mark() -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -79,18 +79,20 @@ class WorkerGroup:
         """Rank r gets ``per_rank[r]``; results in rank order."""
         return self._results(method, [getattr(w, method).remote(arg) for w, arg in zip(self.workers, per_rank)])
 
-    def call_in_phase(self, method: str, per_rank: list[Any], threads: list[int]) -> tuple[list[Any], list[int]]:
-        """:meth:`call_sharded`, rank r computing on ``threads[r]`` torch threads; the results and the
-        threads each rank reported (``ModelWorker.in_phase``), in rank order."""
+    def call_in_phase(
+        self, method: str, per_rank: list[Any], threads: list[int]
+    ) -> tuple[list[Any], list[int], list[int | None]]:
+        """:meth:`call_sharded`, rank r computing on ``threads[r]`` torch threads; the results, the
+        threads and the peak memory each rank reported (``ModelWorker.in_phase``), in rank order."""
         return self.phase_results(method, self.submit_in_phase(method, per_rank, threads))
 
     def submit_in_phase(self, method: str, per_rank: list[Any], threads: list[int]) -> list[Any]:
         """:meth:`call_in_phase` without waiting: the calls in flight, for :meth:`phase_results`."""
         return [w.in_phase.remote(n, method, arg) for w, n, arg in zip(self.workers, threads, per_rank)]
 
-    def phase_results(self, method: str, refs: list[Any]) -> tuple[list[Any], list[int]]:
+    def phase_results(self, method: str, refs: list[Any]) -> tuple[list[Any], list[int], list[int | None]]:
         answers = self._results(method, refs)
-        return [result for result, _ in answers], [used for _, used in answers]
+        return [a[0] for a in answers], [a[1] for a in answers], [a[2] for a in answers]
 
     def _results(self, method: str, refs: list[Any]) -> list[Any]:
         """The ranks' answers, waiting at most ``placement.worker_call_timeout_s``."""

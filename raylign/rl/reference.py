@@ -47,6 +47,7 @@ class EarlyReference:
         self.keep_steps = keep_steps
         self.threads = threads or [1] * len(group)
         self.threads_used: list[int] = []  # what the ranks reported for the passes :meth:`collect` gathered
+        self.peaks: list[int | None] = []  # and the peak memory they reported
         self._passes: dict[int, _Pass] = {}  # id(sample) -> its pass (which holds the sample: ids stay unique)
 
     def submit(self, samples: list[Sample], step: int) -> None:
@@ -67,10 +68,11 @@ class EarlyReference:
         if any(p is None or not any(x is s for x in p.samples) for p, s in zip(passes, samples)):
             return None
         rows: dict[int, torch.Tensor] = {}
-        self.threads_used = []
+        self.threads_used, self.peaks = [], []
         for p in {id(p): p for p in passes if p is not None}.values():
-            results, used = self.group.phase_results("compute_logprobs", p.calls)
+            results, used, peaks = self.group.phase_results("compute_logprobs", p.calls)
             self.threads_used += used
+            self.peaks += peaks
             for rank_plan, rank_results in zip(p.plan, results):
                 for micro, values in zip(rank_plan, rank_results):
                     for row, i in enumerate(micro):

@@ -91,6 +91,7 @@ class RLTrainer:
         self.shaping = RewardShaping(cfg)  # running reward statistics, checkpointed
         self.threads: dict[str, list[int]] = {}  # torch threads of each role's ranks in its phases (setup)
         self._threads_used: dict[str, list[int]] = {}  # phase -> the threads its ranks reported, this step
+        self._peaks: dict[str, list[int | None]] = {}  # phase -> the peak memory its ranks reported, this step
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -333,7 +334,7 @@ class RLTrainer:
         cfg = self.cfg
         timings: dict[str, float] = {"time/reward_s": 0.0}
         self._timings = timings
-        self._threads_used = {}
+        self._threads_used, self._peaks = {}, {}
         start = time.perf_counter()
         self.events.append(("rollout", self.step + 1, time.time()))
         samples, gen_metrics = self.rollout()
@@ -366,6 +367,7 @@ class RLTrainer:
             **sync_metrics,
             **timings,
             **{f"threads/{phase}": float(min(used)) for phase, used in self._threads_used.items()},
+            **peak_memory_metrics(self._peaks),
             "time/step_s": elapsed,
             "throughput/tokens_per_s": tokens / elapsed,
             "reward/worker_restarts": float(self.reward.restarts if self.reward is not None else 0),
@@ -488,6 +490,7 @@ class RLTrainer:
             early = self.early_reference.collect(samples, width) if self.early_reference is not None else None
             if early is not None:
                 self._threads_used.setdefault("reference_early", []).extend(self.early_reference.threads_used)
+                self._peaks.setdefault("reference_early", []).extend(self.early_reference.peaks)
             ref = early if early is not None else self._forward_all("reference", "compute_logprobs", samples)
         values = self._forward_all("critic", "compute_values", samples) if cfg.uses_critic else None
         rollout_lp = response_tensor([s.rollout_logprobs for s in samples], width)
@@ -555,8 +558,9 @@ class RLTrainer:
         decided for it (``self.threads``); the fewest a rank reported goes to the step's ``threads/<phase>``."""
         tp = len(self.groups[role]) // len(per_shard)
         per_rank = [shard for shard in per_shard for _ in range(tp)]
-        results, used = self.groups[role].call_in_phase(method, per_rank, self.threads[role])
+        results, used, peaks = self.groups[role].call_in_phase(method, per_rank, self.threads[role])
         self._threads_used.setdefault(phase, []).extend(used)
+        self._peaks.setdefault(phase, []).extend(peaks)
         return results[::tp]
 
     def _count_skipped(self, metrics: dict[str, float]) -> None:
@@ -816,3 +820,14 @@ def _rewarded_by_env(samples: list[Sample]) -> None:
 
 def run_rl(cfg: RLConfig) -> dict[str, float]:
     return RLTrainer(cfg).run()
+
+
+def peak_memory_metrics(peaks: dict[str, list[int | None]]) -> dict[str, float]:
+    """``peak_memory_gb/<phase>``: the highest peak any rank reported for the phase this step, in GB
+    (10^9 bytes); phases no rank could measure are left out."""
+    out = {}
+    for phase, values in peaks.items():
+        known = [v for v in values if v is not None]
+        if known:
+            out[f"peak_memory_gb/{phase}"] = max(known) / 1e9
+    return out

@@ -162,12 +162,17 @@ class ModelWorker:
         """Compute on ``threads`` torch threads from now on (the colocated engine too: it runs in this process)."""
         torch.set_num_threads(threads)
 
-    def in_phase(self, threads: int, method: str, *args: Any) -> tuple[Any, int]:
+    def in_phase(self, threads: int, method: str, *args: Any) -> tuple[Any, int, int | None]:
         """``method(*args)`` computed on ``threads`` torch threads (the controller's share of the cores
-        free during this phase); its result, and the threads torch reports at its end."""
+        free during this phase); its result, the threads torch reports at its end, and the peak memory
+        while it ran (:class:`~raylign.engine.memory.PhasePeak`: the device's on a GPU, the process's
+        resident memory on the CPU)."""
+        from raylign.engine.memory import PhasePeak
+
         torch.set_num_threads(threads)
-        result = getattr(self, method)(*args)
-        return result, torch.get_num_threads()
+        with PhasePeak(self.device) as peak:
+            result = getattr(self, method)(*args)
+        return result, torch.get_num_threads(), peak.bytes
 
     # ---- forward passes ----------------------------------------------------------------
 

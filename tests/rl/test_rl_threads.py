@@ -5,6 +5,8 @@ meanwhile (the rollout engines, when they generate beside training), unless
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from raylign.rl.placement import phase_threads, threads_per_worker
@@ -82,3 +84,10 @@ def test_a_pinned_thread_count_is_what_each_phase_computes_with(ray_session, rl_
     # GRPO is on-policy, so its experience phase has no pass left: the reference's ran during generation.
     assert [(r["threads/reference_early"], r["threads/train"]) for r in records] == [(1, 1), (1, 1)]
     assert all("threads/experience" not in r for r in records)
+    # Each phase also reports its ranks' peak memory (on the CPU the worker process's resident peak:
+    # at least torch and the model, at most the machine).
+    total_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    for r in records:
+        peaks = {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("peak_memory_gb/")}
+        assert set(peaks) == {"reference_early", "train"}
+        assert all(0.1 < v < total_gb for v in peaks.values()), peaks
