@@ -24,14 +24,7 @@ from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.engine import create_engine, init_distributed
 from raylign.models import load_causal_lm
-
-
-def resident(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
+from tests.engine.memory_probe import resident
 
 
 def rise_while(action) -> int:

@@ -3,8 +3,8 @@
 2 gloo ranks, a model of 8 layers of width 512 (about 25M parameters, 101 MB in fp32) whose largest
 weight (an MLP projection, 1536 x 512) is 3.1 MB. Gathering one parameter costs a rank at most three
 tensors of that parameter's full size at once (the all-gather's buffer, the tensor reassembled from
-its shards, one transient copy; measured on 2026-12-03: rank 0 rose by 9.0 MiB, exactly three of the
-largest weight), so the stream's rise in resident memory must stay under three times the largest
+its shards, one transient copy; measured on 2026-12-03: rank 0 rose by 6.1 and 9.0 MiB in two runs, two
+and three times the largest weight), so the stream's rise in resident memory must stay under three times the largest
 weight plus allocator slack. Gathering the whole model first, as syncs did before, rises by at least
 the model (measured: 100.2 MiB).
 """
