@@ -22,19 +22,6 @@ class SFTConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Loop, batching, evaluation, checkpoints.")
 
     @model_validator(mode="after")
-    def _tensor_parallel_needs(self) -> SFTConfig:
-        refuse_unsupported_layouts(self.engine, self.model, "sft")
-        return self
-
-    @model_validator(mode="after")
-    def _sequence_parallel_needs(self) -> SFTConfig:
-        if self.engine.sequence_parallel_size == 1:
-            return self
-        if not self.data.packing:
-            raise ValueError("engine.sequence_parallel_size > 1 splits packed rows: data.packing must be true")
-        if self.model.gradient_checkpointing:
-            raise ValueError(
-                "engine.sequence_parallel_size > 1 does not support model.gradient_checkpointing yet "
-                "(the recomputed attention would not see the other ranks' chunks)"
-            )
+    def _layouts_it_can_train(self) -> SFTConfig:
+        refuse_unsupported_layouts(self.engine, self.model, "sft", packing=self.data.packing)
         return self

@@ -102,7 +102,7 @@ class DPOConfig(Section):
 
     @model_validator(mode="after")
     def _pairs_have_no_loss_mode(self) -> DPOConfig:
-        refuse_unsupported_layouts(self.engine, self.model, "dpo")
+        refuse_unsupported_layouts(self.engine, self.model, "dpo", packing=self.data.packing)
         if self.data.loss != "prompt_masked":
             raise ValueError("data.loss applies to sft only; preference losses score the responses")
         return self

@@ -49,8 +49,8 @@ class EngineConfig(Section):
         1,
         ge=1,
         description="Ranks that share one packed row, each running a contiguous chunk of it, with ring attention "
-        "across them (attention never crosses packed samples). Data-parallel ranks = ranks / this. sft (with "
-        "data.packing) and rl (the policy), with engine.backend fsdp2; 1 turns it off.",
+        "across them (attention never crosses packed samples). Data-parallel ranks = ranks / this. sft, dpo "
+        "and kto (with data.packing) and rl (the policy and critic), with engine.backend fsdp2; 1 turns it off.",
     )
 
     tensor_parallel_size: int = Field(
@@ -127,23 +127,33 @@ class EngineConfig(Section):
         return self
 
 
-SPLITS_ROWS = {"sft"}  # offline commands whose rows sequence parallelism splits over ranks
+SPLITS_ROWS = {"sft", "dpo", "kto"}  # offline commands whose rows sequence parallelism splits over ranks
 
 
-def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str) -> None:
+def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str, packing: bool = True) -> None:
     """What an offline command cannot train yet, refused by name before anything starts:
 
-    * sequence parallelism, but in sft: the others' training paths do not split rows across ranks;
+    * sequence parallelism, but in sft, dpo and kto: the others' training paths do not split rows
+      across ranks; and there, unpacked data (it splits packed rows) or gradient checkpointing (the
+      recomputed attention would not see the other ranks' chunks);
     * LoRA with tensor parallelism: the plan splits the base layers the adapters wrap;
     * a 4-bit base (``model.lora.quantize_base``) on several processes: FSDP2 and ZeRO would have to
       shard bitsandbytes' packed weights and their quantisation state; and for prm at all, whose
       grown embedding has no full-precision original to merge the export into.
     """
-    if engine.sequence_parallel_size > 1 and command not in SPLITS_ROWS:
-        raise ValueError(
-            f"engine.sequence_parallel_size: {command} does not support sequence parallelism yet (sft "
-            f"and rl do); set it to 1 (got {engine.sequence_parallel_size})"
-        )
+    if engine.sequence_parallel_size > 1:
+        if command not in SPLITS_ROWS:
+            raise ValueError(
+                f"engine.sequence_parallel_size: {command} does not support sequence parallelism yet "
+                f"({', '.join(sorted(SPLITS_ROWS))} and rl do); set it to 1 (got {engine.sequence_parallel_size})"
+            )
+        if not packing:
+            raise ValueError("engine.sequence_parallel_size > 1 splits packed rows: data.packing must be true")
+        if model.gradient_checkpointing:
+            raise ValueError(
+                "engine.sequence_parallel_size > 1 does not support model.gradient_checkpointing yet "
+                "(the recomputed attention would not see the other ranks' chunks)"
+            )
     if engine.tensor_parallel_size > 1 and model.lora.rank > 0:
         raise ValueError(
             "engine.tensor_parallel_size > 1 does not support model.lora yet (the tensor-parallel plan splits "

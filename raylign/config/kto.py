@@ -51,7 +51,7 @@ class KTOConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> KTOConfig:
-        refuse_unsupported_layouts(self.engine, self.model, "kto")
+        refuse_unsupported_layouts(self.engine, self.model, "kto", packing=self.data.packing)
         if self.data.loss == "full":
             raise ValueError("data.loss 'full' does not apply to KTO (it scores the completion given the prompt)")
         if self.kto.estimate_kl and self.train.micro_batch_size < 2:

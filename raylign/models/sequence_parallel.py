@@ -15,6 +15,9 @@ Next-token targets cross chunk boundaries (the last token of chunk r predicts th
 r + 1), so they are taken from the whole row before it is cut: each chunk carries
 ``target_ids`` and ``target_mask`` aligned to the position that predicts them.
 
+Preference and KTO losses need each packed sequence's summed log-probs:
+:func:`sharded_sequence_logprobs` sums each chunk's part per sequence and all-reduces the sums.
+
 RL's passes read a few positions of rows ``[B, L]`` (the response tokens):
 :func:`sharded_selected_token_logprobs` runs each rank's chunk of every row, computes the
 log-probs its chunk predicts, and sums the ranks' parts into the whole ``[b, R]`` on every rank
@@ -149,7 +152,10 @@ def shard_packed_batch(
     ``target_mask``, each ``[B, ceil(T / size)]``: ``target_ids[t]`` is the token after ``t`` in the
     whole row, and ``target_mask[t]`` is 1 where that token is trained on (its loss mask is 1 and it
     belongs to the same sample as ``t``). Rows are padded on the right to a multiple of ``size`` with
-    ``pad_token_id`` tokens that form a sample of their own and are never targets.
+    ``pad_token_id`` tokens that form a sample of their own and are never targets. A batch with
+    ``seq_starts`` and ``seq_lens`` (from :func:`raylign.data.collate_packed`) also gets
+    ``sequence_ids``: the index of the sequence each position belongs to, as
+    :func:`sharded_sequence_logprobs` sums by.
     """
     input_ids, position_ids, loss_mask = batch["input_ids"], batch["position_ids"], batch["loss_mask"]
     total = input_ids.shape[-1]
@@ -166,8 +172,23 @@ def shard_packed_batch(
         "target_mask": _pad_right(target_mask, padded, 0),
     }
     full["sample_ids"] = sample_ids_from_position_ids(full["position_ids"])  # padding restarts at 0: its own sample
+    if "seq_starts" in batch:
+        full["sequence_ids"] = _pad_right(_sequence_ids(batch, total), padded, int(batch["seq_lens"].numel()))
     chunk = padded // size
     return {name: tensor[:, rank * chunk : (rank + 1) * chunk].contiguous() for name, tensor in full.items()}
+
+
+def _sequence_ids(batch: dict[str, torch.Tensor], length: int) -> torch.Tensor:
+    """``[B, length]``: the index of the packed sequence each position of the rows belongs to (the
+    ``seq_starts`` / ``seq_lens`` order of :func:`raylign.data.collate_packed`), the number of sequences
+    at a row's padding."""
+    from raylign.models.logprobs import packed_token_positions
+
+    seq_starts, seq_lens = batch["seq_starts"], batch["seq_lens"]
+    owner, positions = packed_token_positions(seq_starts, seq_lens)
+    ids = torch.full((batch["input_ids"].numel(),), seq_lens.numel(), dtype=torch.long, device=seq_starts.device)
+    ids[positions] = owner
+    return ids.reshape(-1, length)
 
 
 def sharded_target_logprobs(
@@ -185,6 +206,29 @@ def sharded_target_logprobs(
         logits = model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False).logits
     logprobs = logprobs_from_logits(logits, chunk["target_ids"], temperature)
     return logprobs * chunk["target_mask"].to(logprobs.dtype)
+
+
+def sharded_sequence_logprobs(
+    model: nn.Module,
+    chunk: dict[str, torch.Tensor],
+    num_sequences: int,
+    group: dist.ProcessGroup | None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> torch.Tensor:
+    """:func:`raylign.models.sequence_logprobs` of a packed batch cut by :func:`shard_packed_batch`: the
+    summed log-probs of each sequence's scored tokens, float32 ``[num_sequences]``, the same on every
+    rank of ``group``, which compute it together (each its chunk's part; an all-reduce sums the parts).
+
+    A loss every rank computes from the whole result gets, through the all-reduce's backward, ``size``
+    times its chunk's share of the gradient on each rank, as :func:`sharded_selected_token_logprobs`
+    explains. Collective over ``group``.
+    """
+    from torch.distributed.nn.functional import all_reduce
+
+    scored = sharded_target_logprobs(model, chunk, group, timeout).reshape(-1)
+    parts = torch.zeros(num_sequences + 1, dtype=scored.dtype, device=scored.device)  # the last: padding
+    parts = parts.index_add(0, chunk["sequence_ids"].reshape(-1).to(scored.device), scored)[:num_sequences]
+    return parts if group is None else all_reduce(parts, group=group)
 
 
 def _chunk_of_rows(

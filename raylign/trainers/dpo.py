@@ -30,7 +30,7 @@ from raylign.data.preference import PairSample, build_pair_datasets, collate_pai
 from raylign.engine import load_frozen
 from raylign.engine.distributed import all_reduce_scalars
 from raylign.models import load_causal_lm, load_tokenizer, loads_sharded, sequence_logprobs
-from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
+from raylign.trainers.loop import ONE_ROW, Batch, OfflineTrainer, data_stats_dict
 
 log = logging.getLogger("raylign")
 
@@ -90,7 +90,7 @@ class DPOTrainer(OfflineTrainer):
         return load_tokenizer(m.tokenizer_path or m.path, padding_side="right")
 
     def build_model(self) -> torch.nn.Module:
-        return load_causal_lm(self.cfg.model, empty=loads_sharded(self.cfg.model, self.cfg.engine))
+        return load_causal_lm(self.model_config(self.cfg.model), empty=loads_sharded(self.cfg.model, self.cfg.engine))
 
     def build_datasets(self) -> tuple[list, list, dict[str, Any]]:
         data = build_pair_datasets(self.cfg.data, self.tokenizer)
@@ -111,7 +111,7 @@ class DPOTrainer(OfflineTrainer):
             # Whole on every rank: the ranks compute unequal shares of the pairs, which a sharded
             # model's collective forward cannot do; it is freed once the log-probs are in.
             return load_causal_lm(ref_cfg, device=self.engine.device).eval().requires_grad_(False)
-        return load_frozen(ref_cfg, self.cfg.engine, self.engine.device)
+        return load_frozen(self.model_config(ref_cfg), self.cfg.engine, self.engine.device)
 
     def on_setup(self) -> None:
         if not self.uses_reference:
@@ -154,13 +154,21 @@ class DPOTrainer(OfflineTrainer):
         if "reference_logps" in batch:
             return batch["reference_logps"]
         with torch.no_grad():
-            return sequence_logps(self.reference, batch)
+            return self._logps(self.reference, batch)
+
+    def _logps(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        if "target_mask" in batch:  # this rank's chunk of a row shared by its sequence-parallel group
+            return self.sharded_sequence_logps(model, batch)
+        return sequence_logps(model, batch)
 
     # ---- hooks of the loop -------------------------------------------------------------
 
     def collate(self, samples: list) -> Batch:
         pairs = [s.pair if isinstance(s, ReferencedPair) else s for s in samples]
-        batch = self._collate_pairs(pairs)
+        if self.sp_size > 1:  # one row holding every sequence, which the group then cuts into chunks
+            batch = self.shard_sequences(collate_pairs(pairs, self.tokenizer.pad_token_id, True, ONE_ROW))
+        else:
+            batch = self._collate_pairs(pairs)
         if samples and isinstance(samples[0], ReferencedPair):
             logps = [s.ref_chosen_logp for s in samples] + [s.ref_rejected_logp for s in samples]
             batch["reference_logps"] = torch.tensor(logps, dtype=torch.float32)
@@ -171,7 +179,7 @@ class DPOTrainer(OfflineTrainer):
 
     def compute_loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         n = num_pairs(batch)
-        policy = sequence_logps(model, batch)
+        policy = self._logps(model, batch)
         inputs, length_kwargs = self._policy_inputs(policy, batch["response_lengths"], n)
         if self.uses_reference:
             reference = self._reference_logps(batch)

@@ -12,6 +12,10 @@ micro-batches that the data-parallel ranks run together, so it is taken over
 gathers across processes). It is detached. The reference model is sharded like the policy with
 fsdp2 on several ranks (:func:`raylign.engine.load_frozen`), else a whole copy on every rank.
 
+With ``engine.sequence_parallel_size`` n > 1 the ranks of a group share every micro-batch, its
+examples (and its mismatched pairs) packed into one row each and cut into n chunks, as in
+:mod:`raylign.trainers.dpo`: every rank of the group computes the same loss over the same examples.
+
 Metrics (means per example): ``kl`` (z0), ``reward_signed`` (``beta * r`` with the sign of the
 label, which rises as desirable completions gain and undesirable ones lose probability) and
 ``desirable_fraction``.
@@ -31,7 +35,7 @@ from raylign.config.model import LoraConfig
 from raylign.data.kto import build_kto_datasets, collate_kto
 from raylign.engine import load_frozen
 from raylign.models import load_causal_lm, load_tokenizer, loads_sharded, sequence_logprobs
-from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
+from raylign.trainers.loop import ONE_ROW, Batch, OfflineTrainer, data_stats_dict
 
 
 def completion_logps(model: nn.Module, batch: Batch, prefix: str = "") -> torch.Tensor:
@@ -56,7 +60,7 @@ class KTOTrainer(OfflineTrainer):
         return load_tokenizer(m.tokenizer_path or m.path, padding_side="right")
 
     def build_model(self) -> nn.Module:
-        return load_causal_lm(self.cfg.model, empty=loads_sharded(self.cfg.model, self.cfg.engine))
+        return load_causal_lm(self.model_config(self.cfg.model), empty=loads_sharded(self.cfg.model, self.cfg.engine))
 
     def build_datasets(self) -> tuple[list, list, dict[str, Any]]:
         data = build_kto_datasets(self.cfg.data, self.tokenizer)
@@ -68,17 +72,27 @@ class KTOTrainer(OfflineTrainer):
         ref_cfg = self.cfg.model.model_copy(
             update={"path": path, "lora": LoraConfig(), "gradient_checkpointing": False}
         )
-        self.reference = load_frozen(ref_cfg, self.cfg.engine, self.engine.device)
+        self.reference = load_frozen(self.model_config(ref_cfg), self.cfg.engine, self.engine.device)
 
     def collate(self, samples: list) -> Batch:
-        return collate_kto(
+        split = self.sp_size > 1  # then one row of examples (and one of pairs), cut into the group's chunks
+        batch = collate_kto(
             samples,
             self.tokenizer.pad_token_id,
             self.cfg.data.packing,
             with_kl_pairs=self.cfg.kto.estimate_kl,
             max_length=self.cfg.data.max_length,
-            row_tokens=self.cfg.data.pack_row_tokens,
+            row_tokens=ONE_ROW if split else self.cfg.data.pack_row_tokens,
         )
+        if not split:
+            return batch
+        batch = self.shard_sequences(batch)
+        return self.shard_sequences(batch, "kl_") if self.cfg.kto.estimate_kl else batch
+
+    def _logps(self, model: nn.Module, batch: Batch, prefix: str = "") -> torch.Tensor:
+        if prefix + "target_mask" in batch:  # this rank's chunk of a row shared by its sequence-parallel group
+            return self.sharded_sequence_logps(model, batch, prefix)
+        return completion_logps(model, batch, prefix)
 
     def batch_units(self, batch: Batch) -> float:
         return float(batch["desirable"].numel())  # examples
@@ -92,11 +106,11 @@ class KTOTrainer(OfflineTrainer):
 
     def compute_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         kto = self.cfg.kto
-        policy = completion_logps(model, batch)
+        policy = self._logps(model, batch)
         with torch.no_grad():
-            reference = completion_logps(self.reference, batch)
-            policy_kl = completion_logps(model, batch, "kl_") if kto.estimate_kl else None
-            reference_kl = completion_logps(self.reference, batch, "kl_") if kto.estimate_kl else None
+            reference = self._logps(self.reference, batch)
+            policy_kl = self._logps(model, batch, "kl_") if kto.estimate_kl else None
+            reference_kl = self._logps(self.reference, batch, "kl_") if kto.estimate_kl else None
         desirable = batch["desirable"]
         loss, metrics = kto_loss(
             policy,

@@ -11,6 +11,11 @@ for DPO, ...). ``compute_loss`` returns the *sum* over its micro-batch's units a
 micro-batches and ranks first, then back-propagates ``loss_sum * world_size / total``
 for each micro-batch; data-parallel gradient averaging divides by ``world_size`` again,
 so the update equals the one-big-batch gradient of the global mean.
+
+Sequence parallelism (``engine.sequence_parallel_size`` n > 1): the n ranks of a group share every
+micro-batch, each running one chunk of its packed rows with ring attention between them; the
+helpers below give a trainer the ring-attention model config, its rank's chunk of a batch packed
+into one row, and the per-sequence log-prob sums of such a chunk.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import numpy as np
 import torch
 
 from raylign.config.base import Section, save_yaml
+from raylign.config.model import ModelConfig
 from raylign.data import ResumableSampler, rank_micro_batches
 from raylign.engine import create_engine
 from raylign.engine.checkpoint import check_writable, resume_latest, save_step_checkpoint
@@ -36,6 +42,7 @@ from raylign.engine.distributed import (
     peak_memory_bytes,
     sequence_parallel_groups,
 )
+from raylign.models.sequence_parallel import RING_ATTENTION, shard_packed_batch, sharded_sequence_logprobs
 from raylign.trainers.guard import SkippedSteps
 from raylign.trainers.metrics import MetricsLogger, format_metrics
 from raylign.trainers.progress import Progress
@@ -43,6 +50,12 @@ from raylign.trainers.progress import Progress
 log = logging.getLogger("raylign")
 
 Batch = dict[str, Any]
+
+ONE_ROW = 1 << 62  # a pack_row_tokens that packs every sample of a micro-batch into one row
+
+# The keys of a packed batch that shard_sequences replaces by this rank's chunk.
+_ROW_KEYS = ("input_ids", "loss_mask", "position_ids", "seq_starts", "seq_lens")
+_CHUNK_KEYS = ("input_ids", "position_ids", "token_index", "sample_ids", "target_ids", "target_mask", "sequence_ids")
 
 
 class OfflineTrainer:
@@ -87,6 +100,35 @@ class OfflineTrainer:
 
     def on_setup(self) -> None:
         """Called once the engine exists (e.g. to build a frozen reference model)."""
+
+    # ---- sequence parallelism, for the trainers whose rows it splits ---------------------
+
+    def model_config(self, model: ModelConfig) -> ModelConfig:
+        """``model``, with ring attention when a sequence-parallel group splits its rows."""
+        if self.sp_size == 1:
+            return model
+        return model.model_copy(update={"attn_implementation": RING_ATTENTION})
+
+    def shard_sequences(self, batch: Batch, prefix: str = "") -> Batch:
+        """This rank's chunk of a batch whose sequences are packed into one row (keys ``prefix +
+        input_ids``, ``loss_mask``, ``position_ids``, ``seq_starts``, ``seq_lens``), as
+        :func:`raylign.models.sequence_parallel.shard_packed_batch` cuts it, under the same prefix,
+        with ``num_sequences``; other keys are kept."""
+        rows = {key: batch[prefix + key] for key in _ROW_KEYS}
+        chunk = shard_packed_batch(rows, self.sp_rank, self.sp_size, self.tokenizer.pad_token_id)
+        chunk["num_sequences"] = torch.tensor(rows["seq_lens"].numel())
+        replaced = {prefix + key for key in _ROW_KEYS}
+        kept = {key: value for key, value in batch.items() if key not in replaced}
+        return {**kept, **{prefix + key: value for key, value in chunk.items()}}
+
+    def sharded_sequence_logps(self, model: torch.nn.Module, batch: Batch, prefix: str = "") -> torch.Tensor:
+        """Each sequence's summed log-probs of its scored tokens from a :meth:`shard_sequences` chunk,
+        float32 ``[num_sequences]``, computed by the rank's sequence-parallel group together."""
+        import datetime
+
+        chunk = {key: batch[prefix + key] for key in _CHUNK_KEYS}
+        timeout = datetime.timedelta(seconds=self.cfg.engine.dist_timeout_s)
+        return sharded_sequence_logprobs(model, chunk, int(batch[prefix + "num_sequences"]), self.sp_group, timeout)
 
     # ---- the loop ----------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import torch
 from raylign.config.commands import SFTConfig
 from raylign.data import build_sft_datasets, collate_packed, collate_padded
 from raylign.models import load_causal_lm, load_tokenizer, loads_sharded, token_logprobs
-from raylign.models.sequence_parallel import RING_ATTENTION, shard_packed_batch, sharded_target_logprobs
+from raylign.models.sequence_parallel import shard_packed_batch, sharded_target_logprobs
 from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
 
 
@@ -34,11 +34,7 @@ class SFTTrainer(OfflineTrainer):
         return load_tokenizer(m.tokenizer_path or m.path, padding_side="right")
 
     def build_model(self) -> torch.nn.Module:
-        empty = loads_sharded(self.cfg.model, self.cfg.engine)
-        if self.sp_size > 1:
-            ring = self.cfg.model.model_copy(update={"attn_implementation": RING_ATTENTION})
-            return load_causal_lm(ring, empty=empty)
-        return load_causal_lm(self.cfg.model, empty=empty)
+        return load_causal_lm(self.model_config(self.cfg.model), empty=loads_sharded(self.cfg.model, self.cfg.engine))
 
     def build_datasets(self) -> tuple[list, list, dict[str, Any]]:
         data = build_sft_datasets(self.cfg.data, self.tokenizer)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from raylign.config.base import ConfigError, parse_config
 from raylign.config.commands import SFTConfig
-from raylign.config.dpo import DPOConfig
+from raylign.config.rm import RMConfig
 from raylign.tasks.strings import make_string_rows
 from raylign.trainers.metrics import read_metrics
 from tests.spawned_ranks import free_port, import_worker, spawn_and_join
@@ -75,5 +75,5 @@ def test_commands_without_sequence_parallelism_refuse_it():
         "data": {"train": ["t.jsonl"]},
         "engine": {"backend": "fsdp2", "sequence_parallel_size": 2},
     }
-    with pytest.raises(ConfigError, match="engine.sequence_parallel_size: dpo does not support"):
-        parse_config(DPOConfig, config)
+    with pytest.raises(ConfigError, match="engine.sequence_parallel_size: rm does not support"):
+        parse_config(RMConfig, config)
