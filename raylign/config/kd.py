@@ -61,6 +61,6 @@ class KDConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Loop, batching, evaluation, checkpoints.")
 
     @model_validator(mode="after")
-    def _no_sequence_parallel(self) -> KDConfig:
-        refuse_unsupported_layouts(self.engine, self.model, "kd")
+    def _layouts_it_can_train(self) -> KDConfig:
+        refuse_unsupported_layouts(self.engine, self.model, "kd", packing=self.data.packing)
         return self

@@ -201,11 +201,22 @@ def sharded_target_logprobs(
     """``log p(target_ids[t] | the sample's tokens up to t)`` for a chunk from :func:`shard_packed_batch`,
     float32 ``[B, S]``, 0 where ``target_mask`` is 0. Collective over ``group``: every rank runs its chunk.
     """
-    shard = SequenceShard(group, chunk["token_index"], chunk["sample_ids"], timeout)
-    with sequence_shard(shard):
-        logits = model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False).logits
+    logits = sharded_logits(model, chunk, group, timeout)
     logprobs = logprobs_from_logits(logits, chunk["target_ids"], temperature)
     return logprobs * chunk["target_mask"].to(logprobs.dtype)
+
+
+def sharded_logits(
+    model: nn.Module,
+    chunk: dict[str, torch.Tensor],
+    group: dist.ProcessGroup | None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> torch.Tensor:
+    """The model's logits ``[B, S, V]`` at every position of a chunk from :func:`shard_packed_batch`, its
+    attention reaching the other ranks' chunks. Collective over ``group``: every rank runs its chunk."""
+    shard = SequenceShard(group, chunk["token_index"], chunk["sample_ids"], timeout)
+    with sequence_shard(shard):
+        return model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False).logits
 
 
 def sharded_sequence_logprobs(

@@ -10,9 +10,15 @@ before anything is trained, and distributions are compared over the tokenizer's 
 model's padded extra logits are left out). With fsdp2 on several ranks the teacher is sharded like
 the student (:func:`raylign.engine.load_frozen`), else a whole copy on every rank. As in the GKD
 paper, the divergence is not rescaled by ``temperature ** 2``.
+
+With ``engine.sequence_parallel_size`` n > 1 the rows are cut as in SFT and the teacher, built with
+ring attention too, runs on the same chunks: a rank's loss is the sum over the targets its chunk
+predicts and its units their count.
 """
 
 from __future__ import annotations
+
+import datetime
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +30,7 @@ from raylign.config.kd import KDConfig, TeacherConfig
 from raylign.config.model import ModelConfig
 from raylign.engine import load_frozen
 from raylign.models import attention_kwargs, load_tokenizer
+from raylign.models.sequence_parallel import sharded_logits
 from raylign.trainers.loop import Batch
 from raylign.trainers.sft import SFTTrainer
 
@@ -72,7 +79,8 @@ class KDTrainer(SFTTrainer):
         return tokenizer
 
     def on_setup(self) -> None:
-        self.teacher = load_frozen(teacher_model_config(self.cfg.teacher), self.cfg.engine, self.engine.device)
+        teacher = self.model_config(teacher_model_config(self.cfg.teacher))
+        self.teacher = load_frozen(teacher, self.cfg.engine, self.engine.device)
         self.vocab_size = len(self.tokenizer)
         for role, model in (("teacher", self.teacher), ("student", self.engine.hf_model)):
             if _output_size(model) < self.vocab_size:
@@ -82,15 +90,9 @@ class KDTrainer(SFTTrainer):
 
     def compute_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         kd = self.cfg.kd
-        inputs = {
-            "input_ids": batch["input_ids"],
-            **attention_kwargs(batch.get("attention_mask"), batch.get("position_ids")),
-        }
-        # Logits at t predict token t+1: keep the positions whose next token is a target.
-        predicts_target = batch["loss_mask"][:, 1:].bool()
-        student = model(**inputs).logits[:, :-1][predicts_target][:, : self.vocab_size].float()
+        student, targets = self._target_logits(model, batch)
         with torch.no_grad():
-            teacher = self.teacher(**inputs).logits[:, :-1][predicts_target][:, : self.vocab_size].float()
+            teacher, _ = self._target_logits(self.teacher, batch)
         tokens = student.shape[0]
         options = {"temperature": kd.temperature, **({"beta": kd.beta} if kd.loss == "generalized_jsd" else {})}
         mask = torch.ones((1, tokens), dtype=torch.long, device=student.device)
@@ -98,11 +100,28 @@ class KDTrainer(SFTTrainer):
         loss_sum = divergence * tokens
         stats = {"divergence": float(metrics["divergence"]) * tokens}
         if kd.nll_coef:
-            targets = batch["input_ids"][:, 1:][predicts_target]
             nll = F.cross_entropy(student, targets, reduction="sum")
             loss_sum = loss_sum + kd.nll_coef * nll
             stats["nll"] = float(nll.detach())
         return loss_sum, stats
+
+    def _target_logits(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 logits ``[N, vocabulary]`` at the N positions that predict a target token, and those
+        targets ``[N]``: logits at t predict token t + 1."""
+        if "target_mask" in batch:  # this rank's chunk of a row shared by its sequence-parallel group
+            timeout = datetime.timedelta(seconds=self.cfg.engine.dist_timeout_s)
+            predicts_target = batch["target_mask"].bool()
+            logits = sharded_logits(model, batch, self.sp_group, timeout)[predicts_target]
+            targets = batch["target_ids"][predicts_target]
+        else:
+            inputs = {
+                "input_ids": batch["input_ids"],
+                **attention_kwargs(batch.get("attention_mask"), batch.get("position_ids")),
+            }
+            predicts_target = batch["loss_mask"][:, 1:].bool()
+            logits = model(**inputs).logits[:, :-1][predicts_target]
+            targets = batch["input_ids"][:, 1:][predicts_target]
+        return logits[:, : self.vocab_size].float(), targets
 
 
 def run_kd(cfg: KDConfig) -> dict[str, float]:

@@ -1,6 +1,6 @@
-"""Code run inside the 2 spawned gloo ranks of ``test_sft_sequence_parallel.py``: the same SFT run with
-``engine.sequence_parallel_size`` 1 (2 data-parallel ranks) and 2 (one row split over both ranks),
-one after the other in one process group."""
+"""Code run inside the 2 spawned gloo ranks of ``test_sft_sequence_parallel.py``: the same SFT run, and
+the same KD run (a student distilled from a teacher on the SFT data), with ``engine.sequence_parallel_size``
+1 (2 data-parallel ranks) and 2 (one row split over both ranks), one after the other in one process group."""
 
 from __future__ import annotations
 
@@ -38,10 +38,20 @@ def sft_config(model_dir: str, train_file: str, out: Path, sequence_parallel_siz
     )
 
 
-def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str) -> None:
+def kd_config(student_dir: str, teacher_dir: str, train_file: str, out: Path, sequence_parallel_size: int):
+    from raylign.config.base import parse_config
+    from raylign.config.kd import KDConfig
 
+    sft = sft_config(student_dir, train_file, out, sequence_parallel_size).model_dump(mode="json")
+    teacher = {"path": teacher_dir, "dtype": "float32"}
+    return parse_config(KDConfig, {**sft, "teacher": teacher, "kd": {"loss": "forward_kl", "nll_coef": 0.5}})
+
+
+def run_rank(rank: int, port: int, model_dir: str, student_dir: str, train_file: str, out_dir: str) -> None:
+    from raylign.trainers.kd import KDTrainer
     from raylign.trainers.sft import SFTTrainer
 
     with as_gloo_rank(rank, WORLD_SIZE, port):
         for size in (1, 2):
             SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / f"sp{size}", size)).run()
+            KDTrainer(kd_config(student_dir, model_dir, train_file, Path(out_dir) / f"kd_sp{size}", size)).run()

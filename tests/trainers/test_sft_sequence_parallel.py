@@ -1,8 +1,9 @@
-"""SFT with sequence parallelism: a packed row split over 2 gloo ranks trains exactly like whole rows.
+"""SFT and KD with sequence parallelism: a packed row split over 2 gloo ranks trains exactly like whole rows.
 
 Two runs of the same data and seed on 2 ranks: ``engine.sequence_parallel_size`` 1 (each rank
 holds whole rows of half the batch) and 2 (both ranks share every row, one half each, with ring
-attention between them). The loss and gradient norm of every step and the final weights agree.
+attention between them). The loss and gradient norm of every step and the final weights agree; for
+KD (forward KL plus half the NLL, the teacher split like the student) so do the divergence and NLL.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 from raylign.config.base import ConfigError, parse_config
 from raylign.config.commands import SFTConfig
 from raylign.config.rm import RMConfig
+from raylign.models.tiny import build_tiny_model
 from raylign.tasks.strings import make_string_rows
 from raylign.trainers.metrics import read_metrics
 from tests.spawned_ranks import free_port, import_worker, spawn_and_join
@@ -25,21 +27,30 @@ from .test_sft import write_jsonl
 worker = import_worker(__file__, "sft_sequence_parallel_worker")
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_sft_with_rows_split_over_two_ranks_trains_like_whole_rows(tmp_path, tiny_model_dir):
-    train_file = write_jsonl(tmp_path / "train.jsonl", make_string_rows("reverse", 16, seed=0))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir) -> Path:
+    tmp = tmp_path_factory.mktemp("sft_sp")
+    train_file = write_jsonl(tmp / "train.jsonl", make_string_rows("reverse", 16, seed=0))
+    student = build_tiny_model(tmp / "student", hidden_size=32, num_layers=1, seed=1)
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
-        args = (free_port(), str(tiny_model_dir), str(train_file), str(tmp_path))
-        spawn_and_join(worker.run_rank, args, worker.WORLD_SIZE, 600, "SFT ranks")
-    whole, split = ([r for r in read_metrics(tmp_path / f"sp{n}") if "train/loss" in r] for n in (1, 2))
+        args = (free_port(), str(tiny_model_dir), str(student), str(train_file), str(tmp))
+        spawn_and_join(worker.run_rank, args, worker.WORLD_SIZE, 600, "SFT and KD ranks")
+    return tmp
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("command, metrics", [("sft", ["loss"]), ("kd", ["loss", "divergence", "nll"])])
+def test_rows_split_over_two_ranks_train_like_whole_rows(runs, command, metrics):
+    prefix = "" if command == "sft" else "kd_"
+    whole, split = ([r for r in read_metrics(runs / f"{prefix}sp{n}") if "train/loss" in r] for n in (1, 2))
     assert [r["step"] for r in whole] == [r["step"] for r in split] == list(range(1, worker.STEPS + 1))
     for a, b in zip(whole, split, strict=True):
-        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5, abs=1e-5), (a, b)
-        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5, abs=1e-5), (a, b)
-    weights_whole = load_file(tmp_path / "sp1" / "final" / "model.safetensors")
-    weights_split = load_file(tmp_path / "sp2" / "final" / "model.safetensors")
+        for key in [f"train/{name}" for name in metrics] + ["train/grad_norm"]:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (a["step"], key, a[key], b[key])
+    weights_whole = load_file(runs / f"{prefix}sp1" / "final" / "model.safetensors")
+    weights_split = load_file(runs / f"{prefix}sp2" / "final" / "model.safetensors")
     for name, value in weights_whole.items():
         torch.testing.assert_close(weights_split[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
