@@ -66,7 +66,7 @@ class RMConfig(Section):
 
     @model_validator(mode="after")
     def _pairs_have_no_loss_mode(self) -> RMConfig:
-        refuse_unsupported_layouts(self.engine, self.model, "rm")
+        refuse_unsupported_layouts(self.engine, self.model, "rm", packing=self.data.packing)
         if self.data.loss != "prompt_masked":
             raise ValueError("data.loss applies to sft only; a reward model scores whole pairs")
         return self

@@ -16,7 +16,8 @@ r + 1), so they are taken from the whole row before it is cut: each chunk carrie
 ``target_ids`` and ``target_mask`` aligned to the position that predicts them.
 
 Preference and KTO losses need each packed sequence's summed log-probs:
-:func:`sharded_sequence_logprobs` sums each chunk's part per sequence and all-reduces the sums.
+:func:`sharded_sequence_logprobs` sums each chunk's part per sequence and all-reduces the sums; a
+reward model's score at each sequence's last token comes the same way from :func:`sharded_scores_at`.
 
 RL's passes read a few positions of rows ``[B, L]`` (the response tokens):
 :func:`sharded_selected_token_logprobs` runs each rank's chunk of every row, computes the
@@ -239,6 +240,32 @@ def sharded_sequence_logprobs(
     scored = sharded_target_logprobs(model, chunk, group, timeout).reshape(-1)
     parts = torch.zeros(num_sequences + 1, dtype=scored.dtype, device=scored.device)  # the last: padding
     parts = parts.index_add(0, chunk["sequence_ids"].reshape(-1).to(scored.device), scored)[:num_sequences]
+    return parts if group is None else all_reduce(parts, group=group)
+
+
+def sharded_scores_at(
+    model: nn.Module,
+    chunk: dict[str, torch.Tensor],
+    positions: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> torch.Tensor:
+    """A one-label score model's output at ``positions`` ``[N]`` of the whole row that
+    :func:`shard_packed_batch` cut into ``chunk`` (a reward model's score at each sequence's last
+    token), float32 ``[N]``, the same on every rank of ``group``: the rank whose chunk holds a position
+    reads it, an all-reduce sums the parts (its gradient scaled as in
+    :func:`sharded_selected_token_logprobs`). Collective over ``group``."""
+    from torch.distributed.nn.functional import all_reduce
+
+    from raylign.models.heads import token_scores
+
+    shard = SequenceShard(group, chunk["token_index"], chunk["sample_ids"], timeout)
+    with sequence_shard(shard):
+        scores = token_scores(model, chunk["input_ids"], position_ids=chunk["position_ids"]).reshape(-1)
+    local = positions.to(scores.device) - chunk["token_index"].reshape(-1)[0].to(scores.device)
+    mine = (local >= 0) & (local < scores.numel())
+    # A rank that holds none of the positions keeps a zero-weight term of its chunk, so its backward runs.
+    parts = torch.where(mine, scores[local.clamp(0, scores.numel() - 1)], 0.0) + scores[:1] * 0
     return parts if group is None else all_reduce(parts, group=group)
 
 

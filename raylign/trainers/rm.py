@@ -6,10 +6,17 @@ The unit of the loss is the pair. After training, the mean and standard deviatio
 model's scores over the training pairs (both sides, population std) go into the exported
 ``config.json`` as ``raylign_reward_mean`` / ``raylign_reward_std``, which the RL reward
 source uses to normalise rewards.
+
+With ``engine.sequence_parallel_size`` n > 1 the ranks of a group share every micro-batch, its
+sequences packed into one row cut into n chunks with ring attention between them; a sequence's score
+is read by the rank whose chunk holds its last token and all-reduced
+(:func:`raylign.models.sequence_parallel.sharded_scores_at`), so every rank of the group computes the
+same loss over the same pairs, as in :mod:`raylign.trainers.dpo`.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 from contextlib import contextmanager
@@ -25,7 +32,8 @@ from raylign.engine.distributed import all_reduce_scalars
 from raylign.models import load_score_model, load_tokenizer, loads_sharded
 from raylign.models.heads import HEAD_NAME
 from raylign.models.packing import attention_kwargs
-from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
+from raylign.models.sequence_parallel import sharded_scores_at
+from raylign.trainers.loop import ONE_ROW, Batch, OfflineTrainer, data_stats_dict
 
 log = logging.getLogger("raylign")
 
@@ -79,7 +87,8 @@ class RMTrainer(OfflineTrainer):
         return load_tokenizer(m.tokenizer_path or m.path, padding_side="right")
 
     def build_model(self) -> torch.nn.Module:
-        return load_score_model(self.cfg.model, num_labels=1, empty=loads_sharded(self.cfg.model, self.cfg.engine))
+        empty = loads_sharded(self.cfg.model, self.cfg.engine)
+        return load_score_model(self.model_config(self.cfg.model), num_labels=1, empty=empty)
 
     def build_datasets(self) -> tuple[list, list, dict[str, Any]]:
         data = build_pair_datasets(self.cfg.data, self.tokenizer, margin_key=self.cfg.rm.margin_key)
@@ -92,30 +101,47 @@ class RMTrainer(OfflineTrainer):
 
     def collate(self, samples: list) -> Batch:
         data = self.cfg.data
-        return collate_pairs(samples, self.tokenizer.pad_token_id, packed=data.packing, row_tokens=data.pack_row_tokens)
+        if self.sp_size == 1:
+            pad = self.tokenizer.pad_token_id
+            return collate_pairs(samples, pad, packed=data.packing, row_tokens=data.pack_row_tokens)
+        # One row holding every sequence, which the group then cuts into chunks; each sequence's last token
+        # is recorded as its position in that row first.
+        whole = collate_pairs(samples, self.tokenizer.pad_token_id, packed=True, row_tokens=ONE_ROW)
+        whole["sequence_ends"] = whole["seq_starts"] + whole["seq_lens"] - 1
+        return self.shard_sequences(whole)
+
+    def _scores(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        if "sequence_ends" in batch:  # this rank's chunk of a row shared by its sequence-parallel group
+            timeout = datetime.timedelta(seconds=self.cfg.engine.dist_timeout_s)
+            return sharded_scores_at(model, batch, batch["sequence_ends"], self.sp_group, timeout)
+        return last_token_scores(model, self.head, batch)
 
     def batch_units(self, batch: Batch) -> float:
         return float(num_pairs(batch))
 
     def compute_loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         n = num_pairs(batch)
-        scores = last_token_scores(model, self.head, batch)
+        scores = self._scores(model, batch)
         loss, metrics = self.loss_fn(scores[:n], scores[n:], margin=batch.get("margin"), **self.loss_kwargs)
         # the loss function returns means over the micro-batch's pairs; the loop wants sums
         return loss * n, {key: float(value) * n for key, value in metrics.items()}
 
     @torch.no_grad()
     def train_score_stats(self) -> tuple[float, float]:
-        """Mean and population std of the scores of both sides of every distinct training pair (collective)."""
+        """Mean and population std of the scores of both sides of every distinct training pair (collective).
+
+        The ranks of a tensor- or sequence-parallel group score the same pairs, so each pair is counted
+        once per rank of its group: the mean and std are unchanged."""
         self.engine.eval()
         distinct = list({id(s): s for s in self.train_samples}.values())
         total = sum_sq = count = 0.0
-        for samples, real in _equal_batch_counts(distinct, self.rank, self.world_size, self.train_cfg.eval_batch_size):
+        size = self.train_cfg.eval_batch_size
+        for samples, real in _equal_batch_counts(distinct, self.dp_rank, self.dp_size, size):
             collated = {
                 k: v.to(self.engine.device) if isinstance(v, torch.Tensor) else v
                 for k, v in self.collate(samples).items()
             }
-            scores = last_token_scores(self.engine.module, self.head, collated).double()
+            scores = self._scores(self.engine.module, collated).double()
             if real:
                 total += float(scores.sum())
                 sum_sq += float(scores.square().sum())

@@ -1,5 +1,6 @@
 """Code run inside the 2 spawned gloo ranks of ``test_preference_sequence_parallel.py``: the same DPO run
-(live reference, evaluation) with ``engine.sequence_parallel_size`` 1 (2 data-parallel ranks) and 2
+(live reference, evaluation) and reward-model run (evaluation, score statistics at export) with
+``engine.sequence_parallel_size`` 1 (2 data-parallel ranks) and 2
 (every micro-batch packed into one row split over both ranks), and the KTO run (reference point estimated
 over mismatched pairs) with 2, one after the other in one process group. KTO's run with whole sequences is
 the test's own, on one process: its reference point depends on which examples share a micro-batch, so it
@@ -45,6 +46,18 @@ def dpo_config(model_dir: str, pairs: str, out: Path, size: int):
     )
 
 
+def rm_config(model_dir: str, pairs: str, out: Path, size: int):
+    from raylign.config.base import parse_config
+    from raylign.config.rm import RMConfig
+
+    data = {"train": [pairs], "eval": [pairs], "format": "chat", "max_length": 64, "min_response_tokens": 8}
+    model = {"path": model_dir, "dtype": "float32"}
+    return parse_config(
+        RMConfig,
+        {"model": model, "data": data, "engine": _engine(size), "optim": OPTIM, "train": _train(out, 4)},
+    )
+
+
 def kto_config(model_dir: str, rows: str, out: Path, size: int):
     """With ``size`` 1: whole sequences on the one process that runs it (the local backend)."""
     from raylign.config.base import parse_config
@@ -68,8 +81,10 @@ def kto_config(model_dir: str, rows: str, out: Path, size: int):
 def run_rank(rank: int, port: int, model_dir: str, pairs: str, kto_rows: str, out_dir: str) -> None:
     from raylign.trainers.dpo import DPOTrainer
     from raylign.trainers.kto import KTOTrainer
+    from raylign.trainers.rm import RMTrainer
 
     with as_gloo_rank(rank, WORLD_SIZE, port):
         for size in (1, 2):
             DPOTrainer(dpo_config(model_dir, pairs, Path(out_dir) / f"dpo_sp{size}", size)).run()
+            RMTrainer(rm_config(model_dir, pairs, Path(out_dir) / f"rm_sp{size}", size)).run()
         KTOTrainer(kto_config(model_dir, kto_rows, Path(out_dir) / "kto_sp2", 2)).run()

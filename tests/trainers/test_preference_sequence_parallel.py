@@ -1,19 +1,22 @@
-"""DPO and KTO with sequence parallelism: every micro-batch packed into one row split over 2 gloo ranks
-trains exactly like whole sequences.
+"""DPO, reward models and KTO with sequence parallelism: every micro-batch packed into one row split over
+2 gloo ranks trains exactly like whole sequences.
 
 Two runs of each command on the same data and seed: ``engine.sequence_parallel_size`` 2 on 2 ranks
 (both ranks share every micro-batch, one half of its row each, with ring attention between them; each
-sequence's log-prob sum is the all-reduced sum of the halves), and whole sequences: for DPO on 2
+sequence's log-prob sum, or a reward model's score at its last token, is all-reduced from the halves),
+and whole sequences: for DPO and the reward model on 2
 data-parallel ranks, each holding half the batch; for KTO on one process holding the same micro-batches
 (KTO's reference point is estimated within a micro-batch, so it depends on which examples share one).
 The losses, the commands' own metrics (log-prob sums and margins; KTO's reference point and signed
-rewards), gradient norms, DPO's evaluation loss and the final weights agree. DPO runs with a live
+rewards; the reward model's accuracy), gradient norms, the evaluation loss, the reward model's score
+statistics stored at export, and the final weights agree. DPO runs with a live
 reference model, which is split the same way; KTO with its reference point estimated from mismatched
 pairs, which are packed and split too.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -34,6 +37,7 @@ worker = import_worker(__file__, "preference_sequence_parallel_worker")
 
 CHECKED = {
     "dpo": ["loss", "grad_norm", "logps_chosen", "logps_rejected", "logps_margin"],
+    "rm": ["loss", "grad_norm", "accuracy"],
     "kto": ["loss", "grad_norm", "kl", "reward_signed"],
 }
 
@@ -54,7 +58,7 @@ def runs(tmp_path_factory, tiny_model_dir) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("command", ["dpo", "kto"])
+@pytest.mark.parametrize("command", ["dpo", "rm", "kto"])
 def test_rows_split_over_two_ranks_train_like_whole_sequences(runs, command):
     whole, split = ([r for r in read_metrics(runs / f"{command}_sp{n}") if "train/loss" in r] for n in (1, 2))
     assert [r["step"] for r in whole] == [r["step"] for r in split] == list(range(1, worker.STEPS + 1))
@@ -62,11 +66,15 @@ def test_rows_split_over_two_ranks_train_like_whole_sequences(runs, command):
         for key in (f"train/{name}" for name in CHECKED[command]):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (a["step"], key, a[key], b[key])
     assert whole[0]["train/loss"] != whole[-1]["train/loss"]  # it trained
-    if command == "dpo":
+    if command in ("dpo", "rm"):
         (eval_whole,), (eval_split,) = (
-            [r for r in read_metrics(runs / f"dpo_sp{n}") if "eval/loss" in r] for n in (1, 2)
+            [r for r in read_metrics(runs / f"{command}_sp{n}") if "eval/loss" in r] for n in (1, 2)
         )
         assert eval_split["eval/loss"] == pytest.approx(eval_whole["eval/loss"], rel=1e-5, abs=1e-5)
+    if command == "rm":
+        stored = [json.loads((runs / f"rm_sp{n}" / "final" / "config.json").read_text()) for n in (1, 2)]
+        for key in ("raylign_reward_mean", "raylign_reward_std"):
+            assert stored[1][key] == pytest.approx(stored[0][key], rel=1e-5, abs=1e-6), key
     weights_whole = load_file(runs / f"{command}_sp1" / "final" / "model.safetensors")
     weights_split = load_file(runs / f"{command}_sp2" / "final" / "model.safetensors")
     for name, value in weights_whole.items():

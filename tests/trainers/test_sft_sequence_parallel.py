@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from raylign.config.base import ConfigError, parse_config
 from raylign.config.commands import SFTConfig
-from raylign.config.rm import RMConfig
+from raylign.config.prm import PRMConfig
 from raylign.models.tiny import build_tiny_model
 from raylign.tasks.strings import make_string_rows
 from raylign.trainers.metrics import read_metrics
@@ -86,5 +86,5 @@ def test_commands_without_sequence_parallelism_refuse_it():
         "data": {"train": ["t.jsonl"]},
         "engine": {"backend": "fsdp2", "sequence_parallel_size": 2},
     }
-    with pytest.raises(ConfigError, match="engine.sequence_parallel_size: rm does not support"):
-        parse_config(RMConfig, config)
+    with pytest.raises(ConfigError, match="engine.sequence_parallel_size: prm does not support"):
+        parse_config(PRMConfig, config)
