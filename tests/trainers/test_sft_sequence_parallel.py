@@ -1,8 +1,10 @@
-"""SFT and KD with sequence parallelism: a packed row split over 2 gloo ranks trains exactly like whole rows.
+"""SFT (full and LoRA) and KD with sequence parallelism: a packed row split over 2 gloo ranks trains exactly
+like whole rows.
 
 Two runs of the same data and seed on 2 ranks: ``engine.sequence_parallel_size`` 1 (each rank
 holds whole rows of half the batch) and 2 (both ranks share every row, one half each, with ring
-attention between them). The loss and gradient norm of every step and the final weights agree; for
+attention between them). The loss and gradient norm of every step and the final weights (for LoRA,
+the merged export) agree; for
 KD (forward KL plus half the NLL, the teacher split like the student) so do the divergence and NLL.
 """
 
@@ -41,9 +43,11 @@ def runs(tmp_path_factory, tiny_model_dir) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("command, metrics", [("sft", ["loss"]), ("kd", ["loss", "divergence", "nll"])])
-def test_rows_split_over_two_ranks_train_like_whole_rows(runs, command, metrics):
-    prefix = "" if command == "sft" else "kd_"
+@pytest.mark.parametrize(
+    "command, metrics", [("sft", ["loss"]), ("lora", ["loss"]), ("kd", ["loss", "divergence", "nll"])]
+)
+def test_rows_split_over_two_ranks_train_like_whole_rows(runs, command, metrics, tiny_model_dir):
+    prefix = "" if command == "sft" else f"{command}_"
     whole, split = ([r for r in read_metrics(runs / f"{prefix}sp{n}") if "train/loss" in r] for n in (1, 2))
     assert [r["step"] for r in whole] == [r["step"] for r in split] == list(range(1, worker.STEPS + 1))
     for a, b in zip(whole, split, strict=True):
