@@ -375,7 +375,7 @@ class RLConfig(Section):
                 continue
             if p.policy_workers % size:
                 raise ValueError(f"engine.{field} ({size}) must divide placement.policy_workers ({p.policy_workers})")
-            if self.model.lora.rank > 0:
+            if self.model.lora.rank > 0 and field == "tensor_parallel_size":
                 raise ValueError(f"engine.{field} > 1 does not support model.lora yet")
             if self.uses_critic and p.critic_workers % size:
                 raise ValueError(f"engine.{field} ({size}) must divide placement.critic_workers ({p.critic_workers})")

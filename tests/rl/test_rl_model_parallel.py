@@ -1,6 +1,7 @@
 """RL with model-parallel training: two ranks that split every matrix (tensor parallel) or every packed
 row (sequence parallel) of the policy and the critic, one data-parallel shard given to both, train
-like two data-parallel ranks holding whole layers and whole rows.
+like two data-parallel ranks holding whole layers and whole rows; and a LoRA policy, whose reference is
+itself with its adapters off, with its rows split over two ranks.
 
 Seeded PPO runs (a policy and a critic) on the same tiny model (two key/value heads, so two ranks can
 split them), each model on 2 fsdp2 ranks, with ``engine.tensor_parallel_size`` 2, with
@@ -74,6 +75,42 @@ def test_model_parallel_training_equals_data_parallel_ranks(runs, layout):
     assert any(not torch.equal(value, runs["initial"][name]) for name, value in whole_weights.items())
 
 
+@pytest.fixture(scope="module")
+def lora_runs(ray_session, prompt_file, tmp_path_factory):
+    """A LoRA policy's GRPO run with a KL term to its base (the policy with its adapters off), on 2
+    data-parallel ranks and on 2 ranks sharing every row: each layout's metrics and merged export."""
+    tmp_path = tmp_path_factory.mktemp("model_parallel_lora")
+    model_dir = build_tiny_model(tmp_path / "policy", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, seed=3)
+    out = {}
+    for layout, engine in (("data", {}), ("sequence", {"sequence_parallel_size": 2})):
+        data = rl_config_data(model_dir, prompt_file, tmp_path / layout)
+        data["model"]["lora"] = {"rank": 4, "alpha": 8.0}
+        data["engine"] = {"backend": "fsdp2", **engine}
+        data["placement"] = {"policy_workers": 2}
+        data["algorithm"] = {"kl_mode": "loss", "kl_coef": 0.1}
+        data["optim"] = {"lr": 1e-2}
+        trainer = RLTrainer(resolve(tmp_path, data))
+        trainer.run()
+        out[layout] = (read_metrics(trainer.out), load_file(trainer.out / "final" / "model.safetensors"))
+    out["initial"] = load_file(model_dir / "model.safetensors")
+    return out
+
+
+def test_a_lora_policy_trains_with_rows_split_like_data_parallel_ranks(lora_runs):
+    (whole_records, whole_weights), (split_records, split_weights) = lora_runs["data"], lora_runs["sequence"]
+    assert [r["step"] for r in split_records] == [r["step"] for r in whole_records] == [1, 2]
+    for whole, split in zip(whole_records, split_records, strict=True):
+        assert split["reward/mean"] == whole["reward/mean"]
+        trained = [k for k in whole if k.startswith(("policy/", "kl/")) and isinstance(whole[k], float)]
+        assert {"policy/grad_norm", "kl/reference"} <= set(trained)
+        for key in trained:
+            assert split[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-5), (whole["step"], key)
+    assert whole_records[-1]["kl/reference"] > 1e-4  # the second step's policy has left its base (measured 7.8e-4)
+    for name, value in whole_weights.items():
+        torch.testing.assert_close(split_weights[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert any(not torch.equal(value, lora_runs["initial"][name]) for name, value in whole_weights.items())
+
+
 @pytest.mark.parametrize("field", ["tensor_parallel_size", "sequence_parallel_size"])
 def test_rl_refuses_model_parallel_layouts_it_cannot_split(prompt_file, tmp_path, field):
     from raylign.config.base import ConfigError
@@ -86,8 +123,9 @@ def test_rl_refuses_model_parallel_layouts_it_cannot_split(prompt_file, tmp_path
         resolve(tmp_path, data)
     data["placement"]["policy_workers"] = 2
     data["train"]["prompts_per_step"] = 4
-    with pytest.raises((ConfigError, ValueError), match=rf"engine.{field} > 1 does not support model.lora"):
-        resolve(tmp_path, {**data, "model": {**data["model"], "lora": {"rank": 4}}})
+    if field == "tensor_parallel_size":
+        with pytest.raises((ConfigError, ValueError), match=rf"engine.{field} > 1 does not support model.lora"):
+            resolve(tmp_path, {**data, "model": {**data["model"], "lora": {"rank": 4}}})
     if field == "sequence_parallel_size":
         with pytest.raises((ConfigError, ValueError), match="does not support model.gradient_checkpointing"):
             resolve(tmp_path, {**data, "model": {**data["model"], "gradient_checkpointing": True}})
