@@ -49,8 +49,8 @@ class EngineConfig(Section):
         1,
         ge=1,
         description="Ranks that share one packed row, each running a contiguous chunk of it, with ring attention "
-        "across them (attention never crosses packed samples). Data-parallel ranks = ranks / this. sft, rm, "
-        "dpo, kto and kd (with data.packing) and rl (the policy and critic), with engine.backend fsdp2; "
+        "across them (attention never crosses packed samples). Data-parallel ranks = ranks / this. Every "
+        "offline command (with data.packing) and rl (the policy and critic), with engine.backend fsdp2; "
         "1 turns it off.",
     )
 
@@ -128,15 +128,15 @@ class EngineConfig(Section):
         return self
 
 
-SPLITS_ROWS = {"sft", "rm", "dpo", "kto", "kd"}  # offline commands whose rows sequence parallelism splits over ranks
+SPLITS_ROWS = {"sft", "rm", "prm", "dpo", "kto", "kd"}  # offline commands whose rows sequence parallelism splits
 
 
 def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str, packing: bool = True) -> None:
     """What an offline command cannot train yet, refused by name before anything starts:
 
-    * sequence parallelism in prm, whose training path does not split rows across ranks; and in the
-      other commands, unpacked data (it splits packed rows) or gradient checkpointing (the
-      recomputed attention would not see the other ranks' chunks);
+    * sequence parallelism in a command whose training path does not split rows across ranks (every
+      offline command's does today); unpacked data (it splits packed rows) or gradient checkpointing
+      with it (the recomputed attention would not see the other ranks' chunks);
     * LoRA with tensor parallelism: the plan splits the base layers the adapters wrap;
     * a 4-bit base (``model.lora.quantize_base``) on several processes: FSDP2 and ZeRO would have to
       shard bitsandbytes' packed weights and their quantisation state; and for prm at all, whose

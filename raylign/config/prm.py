@@ -57,7 +57,7 @@ class PRMConfig(Section):
 
     @model_validator(mode="after")
     def _step_targets_only(self) -> PRMConfig:
-        refuse_unsupported_layouts(self.engine, self.model, "prm")
+        refuse_unsupported_layouts(self.engine, self.model, "prm", packing=self.data.packing)
         if self.data.loss == "full":
             raise ValueError("data.loss 'full' does not apply to a process reward model (it trains on step labels)")
         return self

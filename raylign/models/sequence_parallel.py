@@ -175,8 +175,19 @@ def shard_packed_batch(
     full["sample_ids"] = sample_ids_from_position_ids(full["position_ids"])  # padding restarts at 0: its own sample
     if "seq_starts" in batch:
         full["sequence_ids"] = _pad_right(_sequence_ids(batch, total), padded, int(batch["seq_lens"].numel()))
+    return {name: chunk_of_row(tensor, rank, size) for name, tensor in full.items()}
+
+
+def chunk_of_row(tensor: torch.Tensor, rank: int, size: int, fill: float = 0) -> torch.Tensor:
+    """Chunk ``rank`` of ``size`` of every row of ``tensor`` ``[B, T, ...]``, as :func:`shard_packed_batch`
+    cuts a batch: rows padded on the right to a multiple of ``size`` with ``fill``, then cut evenly."""
+    total = tensor.shape[1]
+    padded = math.ceil(total / size) * size
+    if padded > total:
+        tail = torch.full((tensor.shape[0], padded - total, *tensor.shape[2:]), fill, dtype=tensor.dtype)
+        tensor = torch.cat([tensor, tail.to(tensor.device)], dim=1)
     chunk = padded // size
-    return {name: tensor[:, rank * chunk : (rank + 1) * chunk].contiguous() for name, tensor in full.items()}
+    return tensor[:, rank * chunk : (rank + 1) * chunk].contiguous()
 
 
 def _sequence_ids(batch: dict[str, torch.Tensor], length: int) -> torch.Tensor:

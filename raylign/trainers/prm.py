@@ -12,10 +12,15 @@ pooled ``logits`` are the last step's).
 The tokenizer there holds the separator token, and ``config.json`` records how solutions
 were laid out (``prm_step_separator``, ``prm_prompt_format``, ``prm_prompt_template``), so
 :func:`score_steps` scores new solutions exactly as the model was trained.
+
+With ``engine.sequence_parallel_size`` n > 1 each micro-batch is packed into one row, cut into n
+chunks with ring attention between them, and each rank scores the step separators its chunk holds:
+its loss is the sum over them and its units their count, as in SFT.
 """
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +40,8 @@ from raylign.data.prm import (
     single_token_id,
 )
 from raylign.models import load_score_model, load_tokenizer, token_scores
-from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
+from raylign.models.sequence_parallel import SequenceShard, chunk_of_row, sequence_shard, shard_packed_batch
+from raylign.trainers.loop import ONE_ROW, Batch, OfflineTrainer, data_stats_dict
 
 NUM_CLASSES = 2
 CORRECT = 1
@@ -92,7 +98,7 @@ class PRMTrainer(OfflineTrainer):
         return tokenizer
 
     def build_model(self) -> nn.Module:
-        model = load_score_model(self.cfg.model, num_labels=NUM_CLASSES)
+        model = load_score_model(self.model_config(self.cfg.model), num_labels=NUM_CLASSES)
         fit_embeddings_to_tokenizer(model, self.tokenizer, rows_multiple=self.cfg.engine.tensor_parallel_size)
         record_step_layout(model, self.cfg.prm.step_separator, self.cfg.data.format, self.cfg.data.prompt_template)
         return model
@@ -102,22 +108,38 @@ class PRMTrainer(OfflineTrainer):
         return data.train, data.eval, {**data_stats_dict(data.stats), **data.step_stats()}
 
     def collate(self, samples: list) -> Batch:
-        return collate_prm(
+        split = self.sp_size > 1  # then one row, which the group cuts into chunks
+        batch = collate_prm(
             samples,
             self.tokenizer.pad_token_id,
             self.cfg.data.packing,
             soft_labels=self.cfg.prm.label_type == "soft",
-            row_tokens=self.cfg.data.pack_row_tokens,
+            row_tokens=ONE_ROW if split else self.cfg.data.pack_row_tokens,
         )
+        if not split:
+            return batch
+        chunk = shard_packed_batch(batch, self.sp_rank, self.sp_size, self.tokenizer.pad_token_id)
+        return {
+            **{key: chunk[key] for key in ("input_ids", "position_ids", "token_index", "sample_ids")},
+            **{key: chunk_of_row(batch[key], self.sp_rank, self.sp_size) for key in ("loss_mask", "step_labels")},
+        }
 
     def batch_units(self, batch: Batch) -> float:
         return float(batch["loss_mask"].sum())  # steps
 
     def compute_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = token_scores(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
+        if "token_index" in batch:  # this rank's chunk of a row shared by its sequence-parallel group
+            shard = SequenceShard(self.sp_group, batch["token_index"], batch["sample_ids"], self._timeout())
+            with sequence_shard(shard):
+                logits = token_scores(model, batch["input_ids"], position_ids=batch["position_ids"])
+        else:
+            logits = token_scores(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
         loss, metrics = process_reward_loss(logits, batch["step_labels"], batch["loss_mask"])
         steps = self.batch_units(batch)
         return loss * steps, {"step_accuracy": float(metrics["step_accuracy"]) * steps}
+
+    def _timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.cfg.engine.dist_timeout_s)
 
 
 def run_prm(cfg: PRMConfig) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """Code run inside the 2 spawned gloo ranks of ``test_preference_sequence_parallel.py``: the same DPO run
-(live reference, evaluation) and reward-model run (evaluation, score statistics at export) with
+(live reference, evaluation), reward-model run (evaluation, score statistics at export) and process
+reward-model run (soft step labels) with
 ``engine.sequence_parallel_size`` 1 (2 data-parallel ranks) and 2
 (every micro-batch packed into one row split over both ranks), and the KTO run (reference point estimated
 over mismatched pairs) with 2, one after the other in one process group. KTO's run with whole sequences is
@@ -58,6 +59,26 @@ def rm_config(model_dir: str, pairs: str, out: Path, size: int):
     )
 
 
+def prm_config(model_dir: str, chains: str, out: Path, size: int, separator: str):
+    from raylign.config.base import parse_config
+    from raylign.config.prm import PRMConfig
+
+    data = {"train": [chains], "format": "plain", "max_length": 64, "min_response_tokens": 8}
+    model = {"path": model_dir, "dtype": "float32"}
+    return parse_config(
+        PRMConfig,
+        {
+            "model": model,
+            "data": data,
+            "prm": {"step_separator": separator, "label_type": "soft"},
+            "engine": _engine(size),
+            "optim": OPTIM,
+            # Every chain has the same length: three to a micro-batch puts the cut inside the second.
+            "train": _train(out, 6),
+        },
+    )
+
+
 def kto_config(model_dir: str, rows: str, out: Path, size: int):
     """With ``size`` 1: whole sequences on the one process that runs it (the local backend)."""
     from raylign.config.base import parse_config
@@ -78,13 +99,17 @@ def kto_config(model_dir: str, rows: str, out: Path, size: int):
     )
 
 
-def run_rank(rank: int, port: int, model_dir: str, pairs: str, kto_rows: str, out_dir: str) -> None:
+def run_rank(
+    rank: int, port: int, model_dir: str, pairs: str, kto_rows: str, chains: str, separator: str, out_dir: str
+) -> None:
     from raylign.trainers.dpo import DPOTrainer
     from raylign.trainers.kto import KTOTrainer
+    from raylign.trainers.prm import PRMTrainer
     from raylign.trainers.rm import RMTrainer
 
     with as_gloo_rank(rank, WORLD_SIZE, port):
         for size in (1, 2):
             DPOTrainer(dpo_config(model_dir, pairs, Path(out_dir) / f"dpo_sp{size}", size)).run()
             RMTrainer(rm_config(model_dir, pairs, Path(out_dir) / f"rm_sp{size}", size)).run()
+            PRMTrainer(prm_config(model_dir, chains, Path(out_dir) / f"prm_sp{size}", size, separator)).run()
         KTOTrainer(kto_config(model_dir, kto_rows, Path(out_dir) / "kto_sp2", 2)).run()

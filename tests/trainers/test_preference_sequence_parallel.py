@@ -1,10 +1,10 @@
-"""DPO, reward models and KTO with sequence parallelism: every micro-batch packed into one row split over
-2 gloo ranks trains exactly like whole sequences.
+"""DPO, reward models, process reward models and KTO with sequence parallelism: every micro-batch packed
+into one row split over 2 gloo ranks trains exactly like whole sequences.
 
 Two runs of each command on the same data and seed: ``engine.sequence_parallel_size`` 2 on 2 ranks
 (both ranks share every micro-batch, one half of its row each, with ring attention between them; each
 sequence's log-prob sum, or a reward model's score at its last token, is all-reduced from the halves),
-and whole sequences: for DPO and the reward model on 2
+and whole sequences: for DPO and the reward models on 2
 data-parallel ranks, each holding half the batch; for KTO on one process holding the same micro-batches
 (KTO's reference point is estimated within a micro-batch, so it depends on which examples share one).
 The losses, the commands' own metrics (log-prob sums and margins; KTO's reference point and signed
@@ -32,12 +32,14 @@ from tests.spawned_ranks import free_port, import_worker, spawn_and_join
 
 from .test_dpo import all_a_pairs, write_jsonl
 from .test_kto import letters_row
+from .test_prm import SEP, arithmetic_chain
 
 worker = import_worker(__file__, "preference_sequence_parallel_worker")
 
 CHECKED = {
     "dpo": ["loss", "grad_norm", "logps_chosen", "logps_rejected", "logps_margin"],
     "rm": ["loss", "grad_norm", "accuracy"],
+    "prm": ["loss", "grad_norm", "step_accuracy"],
     "kto": ["loss", "grad_norm", "kl", "reward_signed"],
 }
 
@@ -48,9 +50,12 @@ def runs(tmp_path_factory, tiny_model_dir) -> Path:
     pairs = write_jsonl(tmp / "pairs.jsonl", all_a_pairs(12, seed=5))
     rng = random.Random(7)
     kto_rows = write_jsonl(tmp / "kto.jsonl", [letters_row(rng, i % 3 != 0) for i in range(24)])
+    chains = [arithmetic_chain(rng) for _ in range(24)]
+    soft = [{**chain, "labels": [0.9 if ok else 0.2 for ok in chain["labels"]]} for chain in chains]
+    chain_file = write_jsonl(tmp / "chains.jsonl", soft)
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
-        args = (free_port(), str(tiny_model_dir), str(pairs), str(kto_rows), str(tmp))
+        args = (free_port(), str(tiny_model_dir), str(pairs), str(kto_rows), str(chain_file), SEP, str(tmp))
         spawn_and_join(worker.run_rank, args, worker.WORLD_SIZE, 600, "DPO and KTO ranks")
     KTOTrainer(worker.kto_config(str(tiny_model_dir), str(kto_rows), tmp / "kto_sp1", 1)).run()
     return tmp
@@ -58,7 +63,7 @@ def runs(tmp_path_factory, tiny_model_dir) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("command", ["dpo", "rm", "kto"])
+@pytest.mark.parametrize("command", ["dpo", "rm", "prm", "kto"])
 def test_rows_split_over_two_ranks_train_like_whole_sequences(runs, command):
     whole, split = ([r for r in read_metrics(runs / f"{command}_sp{n}") if "train/loss" in r] for n in (1, 2))
     assert [r["step"] for r in whole] == [r["step"] for r in split] == list(range(1, worker.STEPS + 1))

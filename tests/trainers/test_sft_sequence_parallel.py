@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 
 from raylign.config.base import ConfigError, parse_config
 from raylign.config.commands import SFTConfig
-from raylign.config.prm import PRMConfig
 from raylign.models.tiny import build_tiny_model
 from raylign.tasks.strings import make_string_rows
 from raylign.trainers.metrics import read_metrics
@@ -84,11 +83,10 @@ def test_sequence_parallel_sft_configs_that_cannot_run_are_refused(engine, messa
         parse_config(SFTConfig, _sft(**engine))
 
 
-def test_commands_without_sequence_parallelism_refuse_it():
-    config = {
-        "model": {"path": "m"},
-        "data": {"train": ["t.jsonl"]},
-        "engine": {"backend": "fsdp2", "sequence_parallel_size": 2},
-    }
-    with pytest.raises(ConfigError, match="engine.sequence_parallel_size: prm does not support"):
-        parse_config(PRMConfig, config)
+def test_a_command_whose_rows_are_not_split_refuses_sequence_parallelism():
+    from raylign.config.engine import EngineConfig, refuse_unsupported_layouts
+    from raylign.config.model import ModelConfig
+
+    engine = EngineConfig(backend="fsdp2", sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="engine.sequence_parallel_size: grpo-offline does not support"):
+        refuse_unsupported_layouts(engine, ModelConfig(path="m"), "grpo-offline")
