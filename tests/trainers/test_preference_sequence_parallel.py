@@ -44,12 +44,24 @@ CHECKED = {
 }
 
 
+def uneven_pairs(num_rows: int, seed: int) -> list[dict]:
+    """all_a_pairs with a longer rejected reply: with equal lengths every packed row is cut between two
+    sequences, and a split that attended only within its own half would go unnoticed."""
+    return [{**row, "rejected": row["rejected"] + " h h"} for row in all_a_pairs(num_rows, seed)]
+
+
+def uneven_kto_rows(rng: random.Random, num_rows: int) -> list[dict]:
+    """letters_row with completions of 1 to 4 letters, for the same reason."""
+    rows = [letters_row(rng, i % 3 != 0) for i in range(num_rows)]
+    return [{**row, "completion": " ".join(row["completion"].split()[: rng.randint(1, 3)] * 2)} for row in rows]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir) -> Path:
     tmp = tmp_path_factory.mktemp("preference_sp")
-    pairs = write_jsonl(tmp / "pairs.jsonl", all_a_pairs(12, seed=5))
+    pairs = write_jsonl(tmp / "pairs.jsonl", uneven_pairs(12, seed=5))
     rng = random.Random(7)
-    kto_rows = write_jsonl(tmp / "kto.jsonl", [letters_row(rng, i % 3 != 0) for i in range(24)])
+    kto_rows = write_jsonl(tmp / "kto.jsonl", uneven_kto_rows(rng, 24))
     chains = [arithmetic_chain(rng) for _ in range(24)]
     soft = [{**chain, "labels": [0.9 if ok else 0.2 for ok in chain["labels"]]} for chain in chains]
     chain_file = write_jsonl(tmp / "chains.jsonl", soft)
