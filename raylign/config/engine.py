@@ -135,8 +135,7 @@ def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str, p
     """What an offline command cannot train yet, refused by name before anything starts:
 
     * sequence parallelism in a command whose training path does not split rows across ranks (every
-      offline command's does today); unpacked data (it splits packed rows) or gradient checkpointing
-      with it (the recomputed attention would not see the other ranks' chunks);
+      offline command's does today), or with unpacked data (it splits packed rows);
     * LoRA with tensor parallelism: the plan splits the base layers the adapters wrap;
     * a 4-bit base (``model.lora.quantize_base``) on several processes: FSDP2 and ZeRO would have to
       shard bitsandbytes' packed weights and their quantisation state; and for prm at all, whose
@@ -150,11 +149,6 @@ def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str, p
             )
         if not packing:
             raise ValueError("engine.sequence_parallel_size > 1 splits packed rows: data.packing must be true")
-        if model.gradient_checkpointing:
-            raise ValueError(
-                "engine.sequence_parallel_size > 1 does not support model.gradient_checkpointing yet "
-                "(the recomputed attention would not see the other ranks' chunks)"
-            )
     if engine.tensor_parallel_size > 1 and model.lora.rank > 0:
         raise ValueError(
             "engine.tensor_parallel_size > 1 does not support model.lora yet (the tensor-parallel plan splits "

@@ -166,9 +166,13 @@ def apply_training_options(model: PreTrainedModel, cfg: ModelConfig, task_type: 
     ``task_type`` is peft's ('CAUSAL_LM', 'SEQ_CLS'); with 'SEQ_CLS' the score head stays fully trainable.
     """
     if cfg.gradient_checkpointing:
+        from raylign.models.sequence_parallel import shard_recompute_context
+
         # Non-reentrant checkpointing works when a layer's inputs need no grad (frozen embeddings
         # under LoRA) and with FSDP2; the reentrant variant then loses the layer's weight gradients.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # A layer recomputed in backward runs under the sequence-parallel shard of its forward.
+        kwargs = {"use_reentrant": False, "context_fn": shard_recompute_context}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if cfg.lora.rank == 0:
         return model
     from peft import LoraConfig as PeftLoraConfig

@@ -25,9 +25,10 @@ log-probs its chunk predicts, and sums the ranks' parts into the whole ``[b, R]`
 with an all-reduce that autograd differentiates; :func:`sharded_response_values` does the same for
 a critic's values.
 
-Not supported yet: 2D attention masks (padded batches), sliding windows, logit soft-capping,
-attention dropout, and recomputing activations in backward (gradient checkpointing would re-run
-the attention after :func:`sequence_shard` has ended).
+Gradient checkpointing re-runs a layer's forward in the backward pass, after
+:func:`sequence_shard` has ended: :func:`shard_recompute_context`, which raylign passes to the
+checkpointing, sets the shard again for the recomputation. Not supported yet: 2D attention masks
+(padded batches), sliding windows, logit soft-capping and attention dropout.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from __future__ import annotations
 import datetime
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,14 @@ def sequence_shard(shard: SequenceShard) -> Iterator[None]:
         yield
     finally:
         _ACTIVE_SHARD.reset(token)
+
+
+def shard_recompute_context() -> tuple[AbstractContextManager, AbstractContextManager]:
+    """``context_fn`` of ``torch.utils.checkpoint`` (non-reentrant): a checkpointed layer recomputed in
+    the backward pass, after :func:`sequence_shard` has ended, runs under the shard its forward ran
+    under, so its ring attention reaches the other ranks' chunks again."""
+    shard = _ACTIVE_SHARD.get(None)
+    return nullcontext(), (nullcontext() if shard is None else sequence_shard(shard))
 
 
 def _unsupported(what: str, hint: str = "") -> ValueError:

@@ -1,7 +1,8 @@
 """Code run inside the 2 spawned gloo ranks of ``test_sft_sequence_parallel.py``: the same SFT run, the
 same SFT run of LoRA adapters, and the same KD run (a student distilled from a teacher on the SFT data),
 with ``engine.sequence_parallel_size``
-1 (2 data-parallel ranks) and 2 (one row split over both ranks), one after the other in one process group."""
+1 (2 data-parallel ranks) and 2 (one row split over both ranks), one after the other in one process group;
+and the SFT run split over both ranks with gradient checkpointing."""
 
 from __future__ import annotations
 
@@ -13,14 +14,26 @@ WORLD_SIZE = 2
 STEPS = 3
 
 
-def sft_config(model_dir: str, train_file: str, out: Path, sequence_parallel_size: int, lora_rank: int = 0):
+def sft_config(
+    model_dir: str,
+    train_file: str,
+    out: Path,
+    sequence_parallel_size: int,
+    lora_rank: int = 0,
+    gradient_checkpointing: bool = False,
+):
     from raylign.config.base import parse_config
     from raylign.config.commands import SFTConfig
 
     return parse_config(
         SFTConfig,
         {
-            "model": {"path": model_dir, "dtype": "float32", "lora": {"rank": lora_rank, "alpha": 8}},
+            "model": {
+                "path": model_dir,
+                "dtype": "float32",
+                "lora": {"rank": lora_rank, "alpha": 8},
+                "gradient_checkpointing": gradient_checkpointing,
+            },
             "data": {"train": [train_file], "format": "chat", "max_length": 64, "min_response_tokens": 8},
             "engine": {"backend": "fsdp2", "sequence_parallel_size": sequence_parallel_size, "dist_timeout_s": 120},
             # A large AdamW epsilon keeps each update proportional to its gradient: with the default 1e-8 an
@@ -57,3 +70,7 @@ def run_rank(rank: int, port: int, model_dir: str, student_dir: str, train_file:
             SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / f"sp{size}", size)).run()
             SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / f"lora_sp{size}", size, lora_rank=4)).run()
             KDTrainer(kd_config(student_dir, model_dir, train_file, Path(out_dir) / f"kd_sp{size}", size)).run()
+        checkpointed = sft_config(
+            model_dir, train_file, Path(out_dir) / "checkpointed_sp2", 2, gradient_checkpointing=True
+        )
+        SFTTrainer(checkpointed).run()

@@ -1,10 +1,11 @@
-"""SFT (full and LoRA) and KD with sequence parallelism: a packed row split over 2 gloo ranks trains exactly
-like whole rows.
+"""SFT (full, LoRA, with gradient checkpointing) and KD with sequence parallelism: a packed row split over
+2 gloo ranks trains exactly like whole rows.
 
 Two runs of the same data and seed on 2 ranks: ``engine.sequence_parallel_size`` 1 (each rank
 holds whole rows of half the batch) and 2 (both ranks share every row, one half each, with ring
 attention between them). The loss and gradient norm of every step and the final weights (for LoRA,
-the merged export) agree; for
+the merged export) agree, also when the split run recomputes its layers in backward (gradient
+checkpointing: the recomputed ring attention must reach the other rank's half again); for
 KD (forward KL plus half the NLL, the teacher split like the student) so do the divergence and NLL.
 """
 
@@ -43,17 +44,22 @@ def runs(tmp_path_factory, tiny_model_dir) -> Path:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "command, metrics", [("sft", ["loss"]), ("lora", ["loss"]), ("kd", ["loss", "divergence", "nll"])]
+    "command, metrics",
+    [("sft", ["loss"]), ("lora", ["loss"]), ("checkpointed", ["loss"]), ("kd", ["loss", "divergence", "nll"])],
 )
 def test_rows_split_over_two_ranks_train_like_whole_rows(runs, command, metrics, tiny_model_dir):
     prefix = "" if command == "sft" else f"{command}_"
-    whole, split = ([r for r in read_metrics(runs / f"{prefix}sp{n}") if "train/loss" in r] for n in (1, 2))
+    if command == "checkpointed":  # whole rows without recomputation, against split rows with it
+        prefix = ""
+    split_prefix = prefix if command != "checkpointed" else "checkpointed_"
+    whole = [r for r in read_metrics(runs / f"{prefix}sp1") if "train/loss" in r]
+    split = [r for r in read_metrics(runs / f"{split_prefix}sp2") if "train/loss" in r]
     assert [r["step"] for r in whole] == [r["step"] for r in split] == list(range(1, worker.STEPS + 1))
     for a, b in zip(whole, split, strict=True):
         for key in [f"train/{name}" for name in metrics] + ["train/grad_norm"]:
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (a["step"], key, a[key], b[key])
     weights_whole = load_file(runs / f"{prefix}sp1" / "final" / "model.safetensors")
-    weights_split = load_file(runs / f"{prefix}sp2" / "final" / "model.safetensors")
+    weights_split = load_file(runs / f"{split_prefix}sp2" / "final" / "model.safetensors")
     for name, value in weights_whole.items():
         torch.testing.assert_close(weights_split[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
@@ -72,10 +78,6 @@ def _sft(**engine) -> dict:
         ({"backend": "deepspeed", "sequence_parallel_size": 2}, "engine.sequence_parallel_size 2 needs engine.backend"),
         ({"sequence_parallel_size": 2, "num_processes": 3}, "must divide engine.num_processes"),
         ({"sequence_parallel_size": 2, "packing": False}, "data.packing must be true"),
-        (
-            {"sequence_parallel_size": 2, "gradient_checkpointing": True},
-            "does not support model.gradient_checkpointing",
-        ),
     ],
 )
 def test_sequence_parallel_sft_configs_that_cannot_run_are_refused(engine, message):
