@@ -50,8 +50,8 @@ class EngineConfig(Section):
         ge=1,
         description="Ranks that share one packed row, each running a contiguous chunk of it, with ring attention "
         "across them (attention never crosses packed samples). Data-parallel ranks = ranks / this. Every "
-        "offline command (with data.packing) and rl (the policy and critic), with engine.backend fsdp2; "
-        "1 turns it off.",
+        "offline command (with data.packing; engine.backend fsdp2 or deepspeed) and rl (the policy and critic; "
+        "fsdp2); 1 turns it off.",
     )
 
     tensor_parallel_size: int = Field(
@@ -115,10 +115,10 @@ class EngineConfig(Section):
 
     @model_validator(mode="after")
     def _sequence_parallel_backend(self) -> EngineConfig:
-        if self.sequence_parallel_size > 1 and self.backend != "fsdp2":
+        if self.sequence_parallel_size > 1 and self.backend not in ("fsdp2", "deepspeed"):
             raise ValueError(
-                f"engine.sequence_parallel_size {self.sequence_parallel_size} needs engine.backend 'fsdp2' "
-                f"(got {self.backend!r})"
+                f"engine.sequence_parallel_size {self.sequence_parallel_size} needs engine.backend 'fsdp2' or "
+                f"'deepspeed' (got {self.backend!r})"
             )
         if self.num_processes > 1 and self.num_processes % self.sequence_parallel_size:
             raise ValueError(

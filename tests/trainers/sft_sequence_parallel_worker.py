@@ -2,7 +2,7 @@
 same SFT run of LoRA adapters, and the same KD run (a student distilled from a teacher on the SFT data),
 with ``engine.sequence_parallel_size``
 1 (2 data-parallel ranks) and 2 (one row split over both ranks), one after the other in one process group;
-and the SFT run split over both ranks with gradient checkpointing."""
+and the SFT run split over both ranks with gradient checkpointing, and with DeepSpeed ZeRO-3."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def sft_config(
     sequence_parallel_size: int,
     lora_rank: int = 0,
     gradient_checkpointing: bool = False,
+    **engine,
 ):
     from raylign.config.base import parse_config
     from raylign.config.commands import SFTConfig
@@ -35,7 +36,12 @@ def sft_config(
                 "gradient_checkpointing": gradient_checkpointing,
             },
             "data": {"train": [train_file], "format": "chat", "max_length": 64, "min_response_tokens": 8},
-            "engine": {"backend": "fsdp2", "sequence_parallel_size": sequence_parallel_size, "dist_timeout_s": 120},
+            "engine": {
+                "backend": "fsdp2",
+                "sequence_parallel_size": sequence_parallel_size,
+                "dist_timeout_s": 120,
+                **engine,
+            },
             # A large AdamW epsilon keeps each update proportional to its gradient: with the default 1e-8 an
             # element whose gradient is near zero moves by a full step of whichever sign its rounding gives,
             # so weights of equal-to-1e-7 gradients could not be compared at 1e-5.
@@ -74,3 +80,5 @@ def run_rank(rank: int, port: int, model_dir: str, student_dir: str, train_file:
             model_dir, train_file, Path(out_dir) / "checkpointed_sp2", 2, gradient_checkpointing=True
         )
         SFTTrainer(checkpointed).run()
+        zero3 = sft_config(model_dir, train_file, Path(out_dir) / "zero3_sp2", 2, backend="deepspeed", zero_stage=3)
+        SFTTrainer(zero3).run()

@@ -1,5 +1,5 @@
-"""SFT (full, LoRA, with gradient checkpointing) and KD with sequence parallelism: a packed row split over
-2 gloo ranks trains exactly like whole rows.
+"""SFT (full, LoRA, with gradient checkpointing, under DeepSpeed ZeRO-3) and KD with sequence parallelism: a
+packed row split over 2 gloo ranks trains exactly like whole rows.
 
 Two runs of the same data and seed on 2 ranks: ``engine.sequence_parallel_size`` 1 (each rank
 holds whole rows of half the batch) and 2 (both ranks share every row, one half each, with ring
@@ -41,25 +41,33 @@ def runs(tmp_path_factory, tiny_model_dir) -> Path:
     return tmp
 
 
+# The run with whole rows (on 2 data-parallel ranks, fsdp2) and the run with rows split over both ranks.
+COMPARED = {
+    "sft": ("sp1", "sp2"),
+    "lora": ("lora_sp1", "lora_sp2"),
+    "checkpointed": ("sp1", "checkpointed_sp2"),  # recomputed in backward, against whole rows that are not
+    "zero3": ("sp1", "zero3_sp2"),  # DeepSpeed ZeRO-3 splitting rows, against fsdp2 holding whole ones
+    "kd": ("kd_sp1", "kd_sp2"),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "command, metrics",
-    [("sft", ["loss"]), ("lora", ["loss"]), ("checkpointed", ["loss"]), ("kd", ["loss", "divergence", "nll"])],
+    [(command, ["loss"]) for command in ("sft", "lora", "checkpointed", "zero3")]
+    + [("kd", ["loss", "divergence", "nll"])],
 )
 def test_rows_split_over_two_ranks_train_like_whole_rows(runs, command, metrics, tiny_model_dir):
-    prefix = "" if command == "sft" else f"{command}_"
-    if command == "checkpointed":  # whole rows without recomputation, against split rows with it
-        prefix = ""
-    split_prefix = prefix if command != "checkpointed" else "checkpointed_"
-    whole = [r for r in read_metrics(runs / f"{prefix}sp1") if "train/loss" in r]
-    split = [r for r in read_metrics(runs / f"{split_prefix}sp2") if "train/loss" in r]
+    whole_run, split_run = COMPARED[command]
+    whole = [r for r in read_metrics(runs / whole_run) if "train/loss" in r]
+    split = [r for r in read_metrics(runs / split_run) if "train/loss" in r]
     assert [r["step"] for r in whole] == [r["step"] for r in split] == list(range(1, worker.STEPS + 1))
     for a, b in zip(whole, split, strict=True):
         for key in [f"train/{name}" for name in metrics] + ["train/grad_norm"]:
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (a["step"], key, a[key], b[key])
-    weights_whole = load_file(runs / f"{prefix}sp1" / "final" / "model.safetensors")
-    weights_split = load_file(runs / f"{split_prefix}sp2" / "final" / "model.safetensors")
+    weights_whole = load_file(runs / whole_run / "final" / "model.safetensors")
+    weights_split = load_file(runs / split_run / "final" / "model.safetensors")
     for name, value in weights_whole.items():
         torch.testing.assert_close(weights_split[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
@@ -75,7 +83,7 @@ def _sft(**engine) -> dict:
 @pytest.mark.parametrize(
     "engine, message",
     [
-        ({"backend": "deepspeed", "sequence_parallel_size": 2}, "engine.sequence_parallel_size 2 needs engine.backend"),
+        ({"backend": "local", "sequence_parallel_size": 2}, "engine.sequence_parallel_size 2 needs engine.backend"),
         ({"sequence_parallel_size": 2, "num_processes": 3}, "must divide engine.num_processes"),
         ({"sequence_parallel_size": 2, "packing": False}, "data.packing must be true"),
     ],
