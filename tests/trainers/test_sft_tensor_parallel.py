@@ -94,18 +94,6 @@ def test_tensor_parallel_settings_that_cannot_work_are_refused_by_name(fields, m
         parse_config(SFTConfig, data)
 
 
-def test_other_offline_commands_refuse_sequence_parallel(tmp_path):
-    from raylign.config.dpo import DPOConfig
-
-    data = {
-        "model": {"path": "m"},
-        "data": {"train": ["t.jsonl"]},
-        "engine": {"backend": "fsdp2", "sequence_parallel_size": 2, "num_processes": 2},
-    }
-    with pytest.raises(ConfigError, match="dpo does not support sequence parallelism yet"):
-        parse_config(DPOConfig, data)
-
-
 def test_a_model_whose_heads_the_ranks_cannot_split_is_refused_by_name():
     from torch.distributed.device_mesh import DeviceMesh
 
