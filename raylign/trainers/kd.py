@@ -18,8 +18,6 @@ predicts and its units their count.
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -109,9 +107,8 @@ class KDTrainer(SFTTrainer):
         """The float32 logits ``[N, vocabulary]`` at the N positions that predict a target token, and those
         targets ``[N]``: logits at t predict token t + 1."""
         if "target_mask" in batch:  # this rank's chunk of a row shared by its sequence-parallel group
-            timeout = datetime.timedelta(seconds=self.cfg.engine.dist_timeout_s)
             predicts_target = batch["target_mask"].bool()
-            logits = sharded_logits(model, batch, self.sp_group, timeout)[predicts_target]
+            logits = sharded_logits(model, batch, self.sp_group, self.collective_timeout)[predicts_target]
             targets = batch["target_ids"][predicts_target]
         else:
             inputs = {

@@ -20,6 +20,7 @@ into one row, and the per-sequence log-prob sums of such a chunk.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import random
@@ -124,17 +125,16 @@ class OfflineTrainer:
     def sharded_sequence_logps(self, model: torch.nn.Module, batch: Batch, prefix: str = "") -> torch.Tensor:
         """Each sequence's summed log-probs of its scored tokens from a :meth:`shard_sequences` chunk,
         float32 ``[num_sequences]``, computed by the rank's sequence-parallel group together."""
-        import datetime
-
         chunk = {key: batch[prefix + key] for key in _CHUNK_KEYS}
-        timeout = datetime.timedelta(seconds=self.cfg.engine.dist_timeout_s)
-        return sharded_sequence_logprobs(model, chunk, int(batch[prefix + "num_sequences"]), self.sp_group, timeout)
+        num_sequences = int(batch[prefix + "num_sequences"])
+        return sharded_sequence_logprobs(model, chunk, num_sequences, self.sp_group, self.collective_timeout)
 
     # ---- the loop ----------------------------------------------------------------------
 
     def setup(self) -> None:
         self.rank, self.world_size, self.device = init_distributed(self.cfg.engine.dist_timeout_s)
         self.is_main = self.rank == 0
+        self.collective_timeout = datetime.timedelta(seconds=self.cfg.engine.dist_timeout_s)
         # Ranks of one sequence-parallel group share every micro-batch, each running a chunk of its rows;
         # batches are sharded over the groups. Without sequence parallelism every rank is its own group.
         self.sp_size = self.cfg.engine.sequence_parallel_size

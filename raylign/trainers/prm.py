@@ -20,7 +20,6 @@ its loss is the sum over them and its units their count, as in SFT.
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +128,7 @@ class PRMTrainer(OfflineTrainer):
 
     def compute_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         if "token_index" in batch:  # this rank's chunk of a row shared by its sequence-parallel group
-            shard = SequenceShard(self.sp_group, batch["token_index"], batch["sample_ids"], self._timeout())
+            shard = SequenceShard(self.sp_group, batch["token_index"], batch["sample_ids"], self.collective_timeout)
             with sequence_shard(shard):
                 logits = token_scores(model, batch["input_ids"], position_ids=batch["position_ids"])
         else:
@@ -138,8 +137,6 @@ class PRMTrainer(OfflineTrainer):
         steps = self.batch_units(batch)
         return loss * steps, {"step_accuracy": float(metrics["step_accuracy"]) * steps}
 
-    def _timeout(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=self.cfg.engine.dist_timeout_s)
 
 
 def run_prm(cfg: PRMConfig) -> dict[str, float]:

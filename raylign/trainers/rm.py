@@ -16,7 +16,6 @@ same loss over the same pairs, as in :mod:`raylign.trainers.dpo`.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 from contextlib import contextmanager
@@ -112,8 +111,7 @@ class RMTrainer(OfflineTrainer):
 
     def _scores(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         if "sequence_ends" in batch:  # this rank's chunk of a row shared by its sequence-parallel group
-            timeout = datetime.timedelta(seconds=self.cfg.engine.dist_timeout_s)
-            return sharded_scores_at(model, batch, batch["sequence_ends"], self.sp_group, timeout)
+            return sharded_scores_at(model, batch, batch["sequence_ends"], self.sp_group, self.collective_timeout)
         return last_token_scores(model, self.head, batch)
 
     def batch_units(self, batch: Batch) -> float:

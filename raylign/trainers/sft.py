@@ -13,7 +13,6 @@ update as one rank holding the whole row.
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import torch
@@ -54,8 +53,7 @@ class SFTTrainer(OfflineTrainer):
 
     def compute_loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         if "target_mask" in batch:  # this rank's chunk of a row shared by its sequence-parallel group
-            timeout = datetime.timedelta(seconds=self.cfg.engine.dist_timeout_s)
-            return -sharded_target_logprobs(model, batch, self.sp_group, timeout).sum(), {}
+            return -sharded_target_logprobs(model, batch, self.sp_group, self.collective_timeout).sum(), {}
         logprobs = token_logprobs(
             model,
             batch["input_ids"],
