@@ -21,7 +21,8 @@ import glob
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 log = logging.getLogger("raylign")
@@ -157,6 +158,20 @@ def wait_until_ready(
             )
         )
     return [results[name] for name in actors]
+
+
+def start_together(starts: Mapping[str, Callable[[], Any]]) -> tuple[dict[str, Any], BaseException | None]:
+    """Run every start at once, each in a thread of its own, and wait for all of them: what each started,
+    by name, and the first error one raised (None when all started). Each start bounds its own wait, as
+    :func:`wait_until_ready` does, so this waits no longer than the slowest of them. What did start is
+    returned even when another start failed, for the caller to stop."""
+    if not starts:
+        return {}, None
+    with ThreadPoolExecutor(max_workers=len(starts), thread_name_prefix="start") as pool:
+        futures = {name: pool.submit(start) for name, start in starts.items()}
+    started = {name: future.result() for name, future in futures.items() if future.exception() is None}
+    errors = [future.exception() for future in futures.values() if future.exception() is not None]
+    return started, errors[0] if errors else None
 
 
 def get_within(refs: Any, timeout_s: float, what: str, setting: str, names: Sequence[str] | None = None) -> Any:

@@ -15,13 +15,14 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from raylign.agents.episode import episode_metrics
-from raylign.cluster import start_ray
+from raylign.cluster import start_ray, start_together
 from raylign.config.base import save_yaml
 from raylign.config.rl import RLConfig
 from raylign.data import ResumableSampler
@@ -70,6 +71,7 @@ from raylign.trainers.metrics import MetricsLogger, format_metrics
 from raylign.trainers.progress import Progress
 
 log = logging.getLogger("raylign")
+ENGINES = "rollout engines"  # their entry among what setup() starts at once
 
 
 class RLTrainer:
@@ -149,11 +151,15 @@ class RLTrainer:
         self.placement_groups = placement_groups(cfg, has_gpus)
         # The workers and this controller write checkpoints into one folder: on several nodes it must be shared.
         check_shared_directory(self.out, worker_nodes(self.placement_groups), "train.output_dir", timeout)
+        # Every group and the engines start at once: each spends its start importing and loading its model,
+        # and none needs another to do that.
+        starts: dict[str, Callable[[], Any]] = {}
         for role, workers in roles.items():
             group = self.placement_groups[0 if p.colocate else list(roles).index(role)]
             # Colocated on GPUs: rank r of every role shares GPU r (the policy with its engine) in equal parts.
             gpus = (1.0 / len(roles) if p.colocate else 1.0) if has_gpus else 0.0
-            self.groups[role] = WorkerGroup(
+            starts[role] = functools.partial(
+                WorkerGroup,
                 role,
                 dump,
                 workers,
@@ -164,15 +170,24 @@ class RLTrainer:
                 startup_timeout_s=timeout,
                 call_timeout_s=p.worker_call_timeout_s,
             )
+        if not p.colocate:
+            starts[ENGINES] = functools.partial(
+                launch_engines,
+                self.model_path,
+                cfg.rollout,
+                startup_timeout_s=timeout,
+                lora_rank=self._engine_lora_rank(),
+            )
+        started, failed = start_together(starts)
+        self.engines = started.pop(ENGINES, [])
+        self.groups.update(started)
+        if failed is not None:
+            raise failed  # run() stops what did start
         if p.colocate:
             # The hybrid engine: each policy worker generates with an engine in its own process.
             self.groups["policy"].call("start_local_engine", self.model_path)
-            self.engines = []
             self.pool = RolloutPool(self.groups["policy"].workers, cfg.rollout.generate_timeout_s)
         else:
-            self.engines = launch_engines(
-                self.model_path, cfg.rollout, startup_timeout_s=timeout, lora_rank=self._engine_lora_rank()
-            )
             self.pool = RolloutPool(self.engines, cfg.rollout.generate_timeout_s)
             self.groups["policy"].call("connect_engines", self.engines)
         self.threads = self._decide_threads(has_gpus)

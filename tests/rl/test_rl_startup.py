@@ -3,14 +3,36 @@ that names them, within the configured time."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
 
-from raylign.cluster import StartupError, actor_env, wait_until_ready
+from raylign.cluster import StartupError, actor_env, start_together, wait_until_ready
 from raylign.config.rollout import RolloutConfig
 from raylign.rl.trainer import RLTrainer
 from tests.rl.rl_helpers import resolve, rl_config_data
+
+
+def test_starts_run_at_once_and_a_failure_keeps_what_did_start():
+    """Three starts that each wait for the other two at a barrier: run one after another, the first would
+    wait out the barrier's limit. The one that raises does not hide the two that started."""
+    import threading
+
+    barrier = threading.Barrier(3, timeout=30)
+
+    def start(name: str) -> str:
+        barrier.wait()
+        if name == "engines":
+            raise StartupError("engine 0 failed to start: no weights")
+        return name
+
+    started, failed = start_together(
+        {name: functools.partial(start, name) for name in ("policy", "reference", "engines")}
+    )
+    assert started == {"policy": "policy", "reference": "reference"}
+    assert isinstance(failed, StartupError) and "engine 0" in str(failed)
+    assert start_together({"policy": lambda: 1}) == ({"policy": 1}, None)
 
 
 class Idle:
