@@ -379,11 +379,6 @@ class RLConfig(Section):
                 raise ValueError(f"engine.{field} > 1 does not support model.lora yet")
             if self.uses_critic and p.critic_workers % size:
                 raise ValueError(f"engine.{field} ({size}) must divide placement.critic_workers ({p.critic_workers})")
-        if self.engine.sequence_parallel_size > 1 and self.engine.backend != "fsdp2":
-            raise ValueError(
-                f"engine.sequence_parallel_size {self.engine.sequence_parallel_size}: rl splits rows with "
-                f"engine.backend fsdp2 only for now (got {self.engine.backend!r})"
-            )
         if self.reward is None and not self.agent.enabled:
             raise ValueError(
                 "reward: required (the reward sources), unless agent.env or agent.client gives the rewards"

@@ -6,7 +6,7 @@ itself with its adapters off, with its rows split over two ranks.
 Seeded PPO runs (a policy and a critic) on the same tiny model (two key/value heads, so two ranks can
 split them), each model on 2 fsdp2 ranks, with ``engine.tensor_parallel_size`` 2, with
 ``engine.sequence_parallel_size`` 2 (and gradient checkpointing), and with neither; and on 2
-deepspeed ranks with AutoTP 2.
+deepspeed ranks with AutoTP 2, and with the rows split (and gradient checkpointing).
 Rewards, the policy's and critic's loss terms (an entropy bonus keeps the policy's total loss away
 from 0, so its logged value is checked, not only its sign) and gradient norms of both steps, and the
 exported weights agree: the controller hands each group one shard and counts its answer once.
@@ -31,6 +31,7 @@ LAYOUTS = {
     "tensor": {"tensor_parallel_size": 2},
     "sequence": {"sequence_parallel_size": 2},
     "deepspeed_tensor": {"backend": "deepspeed", "zero_stage": 1, "tensor_parallel_size": 2},
+    "deepspeed_sequence": {"backend": "deepspeed", "zero_stage": 1, "sequence_parallel_size": 2},
 }
 
 
@@ -45,7 +46,7 @@ def runs(ray_session, prompt_file, tmp_path_factory):
         data["engine"] = {"backend": "fsdp2", **engine}
         # The split run also recomputes its layers in backward: the recomputed ring attention must reach
         # the other rank's half again (the whole-row runs keep their activations).
-        data["model"]["gradient_checkpointing"] = layout == "sequence"
+        data["model"]["gradient_checkpointing"] = layout.endswith("sequence")
         data["placement"] = {"policy_workers": 2, "critic_workers": 2}
         data["algorithm"] = {"entropy_coef": 0.01}
         trainer = RLTrainer(resolve(tmp_path, data))
@@ -54,7 +55,7 @@ def runs(ray_session, prompt_file, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", ["tensor", "sequence", "deepspeed_tensor"])
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout != "data"])
 def test_model_parallel_training_equals_data_parallel_ranks(runs, layout):
     (whole_records, whole_weights), (split_records, split_weights) = runs["data"], runs[layout]
     assert [r["step"] for r in split_records] == [r["step"] for r in whole_records] == [1, 2]
@@ -130,9 +131,6 @@ def test_rl_refuses_model_parallel_layouts_it_cannot_split(prompt_file, tmp_path
     if field == "tensor_parallel_size":
         with pytest.raises((ConfigError, ValueError), match=rf"engine.{field} > 1 does not support model.lora"):
             resolve(tmp_path, {**data, "model": {**data["model"], "lora": {"rank": 4}}})
-    else:  # the offline commands split rows under DeepSpeed too; rl does not yet
-        with pytest.raises((ConfigError, ValueError), match="rl splits rows with engine.backend fsdp2 only"):
-            resolve(tmp_path, {**data, "engine": {**data["engine"], "backend": "deepspeed"}})
     data["preset"] = "ppo"
     with pytest.raises((ConfigError, ValueError), match=rf"{field} \(2\) must divide placement.critic_workers \(1\)"):
         resolve(tmp_path, data)
