@@ -138,7 +138,6 @@ class PRMTrainer(OfflineTrainer):
         return loss * steps, {"step_accuracy": float(metrics["step_accuracy"]) * steps}
 
 
-
 def run_prm(cfg: PRMConfig) -> dict[str, float]:
     return PRMTrainer(cfg).run()
 
