@@ -168,8 +168,8 @@ class TrainEngine(ABC):
         once, as the embedding), one tensor at a time, on rank 0; nothing elsewhere.
 
         Collective: every rank iterates it to the end, in step with the others. Backends that can
-        gather one parameter at a time (FSDP2) hold one gathered tensor at a time; this default
-        gathers the whole model first."""
+        gather a parameter or a layer at a time (FSDP2, DeepSpeed) hand each tensor out before
+        gathering the next; this default gathers the whole model first."""
         yield from without_tied_output(self.full_state_dict(), self.hf_model).items()
 
     def adapter_state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

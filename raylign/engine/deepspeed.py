@@ -29,6 +29,7 @@ import hashlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from raylign.config.optim import OptimConfig
 from raylign.engine.base import TrainEngine, floating_dtype
 from raylign.engine.checkpoint import CheckpointError
 from raylign.engine.distributed import ensure_process_group
-from raylign.engine.export import is_adapter_weight
+from raylign.engine.export import is_adapter_weight, tied_output_key
 from raylign.engine.optim import build_param_groups, build_scheduler
 from raylign.errors import MissingPackageError
 
@@ -233,14 +234,40 @@ class DeepSpeedZeroEngine(TrainEngine):
             raise CheckpointError(f"DeepSpeed found no '{CHECKPOINT_TAG}' checkpoint in {directory}")
 
     def _gather_state_dict(self) -> dict[str, torch.Tensor]:
-        module = self.engine.module
+        return dict(self._iter_gathered(self.engine.module))
+
+    def iter_full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a weight sync sends, one tensor at a time: under ZeRO-3 or AutoTP each submodule's
+        parameters gathered in turn and handed out before the next is gathered; under ZeRO-1/2 rank 0's
+        own (whole) weights copied out one at a time. Rank 0 never holds the whole model a second time.
+        A LoRA model, whose merge needs a layer's base and adapter together, takes the whole-model
+        gather instead. Collective: every rank iterates it to the end."""
+        if hasattr(self.hf_model, "get_base_model"):
+            yield from super().iter_full_state()
+            return
+        tied = tied_output_key(self.hf_model)
+        for name, tensor in self._iter_gathered(self.engine.module):
+            if name != tied:
+                yield name, tensor.to(self.model_dtype) if tensor.is_floating_point() else tensor
+
+    def _iter_gathered(self, module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's whole weights under its state-dict names, as CPU copies, on rank 0 (nothing
+        elsewhere). Collective under ZeRO-3 and AutoTP."""
         if self.tensor_parallel > 1:
-            return self._gather_autotp_state_dict(module)
-        if self.zero_stage < 3:  # every rank holds the full (updated) weights
-            if self.rank != 0:
-                return {}
-            return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
-        return self._gather_zero3_state_dict(module)
+            from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+            # AutoTP's split layers made whole by DeepSpeed's own gather.
+            yield from self._iter_layer_by_layer(
+                module, lambda params, submodule: GatherReplacedLayerParams(params, submodule, enabled=True)
+            )
+        elif self.zero_stage < 3:  # every rank holds the full (updated) weights
+            if self.rank == 0:
+                for key, tensor in module.state_dict().items():
+                    yield key, tensor.detach().to("cpu", copy=True)
+        else:  # ZeRO-3: the partitioned parameters of one submodule at a time
+            yield from self._iter_layer_by_layer(
+                module, lambda params, _: self._deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+            )
 
     def _gather_adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """The adapter's parameters only, gathered together (they are small) under ZeRO-3."""
@@ -250,27 +277,11 @@ class DeepSpeedZeroEngine(TrainEngine):
         with self._deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
             return {n: p.detach().to("cpu", copy=True) for n, p in named} if self.rank == 0 else {}
 
-    def _gather_autotp_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """AutoTP's split layers gathered one at a time (DeepSpeed's ``GatherReplacedLayerParams``), whole
-        weights under the model's own names; only rank 0 keeps the copies. Collective."""
-        from deepspeed.module_inject.layers import GatherReplacedLayerParams
-
-        return self._gather_layer_by_layer(
-            module, lambda params, submodule: GatherReplacedLayerParams(params, submodule, enabled=True)
-        )
-
-    def _gather_zero3_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """All-gather one submodule's partitioned parameters at a time, so the peak extra memory
-        is one layer rather than the whole model; only rank 0 keeps the copies."""
-        return self._gather_layer_by_layer(
-            module, lambda params, _: self._deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-        )
-
-    def _gather_layer_by_layer(self, module: torch.nn.Module, gather: Any) -> dict[str, torch.Tensor]:
+    def _iter_layer_by_layer(self, module: torch.nn.Module, gather: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """Each submodule's own parameters made whole by ``gather(params, submodule)`` (a context
-        manager) in turn, rank 0 copying them and the buffers out under the model's state-dict names."""
+        manager) in turn, rank 0 copying them and the buffers out under the model's state-dict names:
+        the peak extra memory is one layer rather than the whole model."""
         wanted = set(module.state_dict().keys())
-        gathered: dict[str, torch.Tensor] = {}
         for prefix, submodule in module.named_modules():
             own = list(submodule.named_parameters(recurse=False))
             with gather([p for _, p in own], submodule):
@@ -278,8 +289,7 @@ class DeepSpeedZeroEngine(TrainEngine):
                     for name, tensor in own + list(submodule.named_buffers(recurse=False)):
                         key = f"{prefix}.{name}" if prefix else name
                         if key in wanted:
-                            gathered[key] = tensor.detach().to("cpu", copy=True)
-        return gathered
+                            yield key, tensor.detach().to("cpu", copy=True)
 
     def offload(self, keep_weights: bool = False) -> None:
         """ZeRO states (weights, fp32 masters, optimizer moments, grads) to the CPU with DeepSpeed's
