@@ -40,7 +40,7 @@ from raylign.config.optim import OptimConfig
 from raylign.engine.base import TrainEngine, floating_dtype
 from raylign.engine.checkpoint import CheckpointError
 from raylign.engine.distributed import ensure_process_group
-from raylign.engine.export import is_adapter_weight, tied_output_key
+from raylign.engine.export import is_adapter_weight, stream_hf_tensors, tied_output_key
 from raylign.engine.optim import build_param_groups, build_scheduler
 from raylign.errors import MissingPackageError
 
@@ -239,16 +239,14 @@ class DeepSpeedZeroEngine(TrainEngine):
     def iter_full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What a weight sync sends, one tensor at a time: under ZeRO-3 or AutoTP each submodule's
         parameters gathered in turn and handed out before the next is gathered; under ZeRO-1/2 rank 0's
-        own (whole) weights copied out one at a time. Rank 0 never holds the whole model a second time.
-        A LoRA model, whose merge needs a layer's base and adapter together, takes the whole-model
-        gather instead. Collective: every rank iterates it to the end."""
-        if hasattr(self.hf_model, "get_base_model"):
-            yield from super().iter_full_state()
-            return
+        own (whole) weights copied out one at a time. Rank 0 never holds the whole model a second time
+        (a LoRA model: one layer's base and adapter tensors, merged once all are there).
+        Collective: every rank iterates it to the end."""
         tied = tied_output_key(self.hf_model)
-        for name, tensor in self._iter_gathered(self.engine.module):
+        raw = self._iter_gathered(self.engine.module)
+        for name, tensor in stream_hf_tensors(raw, self.hf_model, self.model_dtype):
             if name != tied:
-                yield name, tensor.to(self.model_dtype) if tensor.is_floating_point() else tensor
+                yield name, tensor
 
     def _iter_gathered(self, module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's whole weights under its state-dict names, as CPU copies, on rank 0 (nothing

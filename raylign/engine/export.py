@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,41 @@ def to_hf_state_dict(
         adapter = active_adapter(model)
         raw = strip_peft_names(merge_lora(raw, lora_layers(model), adapter), adapter)
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in raw.items()}
+
+
+def stream_hf_tensors(
+    raw: Iterable[tuple[str, torch.Tensor]], model: torch.nn.Module, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`to_hf_state_dict` over a stream of full training tensors in state-dict order: each LoRA
+    layer's base and adapter tensors are merged as soon as the last of them arrives, every other tensor
+    goes on at once, so at most one layer's tensors are held."""
+    layers = lora_layers(model) if hasattr(model, "get_base_model") else {}
+    pending: dict[str, torch.Tensor] = {}
+    unit: str | None = None  # the LoRA layer whose tensors are pending
+
+    def flush() -> Iterator[tuple[str, torch.Tensor]]:
+        converted = to_hf_state_dict(pending, model, dtype)
+        pending.clear()
+        for key in list(converted):
+            yield key, converted.pop(key)
+
+    for key, value in raw:
+        owner = _lora_layer_of(key, layers)
+        if pending and (owner is None or owner != unit):
+            yield from flush()
+        unit = owner
+        pending[key] = value
+        if owner is None:
+            yield from flush()
+    yield from flush()
+
+
+def _lora_layer_of(key: str, layers: dict[str, tuple[float, bool]]) -> str | None:
+    """The LoRA layer (a :func:`lora_layers` name) a state-dict key belongs to, or None."""
+    for marker in (".base_layer.", ".lora_"):
+        if marker in key and (prefix := key.split(marker, 1)[0]) in layers:
+            return prefix
+    return None
 
 
 def tied_output_key(model: torch.nn.Module) -> str | None:

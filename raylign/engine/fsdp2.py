@@ -46,7 +46,7 @@ from raylign.config.engine import EngineConfig
 from raylign.config.optim import OptimConfig
 from raylign.engine.base import TrainEngine, floating_dtype
 from raylign.engine.distributed import ensure_process_group
-from raylign.engine.export import is_adapter_weight, tied_output_key
+from raylign.engine.export import is_adapter_weight, stream_hf_tensors, tied_output_key
 from raylign.engine.optim import build_adamw, build_scheduler, clip_grad_norm, move_optimizer_state
 
 DCP_FOLDER = "dcp"
@@ -321,22 +321,28 @@ class FSDP2Engine(TrainEngine):
 
     def iter_full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Each parameter all-gathered on its own, on the device, and handed out before the next is
-        gathered: rank 0 holds one full tensor at a time, never the whole model. A LoRA model (whose
-        merge needs a layer's base and adapter together) and CPU-offloaded shards on a GPU take the
-        whole-model gather instead."""
-        offloaded_on_gpu = self.device.type != "cpu" and isinstance(self.offload_policy, CPUOffloadPolicy)
-        if hasattr(self.hf_model, "get_base_model") or offloaded_on_gpu:
+        gathered: rank 0 holds one full tensor at a time, never the whole model (a LoRA model: one
+        layer's base and adapter tensors, merged once all are there). CPU-offloaded shards on a GPU
+        take the whole-model gather instead."""
+        if self.device.type != "cpu" and isinstance(self.offload_policy, CPUOffloadPolicy):
             yield from super().iter_full_state()
             return
         tied = tied_output_key(self.hf_model)
+        lora = hasattr(self.hf_model, "get_base_model")  # a tied head is known by its name after the merge
         main = not dist.is_initialized() or dist.get_rank() == 0
-        for name, tensor in self.module.state_dict().items():
-            if name == tied:
-                continue
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # every rank, in the same order
-            if main:
-                yield name, (full.to(self.model_dtype) if full.is_floating_point() else full).detach()
-            del full
+
+        def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in self.module.state_dict().items():
+                if name == tied and not lora:
+                    continue
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # every rank, in order
+                if main:
+                    yield name, full.detach()
+                del full
+
+        for name, tensor in stream_hf_tensors(gathered(), self.hf_model, self.model_dtype):
+            if name != tied:
+                yield name, tensor
 
     def _gather_adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """Each adapter tensor all-gathered on its own (every rank, in the same order); rank 0 keeps them."""

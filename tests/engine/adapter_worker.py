@@ -1,6 +1,6 @@
 """Code run inside the 2 spawned gloo ranks of ``test_engine_adapter.py``: one LoRA model per backend
 (fsdp2, ZeRO-2, ZeRO-3), each sharded over both ranks; rank 0 saves what ``adapter_state_dict``
-gathered."""
+gathered and what ``iter_full_state`` streamed (the weights merged layer by layer)."""
 
 from __future__ import annotations
 
@@ -47,8 +47,11 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
         for name, fields in BACKENDS.items():
             engine = create_engine(lora_model(), EngineConfig(**fields, dist_timeout_s=120), OptimConfig(lr=1e-2), 2)
             weights, config = engine.adapter_state_dict()
+            # What a merged-weight sync sends, as it streams: each tensor copied and dropped on arrival.
+            streamed = {key: tensor.clone() for key, tensor in engine.iter_full_state()}
             if rank == 0:
                 save_file(weights, Path(out_dir) / f"{name}.safetensors", metadata={"r": str(config["r"])})
+                torch.save({"names": list(streamed), "tensors": streamed}, Path(out_dir) / f"{name}_merged.pt")
             else:
-                assert weights == {}, f"{name}: rank {rank} got weights"
+                assert weights == {} and streamed == {}, f"{name}: rank {rank} got weights"
             dist.barrier()

@@ -1,5 +1,7 @@
 """``TrainEngine.adapter_state_dict``: a LoRA model's adapter weights, gathered whole from the
-shards of every backend, under the names PEFT saves them with (what a LoRA weight sync sends)."""
+shards of every backend, under the names PEFT saves them with (what a LoRA weight sync sends); and
+``TrainEngine.iter_full_state`` of the same model, merged layer by layer as it streams (what a
+merged-weight sync sends)."""
 
 from __future__ import annotations
 
@@ -51,3 +53,14 @@ def test_sharded_backends_gather_the_same_adapter_on_rank_0(tmp_path):
             assert torch.equal(gathered[key], value), (name, key)
         with safe_open(tmp_path / f"{name}.safetensors", "pt") as f:
             assert f.metadata()["r"] == "4"
+    # The merged weights a full-weight sync streams equal PEFT's own merge of the same model, in the
+    # base model's state-dict order, the tied head left out (it travels as the embedding).
+    merged = worker.lora_model().merge_and_unload()
+    tied = merged.config.tie_word_embeddings
+    expected = {k: v for k, v in merged.state_dict().items() if not (tied and k == "lm_head.weight")}
+    for name in worker.BACKENDS:
+        streamed = torch.load(tmp_path / f"{name}_merged.pt")
+        assert streamed["names"] == list(expected), name
+        for key, value in expected.items():
+            # fp32; PEFT adds B @ A * scaling in the weight's dtype as the merge here does: float error only.
+            torch.testing.assert_close(streamed["tensors"][key], value, rtol=1e-6, atol=1e-6, msg=(name, key))
