@@ -1,4 +1,5 @@
-"""One rank of an FSDP2 policy measuring what a weight sync's gather costs in resident memory.
+"""One rank of an FSDP2 (or ZeRO-3, or FSDP2 LoRA) policy measuring what a weight sync's gather costs
+in resident memory.
 
 Run under ``python -m torch.distributed.run --nproc_per_node 2``. Each rank measures how far its
 resident memory rises (Linux's VmHWM, reset through ``/proc/self/clear_refs`` before each
@@ -6,7 +7,7 @@ measurement, against VmRSS at that moment) while it iterates :meth:`TrainEngine.
 to the end, dropping every tensor as it arrives (as the bucket packer does), and then while it
 takes :meth:`TrainEngine.full_state_dict` (what a sync held before the stream). Each is run once
 untimed first, so that lazy imports and allocator set-up do not count. Rank 0 writes
-``<out>/stream_memory.json`` with every rank's figures and the sizes of the streamed tensors.
+``<out>/stream_memory_<backend>.json`` with every rank's figures and the sizes of the streamed tensors.
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--backend", default="fsdp2", help="fsdp2, zero3 (deepspeed) or lora (fsdp2, LoRA merged)")
     args = parser.parse_args()
     init_distributed(600)
     torch.set_num_threads(1)
-    model = load_causal_lm(ModelConfig(path=args.model_dir, dtype="float32"))
-    engine = create_engine(model, EngineConfig(backend="fsdp2"), OptimConfig(lr=1e-3), total_steps=1)
+    lora = {"rank": 8, "alpha": 16.0} if args.backend == "lora" else {}
+    model = load_causal_lm(ModelConfig(path=args.model_dir, dtype="float32", lora=lora))
+    fields = {"backend": "deepspeed", "zero_stage": 3} if args.backend == "zero3" else {"backend": "fsdp2"}
+    engine = create_engine(model, EngineConfig(**fields), OptimConfig(lr=1e-3), total_steps=1)
     sizes: list[int] = []
 
     def stream() -> None:
@@ -66,7 +70,7 @@ def main() -> None:
     dist.all_gather_object(ranks, {"stream_rise": stream_rise, "whole_rise": whole_rise})
     if dist.get_rank() == 0:
         result = {"ranks": ranks, "largest": max(sizes), "total": sum(sizes), "tensors": len(sizes)}
-        (Path(args.out) / "stream_memory.json").write_text(json.dumps(result))
+        (Path(args.out) / f"stream_memory_{args.backend}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
