@@ -348,11 +348,7 @@ class ModelWorker:
         stats = self._pool.sync_weights(
             state.items(), keep_running=self.cfg.rollout.partial_rollouts, version=version, only=only, adapter=adapter
         )
-        return {
-            "sync/gather_s": gathered - start,
-            "sync/total_s": time.perf_counter() - start,
-            **{f"sync/{k}": float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))},
-        }
+        return _sync_metrics(gathered - start, time.perf_counter() - start, stats)
 
     def _stream_weights(self, version: int | None, only: list[int] | None) -> dict[str, float]:
         """Full weights to the engine actors as they are gathered (:meth:`TrainEngine.iter_full_state`):
@@ -374,11 +370,7 @@ class ModelWorker:
         finally:
             for _ in stream:  # a sync that failed part-way: the other ranks still gather the rest
                 pass
-        return {
-            "sync/gather_s": gather.seconds,
-            "sync/total_s": time.perf_counter() - start,
-            **{f"sync/{k}": float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))},
-        }
+        return _sync_metrics(gather.seconds, time.perf_counter() - start, stats)
 
     # ---- colocated rollout engine (the hybrid engine) ------------------------------------
 
@@ -664,6 +656,12 @@ def _engine_mismatch(rollout_logprobs: torch.Tensor, logprobs: torch.Tensor, mas
         "mismatch_abs_diff": Metric(float(diff.sum()) / max(tokens, 1.0), "mean", tokens),
         "mismatch_max_abs_diff": Metric(float(diff.max()), "max"),
     }
+
+
+def _sync_metrics(gather_s: float, total_s: float, stats: Any) -> dict[str, float]:
+    """A sync's logged figures: its gather and total seconds, and the pool's own (``SyncStats``) numbers."""
+    numbers = {f"sync/{k}": float(v) for k, v in vars(stats).items() if isinstance(v, (int, float))}
+    return {"sync/gather_s": gather_s, "sync/total_s": total_s, **numbers}
 
 
 def _loss_share(loss: torch.Tensor, scale: LossScale, copies: int = 1) -> Metric:
