@@ -31,6 +31,8 @@ log = logging.getLogger("raylign")
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # Environment variables that must never reach an actor's runtime environment (see the module docstring).
 NEVER_IN_ACTOR_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+# How long a failed call waits to see whether a peer still computing died (the likelier cause).
+PEER_DEATH_GRACE_S = 5.0
 
 
 class StartupError(RuntimeError):
@@ -169,8 +171,10 @@ def start_together(starts: Mapping[str, Callable[[], Any]]) -> tuple[dict[str, A
         return {}, None
     with ThreadPoolExecutor(max_workers=len(starts), thread_name_prefix="start") as pool:
         futures = {name: pool.submit(start) for name, start in starts.items()}
-    started = {name: future.result() for name, future in futures.items() if future.exception() is None}
-    errors = [future.exception() for future in futures.values() if future.exception() is not None]
+    # The pool's exit waited for every start: each future is done, so none of these waits.
+    failures = {name: future.exception(timeout=0) for name, future in futures.items()}
+    started = {name: futures[name].result(timeout=0) for name, error in failures.items() if error is None}
+    errors = [error for error in failures.values() if error is not None]
     return started, errors[0] if errors else None
 
 
@@ -201,12 +205,27 @@ def get_within(refs: Any, timeout_s: float, what: str, setting: str, names: Sequ
         try:
             results[done[0]] = ray.get(done[0], timeout=max(0.0, deadline - time.monotonic()))  # raises its error
         except ray.exceptions.RayActorError as err:
-            index = refs.index(done[0])
-            raise ActorDied(
-                f"{what}: {names[index]} died while computing it ({death_cause(err)})", names[index], index
-            ) from err
+            raise _died(what, refs, names, done[0], err) from err
+        except ray.exceptions.RayTaskError as err:
+            # A rank's collective fails when a peer dies: if one of the calls still pending died, that
+            # death is the cause to report.
+            grace = min(PEER_DEATH_GRACE_S, max(0.0, deadline - time.monotonic()))
+            settled, _ = ray.wait(pending, num_returns=len(pending), timeout=grace) if pending else ([], [])
+            for ref in settled:
+                try:
+                    ray.get(ref, timeout=1)
+                except ray.exceptions.RayActorError as death:
+                    raise _died(what, refs, names, ref, death) from err
+                except Exception:  # another rank's own failure: the first one is reported
+                    continue
+            raise
     values = [results[ref] for ref in refs]
     return values[0] if single else values
+
+
+def _died(what: str, refs: list[Any], names: list[str], ref: Any, err: Exception) -> ActorDied:
+    index = refs.index(ref)
+    return ActorDied(f"{what}: {names[index]} died while computing it ({death_cause(err)})", names[index], index)
 
 
 def death_cause(err: Exception) -> str:
