@@ -23,7 +23,13 @@ from typing import Any
 import torch
 
 from raylign.engine import checkpoint as ckpt
-from raylign.engine.distributed import all_reduce_scalars, barrier, is_main_process
+from raylign.engine.distributed import (
+    all_reduce_scalars,
+    barrier,
+    broadcast_named_tensors,
+    get_world_size,
+    is_main_process,
+)
 from raylign.engine.export import (
     ADAPTER_FOLDER,
     adapter_config,
@@ -163,28 +169,39 @@ class TrainEngine(ABC):
             return {}
         return to_hf_state_dict(raw, self.hf_model, self.model_dtype)
 
-    def iter_full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_state(self, every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """What a weight sync sends: :meth:`full_state_dict` without a tied output head (it travels
-        once, as the embedding), one tensor at a time, on rank 0; nothing elsewhere.
+        once, as the embedding), one tensor at a time, on rank 0, nothing elsewhere; with
+        ``every_rank``, on every rank (what colocated engines load, one in each rank's process).
 
         Collective: every rank iterates it to the end, in step with the others. Backends that can
         gather a parameter or a layer at a time (FSDP2, DeepSpeed) hand each tensor out before
-        gathering the next; this default gathers the whole model first."""
-        yield from without_tied_output(self.full_state_dict(), self.hf_model).items()
+        gathering the next; this default gathers the whole model on rank 0 first, and with
+        ``every_rank`` broadcasts it from there a tensor at a time."""
+        state = without_tied_output(self.full_state_dict(), self.hf_model)
+        if every_rank and get_world_size() > 1:
+            yield from broadcast_named_tensors(state.items(), self.device)
+        else:
+            yield from state.items()
 
-    def adapter_state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def adapter_state_dict(self, every_rank: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """A LoRA model's adapter weights, unsharded, under PEFT's saved names in ``model_dtype``,
         and its ``adapter_config.json`` values: a PEFT adapter folder's content, on rank 0 (no
-        weights elsewhere). Collective; gathers the adapter's tensors only."""
-        raw = self._gather_adapter_state_dict()
+        weights elsewhere), or with ``every_rank`` on every rank. Collective; gathers the adapter's
+        tensors only."""
+        raw = self._gather_adapter_state_dict(every_rank)
         config = adapter_config(self.hf_model)
-        if not is_main_process():
+        if not (every_rank or is_main_process()):
             return {}, config
         return adapter_weights(raw, self.hf_model, self.model_dtype), config
 
-    def _gather_adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The adapter's tensors of :meth:`_gather_state_dict`; backends that can gather them alone do."""
-        return {k: v for k, v in self._gather_state_dict().items() if is_adapter_weight(k)}
+    def _gather_adapter_state_dict(self, every_rank: bool = False) -> dict[str, torch.Tensor]:
+        """The adapter's tensors of :meth:`_gather_state_dict` (on rank 0, or with ``every_rank``
+        broadcast from there); backends that can gather them alone do."""
+        adapter = {k: v for k, v in self._gather_state_dict().items() if is_adapter_weight(k)}
+        if every_rank and get_world_size() > 1:
+            return dict(broadcast_named_tensors(adapter.items(), self.device))
+        return adapter
 
     def export_hf(self, directory: str | Path, tokenizer: Any | None = None) -> None:
         """Save a plain HF folder (config, safetensors, tokenizer) that transformers and vLLM load.

@@ -236,54 +236,59 @@ class DeepSpeedZeroEngine(TrainEngine):
     def _gather_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self._iter_gathered(self.engine.module))
 
-    def iter_full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """What a weight sync sends, one tensor at a time: under ZeRO-3 or AutoTP each submodule's
-        parameters gathered in turn and handed out before the next is gathered; under ZeRO-1/2 rank 0's
-        own (whole) weights copied out one at a time. Rank 0 never holds the whole model a second time
-        (a LoRA model: one layer's base and adapter tensors, merged once all are there).
-        Collective: every rank iterates it to the end."""
+    def iter_full_state(self, every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a weight sync sends, one tensor at a time, on rank 0 (with ``every_rank``, on every
+        rank): under ZeRO-3 or AutoTP each submodule's parameters gathered in turn and handed out before
+        the next is gathered; under ZeRO-1/2 the rank's own (whole) weights copied out one at a time.
+        No rank holds the whole model a second time (a LoRA model: one layer's base and adapter
+        tensors, merged once all are there). Collective: every rank iterates it to the end."""
         tied = tied_output_key(self.hf_model)
-        raw = self._iter_gathered(self.engine.module)
+        raw = self._iter_gathered(self.engine.module, every_rank)
         for name, tensor in stream_hf_tensors(raw, self.hf_model, self.model_dtype):
             if name != tied:
                 yield name, tensor
 
-    def _iter_gathered(self, module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_gathered(self, module: torch.nn.Module, every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's whole weights under its state-dict names, as CPU copies, on rank 0 (nothing
-        elsewhere). Collective under ZeRO-3 and AutoTP."""
+        elsewhere), or with ``every_rank`` on every rank. Collective under ZeRO-3 and AutoTP."""
+        keeps = every_rank or self.rank == 0
         if self.tensor_parallel > 1:
             from deepspeed.module_inject.layers import GatherReplacedLayerParams
 
             # AutoTP's split layers made whole by DeepSpeed's own gather.
             yield from self._iter_layer_by_layer(
-                module, lambda params, submodule: GatherReplacedLayerParams(params, submodule, enabled=True)
+                module, lambda params, submodule: GatherReplacedLayerParams(params, submodule, enabled=True), keeps
             )
         elif self.zero_stage < 3:  # every rank holds the full (updated) weights
-            if self.rank == 0:
+            if keeps:
                 for key, tensor in module.state_dict().items():
                     yield key, tensor.detach().to("cpu", copy=True)
         else:  # ZeRO-3: the partitioned parameters of one submodule at a time
             yield from self._iter_layer_by_layer(
-                module, lambda params, _: self._deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+                module, lambda params, _: self._deepspeed.zero.GatheredParameters(params, modifier_rank=None), keeps
             )
 
-    def _gather_adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The adapter's parameters only, gathered together (they are small) under ZeRO-3."""
+    def _gather_adapter_state_dict(self, every_rank: bool = False) -> dict[str, torch.Tensor]:
+        """The adapter's parameters only, gathered together (they are small) under ZeRO-3; on rank 0,
+        or with ``every_rank`` on every rank."""
         named = [(n, p) for n, p in self.engine.module.named_parameters() if is_adapter_weight(n)]
+        keeps = every_rank or self.rank == 0
         if self.zero_stage < 3:
-            return {n: p.detach().to("cpu", copy=True) for n, p in named} if self.rank == 0 else {}
+            return {n: p.detach().to("cpu", copy=True) for n, p in named} if keeps else {}
         with self._deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
-            return {n: p.detach().to("cpu", copy=True) for n, p in named} if self.rank == 0 else {}
+            return {n: p.detach().to("cpu", copy=True) for n, p in named} if keeps else {}
 
-    def _iter_layer_by_layer(self, module: torch.nn.Module, gather: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_layer_by_layer(
+        self, module: torch.nn.Module, gather: Any, keeps: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Each submodule's own parameters made whole by ``gather(params, submodule)`` (a context
-        manager) in turn, rank 0 copying them and the buffers out under the model's state-dict names:
-        the peak extra memory is one layer rather than the whole model."""
+        manager) in turn, a rank that ``keeps`` them copying them and the buffers out under the model's
+        state-dict names: the peak extra memory is one layer rather than the whole model."""
         wanted = set(module.state_dict().keys())
         for prefix, submodule in module.named_modules():
             own = list(submodule.named_parameters(recurse=False))
             with gather([p for _, p in own], submodule):
-                if self.rank == 0:
+                if keeps:
                     for name, tensor in own + list(submodule.named_buffers(recurse=False)):
                         key = f"{prefix}.{name}" if prefix else name
                         if key in wanted:

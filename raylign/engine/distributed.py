@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal, TypeVar
 
 import torch
@@ -161,6 +161,22 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     holder = [obj]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
+
+
+def broadcast_named_tensors(
+    named: Iterable[tuple[str, torch.Tensor]], device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rank 0's named tensors (``named``; ignored elsewhere) on every rank, as CPU tensors, one at a
+    time: a header of names, dtypes and shapes first, then each tensor broadcast over the default group
+    on ``device`` (the group's device: a GPU under NCCL). Collective: every rank iterates it to the end."""
+    main = is_main_process()
+    tensors = dict(named) if main else {}
+    header = broadcast_object([(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()] if main else None)
+    for name, dtype, shape in header:
+        buffer = tensors.pop(name).to(device) if main else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(buffer, src=0)
+        yield name, buffer.cpu()
+        del buffer
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -40,8 +40,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
+from raylign.buffers import ReusedBuffers
 from raylign.config.engine import EngineConfig
 from raylign.config.optim import OptimConfig
 from raylign.engine.base import TrainEngine, floating_dtype
@@ -184,6 +185,31 @@ def build_meshes(
     return mesh, (mesh["replicate", "shard"] if replicate > 1 else mesh["shard"])
 
 
+@torch.no_grad()
+def whole_tensor(tensor: DTensor, buffers: ReusedBuffers | None = None) -> torch.Tensor:
+    """``tensor.full_tensor()`` on every rank. A CPU tensor sharded by rows over a 1-D mesh (what
+    ``fully_shard`` makes of every parameter without tensor parallelism) is gathered by one gloo
+    broadcast from each rank into its rows of the result: gloo's all-gather is several times slower
+    than its broadcast for the same bytes (``benchmarks/colocated_sync.py``, ``benchmarks/README.md``);
+    into memory from ``buffers`` when given (the result is then a view of it, valid until the next
+    gather of that shape once the caller has let go of it)."""
+    mesh = tensor.device_mesh
+    if mesh.device_type != "cpu" or mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),):
+        return tensor.full_tensor()
+    group = mesh.get_group()
+    if buffers is None:
+        whole = torch.empty(tensor.shape, dtype=tensor.dtype)
+    else:
+        whole = buffers.take(tensor.shape, tensor.dtype).view(tensor.shape)
+    local = tensor.to_local()
+    # fully_shard splits rows as torch.chunk does: ceil(rows / ranks) each, the last ranks fewer or none.
+    for index, rows in enumerate(whole.chunk(mesh.size(), dim=0)):
+        if index == mesh.get_local_rank():
+            rows.copy_(local)
+        dist.broadcast(rows, group_src=index, group=group)
+    return whole
+
+
 def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> None:
     """Split ``model``'s matrices over ``mesh`` with the tensor-parallel plan transformers ships for its
     architecture (attention and MLP projections column- then row-wise, embedding and output head over
@@ -269,6 +295,7 @@ class FSDP2Engine(TrainEngine):
         self.model_dtype = floating_dtype(model)
         self.max_grad_norm = optim_cfg.max_grad_norm
         self.offload_policy = offload_policy(engine_cfg, self.device)
+        self._whole_buffers = ReusedBuffers()  # the weight stream's gathers on CPU (whole_tensor)
         empty = any(p.is_meta for p in model.parameters())
         if optim_cfg.master_weights:
             model.float()  # sharded fp32 master weights; no-op for fp32 models (and only metadata on meta)
@@ -319,23 +346,25 @@ class FSDP2Engine(TrainEngine):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.module, options=options)
 
-    def iter_full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_state(self, every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Each parameter all-gathered on its own, on the device, and handed out before the next is
-        gathered: rank 0 holds one full tensor at a time, never the whole model (a LoRA model: one
-        layer's base and adapter tensors, merged once all are there). CPU-offloaded shards on a GPU
-        take the whole-model gather instead."""
+        gathered: rank 0 (with ``every_rank``, every rank: the all-gather gives each one the whole
+        tensor) holds one full tensor at a time, never the whole model (a LoRA model: one layer's base
+        and adapter tensors, merged once all are there). CPU-offloaded shards on a GPU take the
+        whole-model gather instead."""
         if self.device.type != "cpu" and isinstance(self.offload_policy, CPUOffloadPolicy):
-            yield from super().iter_full_state()
+            yield from super().iter_full_state(every_rank)
             return
         tied = tied_output_key(self.hf_model)
         lora = hasattr(self.hf_model, "get_base_model")  # a tied head is known by its name after the merge
-        main = not dist.is_initialized() or dist.get_rank() == 0
+        main = every_rank or not dist.is_initialized() or dist.get_rank() == 0
 
         def gathered() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in self.module.state_dict().items():
                 if name == tied and not lora:
                     continue
-                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # every rank, in order
+                # every rank, in order; into reused memory (a tensor a consumer still holds is not written over)
+                full = whole_tensor(tensor, self._whole_buffers) if isinstance(tensor, DTensor) else tensor
                 if main:
                     yield name, full.detach()
                 del full
@@ -344,14 +373,17 @@ class FSDP2Engine(TrainEngine):
             if name != tied:
                 yield name, tensor
 
-    def _gather_adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """Each adapter tensor all-gathered on its own (every rank, in the same order); rank 0 keeps them."""
+    def _gather_adapter_state_dict(self, every_rank: bool = False) -> dict[str, torch.Tensor]:
+        """Each adapter tensor all-gathered on its own (every rank, in the same order); rank 0 (with
+        ``every_rank``, every rank) keeps them."""
+        if self.device.type != "cpu" and isinstance(self.offload_policy, CPUOffloadPolicy):
+            return super()._gather_adapter_state_dict(every_rank)
         gathered: dict[str, torch.Tensor] = {}
-        main = not dist.is_initialized() or dist.get_rank() == 0
+        main = every_rank or not dist.is_initialized() or dist.get_rank() == 0
         for name, param in self.module.named_parameters():
             if not is_adapter_weight(name):
                 continue
-            full = param.full_tensor() if isinstance(param, DTensor) else param
+            full = whole_tensor(param) if isinstance(param, DTensor) else param
             if main:
                 gathered[name] = full.detach().to("cpu", copy=True)
         return gathered

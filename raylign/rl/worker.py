@@ -14,7 +14,7 @@ broadcasts them to the others in size-bounded buckets over a gloo group of the p
 from __future__ import annotations
 
 import asyncio
-import datetime
+import contextlib
 import functools
 import logging
 import os
@@ -72,7 +72,6 @@ class ModelWorker:
         self.correct_off_policy = bind_off_policy_correction(a)
         self._pool = None
         self._local_engine: Any = None
-        self._weights_group: Any = None
         self._store: Any = None
         self.rendezvous: tuple[str, int] | None = None
         self.engine: Any = None
@@ -321,28 +320,17 @@ class ModelWorker:
 
     def sync_weights(self, version: int | None = None, only: list[int] | None = None) -> dict[str, float]:
         """Collective over the policy ranks: gather full weights while rank 0 pushes them in buckets
-        to the engine actors (all, or the engines ``only``), or (colocated) gather them, then every rank
-        loads them into its own engine; the engines label them ``version`` (the controller's count of updates). A
-        LoRA policy with ``rollout.lora_sync: adapter`` gathers and sends its adapter weights only."""
-        from raylign.engine.export import without_tied_output
-
-        start = time.perf_counter()
-        if self._local_engine is None and not self.cfg.syncs_adapters:
-            return self._stream_weights(version, only)
-        adapter: dict[str, Any] | None = None
-        if self.cfg.syncs_adapters:
-            state, adapter = self.engine.adapter_state_dict()
-        else:
-            # A tied output head travels once, as the embedding: the engines load it under both names.
-            state = without_tied_output(self.engine.full_state_dict(), self.engine.hf_model)
-        gathered = time.perf_counter()
+        to the engine actors (all, or the engines ``only``), or (colocated) every rank loads them into
+        its own engine as they are gathered; the engines label them ``version`` (the controller's count
+        of updates). A LoRA policy with ``rollout.lora_sync: adapter`` gathers and sends its adapter
+        weights only."""
         if self._local_engine is not None:
-            self._load_local_engine(state, version, adapter)
-            return (
-                {"sync/gather_s": gathered - start, "sync/total_s": time.perf_counter() - start}
-                if self.rank == 0
-                else {}
-            )
+            return self._sync_local_engine(version)
+        if not self.cfg.syncs_adapters:
+            return self._stream_weights(version, only)
+        start = time.perf_counter()
+        state, adapter = self.engine.adapter_state_dict()
+        gathered = time.perf_counter()
         if self.rank != 0:
             return {}
         stats = self._pool.sync_weights(
@@ -387,37 +375,37 @@ class ModelWorker:
         if rollout.enable_sleep_mode is None:  # a colocated engine sleeps by phase unless told otherwise
             rollout = rollout.model_copy(update={"enable_sleep_mode": True})
         self._local_engine = engine_class(rollout.engine)(model_path, rollout, lora_rank)
-        if self.world_size > 1:
-            import torch.distributed as dist
 
-            # CPU tensors travel over gloo whatever backend the training group uses.
-            self._weights_group = dist.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.rollout.sync_timeout_s)
-            )
+    def _sync_local_engine(self, version: int | None) -> dict[str, float]:
+        """Colocated: every rank gathers the weights (the all-gathers hand each rank the whole tensor)
+        and loads them into its own engine as they arrive, a tensor (FSDP2) or a layer (DeepSpeed) at a
+        time; a LoRA policy's adapter (``rollout.lora_sync: adapter``) is gathered whole, it is small.
+        Nothing crosses between ranks but the gathers, and no rank holds the whole model twice. The
+        handover to the engine carries no checksum (hf: a memory copy; vLLM: its own channel to its
+        engine process): the probe covers it. ``sync/gather_s`` (rank 0) is the gathering's share."""
+        from raylign.rollout.weight_sync import TimedIterator
 
-    def _load_local_engine(
-        self, state: dict[str, torch.Tensor], version: int | None, adapter: dict[str, Any] | None = None
-    ) -> None:
-        """Rank 0's gathered weights (or LoRA adapter, with its config ``adapter``) into every rank's
-        engine; the other ranks receive them over gloo, each bucket checked against its checksum. The
-        handover to this rank's own engine carries no checksum (hf: a memory copy; vLLM: its own channel
-        to its engine process): the probe covers it."""
-        from raylign.rollout.weight_sync import IncomingSync, load_and_drain, send_named_tensors
-
-        def load(named_tensors) -> None:
-            if adapter is not None:
-                self._on_engine_loop(self._local_engine.load_adapter(named_tensors, adapter, version))
-            else:
-                self._on_engine_loop(self._local_engine.update_weights(named_tensors, False, version))
-
-        if self._weights_group is None:
-            load(state.items())
-        elif self.rank == 0:
-            send_named_tensors([self._weights_group], state.items(), int(self.cfg.rollout.bucket_mb * (1 << 20)))
-            load(state.items())
+        start = time.perf_counter()
+        if self.cfg.syncs_adapters:
+            state, adapter = self.engine.adapter_state_dict(every_rank=True)
+            gather_s = time.perf_counter() - start
+            self._on_engine_loop(self._local_engine.load_adapter(state.items(), adapter, version))
         else:
-            receiver = f"policy rank {self.rank}'s colocated engine"
-            load_and_drain(IncomingSync(self._weights_group, version, receiver), load)
+            # The engine's loop consumes the stream, so the gathers run on its thread, this one waiting.
+            stream = TimedIterator(self.engine.iter_full_state(every_rank=True))
+            try:
+                self._on_engine_loop(self._local_engine.update_weights(stream, False, version))
+            except BaseException:
+                # A load that failed part-way: the other ranks still gather the rest (a stream still
+                # running on the engine's thread refuses a second reader; the run ends either way).
+                with contextlib.suppress(ValueError):
+                    for _ in stream:
+                        pass
+                raise
+            gather_s = stream.seconds
+        if self.rank != 0:
+            return {}
+        return {"sync/gather_s": gather_s, "sync/total_s": time.perf_counter() - start}
 
     def _on_engine_loop(self, coroutine: Any) -> Any:
         """Run one of the local engine's coroutines on its loop; waits at most rollout.generate_timeout_s."""

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from raylign.buffers import storage_users
+
 ALIGN_BYTES = 16  # every tensor starts at a multiple of this, so a uint8 slice can be viewed as any dtype
 
 
@@ -52,12 +54,6 @@ class Bucket:
         return pickle.dumps([(m.name, m.dtype, m.shape, m.offset, m.nbytes) for m in self.metas])
 
 
-def _storage_users(tensor: torch.Tensor) -> int | None:
-    """How many tensors share ``tensor``'s memory (None where this torch cannot say)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if use_count is None else int(use_count(tensor.untyped_storage()._cdata))
-
-
 class BufferPool:
     """Flat uint8 CPU buffers for buckets, reused once nothing refers to them.
 
@@ -75,14 +71,14 @@ class BufferPool:
     def take(self, nbytes: int) -> torch.Tensor:
         self._largest = max(self._largest, nbytes)
         for buffer, idle in self._buffers:
-            if buffer.numel() >= nbytes and _storage_users(buffer) == idle:
+            if buffer.numel() >= nbytes and storage_users(buffer) == idle:
                 return buffer[:nbytes]
         buffer = torch.empty(self._largest, dtype=torch.uint8)
         self.allocated += 1
-        idle = _storage_users(buffer)
+        idle = storage_users(buffer)
         if idle is not None:
             if len(self._buffers) >= self.keep:  # forget the smallest idle buffer, or keep this one out
-                free = [i for i, (b, n) in enumerate(self._buffers) if _storage_users(b) == n]
+                free = [i for i, (b, n) in enumerate(self._buffers) if storage_users(b) == n]
                 if free:
                     del self._buffers[min(free, key=lambda i: self._buffers[i][0].numel())]
             if len(self._buffers) < self.keep:

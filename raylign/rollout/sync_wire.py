@@ -28,7 +28,6 @@ from raylign.rollout.buckets import (
     BufferPool,
     bucket_checksum,
     combine_checksums,
-    iter_packed_buckets,
     metas_from_header,
     unpack_bucket,
 )
@@ -222,16 +221,6 @@ def send_buckets(
     return sent
 
 
-def send_named_tensors(
-    groups: Sequence[dist.ProcessGroupGloo],
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    bucket_bytes: int,
-    dead_receivers: Callable[[], set[int]] | None = None,
-) -> SentSync:
-    """:func:`send_buckets` of ``named_tensors`` packed into buckets of at most ``bucket_bytes``."""
-    return send_buckets(groups, iter_packed_buckets(named_tensors, bucket_bytes), dead_receivers)
-
-
 class IncomingSync:
     """The tensors of one sync, yielded as they arrive (views into a bucket's buffer), each bucket
     checked against the checksum the sender packed it with.
@@ -340,11 +329,6 @@ class IncomingSync:
             self._take(torch.empty(header_len, dtype=torch.uint8), index, "header")
             self._take(torch.empty(payload_len, dtype=torch.uint8), index, "payload")
             index += 1
-
-
-def receive_named_tensors(group: dist.ProcessGroupGloo) -> IncomingSync:
-    """The tensors of one sync as they arrive (see :class:`IncomingSync`)."""
-    return IncomingSync(group)
 
 
 def load_and_drain(stream: Iterator[tuple[str, torch.Tensor]], load: Any) -> None:

@@ -324,11 +324,16 @@ class VLLMEngine(RolloutEngine):
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False, version: int | None = None
     ) -> float:
+        """Tensors handed over in this process (a colocated engine; ``named_tensors`` may be a weight
+        stream still being gathered): a bucket (``rollout.bucket_mb``) at a time, packed and copied to
+        the engine's worker process, each bucket one ``update_weights`` call of the same update, so no
+        more than a bucket is in flight beside the model's own weights."""
         start = time.perf_counter()
-        from raylign.rollout.vllm_transfer import pack_tensors
+        from raylign.rollout.vllm_transfer import pack_buckets
 
-        packed = pack_tensors(named_tensors)  # copied to the engine's worker process
-        await self._between_steps(lambda: self._transfer({"version": version, "packed": packed}), keep_running, version)
+        buckets = pack_buckets(named_tensors, int(self.config.bucket_mb * (1 << 20)))
+        updates = ({"version": version, "packed": packed} for packed in buckets)
+        await self._between_steps(lambda: self._transfer(updates, version), keep_running, version)
         return time.perf_counter() - start
 
     async def join_weight_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
@@ -343,18 +348,22 @@ class VLLMEngine(RolloutEngine):
 
     async def receive_weights(self, keep_running: bool = False, version: int | None = None) -> SyncReceipt:
         start = time.perf_counter()
-        received = await self._between_steps(lambda: self._transfer({"version": version}), keep_running, version)
+        received = await self._between_steps(
+            lambda: self._transfer([{"version": version}], version), keep_running, version
+        )
         return self._receipt(received, version, start)
 
-    async def _transfer(self, update_info: dict[str, Any]) -> list[dict[str, Any]]:
-        """One weight update through vLLM's weight-transfer API; every worker's receipt. An update
-        that was started is always finished (see :mod:`raylign.rollout.vllm_transfer`); a failed
-        one raises after that, before the engine takes the new version."""
+    async def _transfer(self, update_infos: Iterable[dict[str, Any]], version: int | None) -> list[dict[str, Any]]:
+        """One weight update through vLLM's weight-transfer API, in one ``update_weights`` call per
+        item of ``update_infos``; every worker's receipt. An update that was started is always finished
+        (see :mod:`raylign.rollout.vllm_transfer`); a failed one raises after that, before the engine
+        takes the new version."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         await self.llm.start_weight_update()
         try:
-            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            for update_info in update_infos:
+                await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
         except BaseException:
             # Only a fault in the call itself gets here (a failed receive is a receipt): vLLM has ended
             # the update already, and finishing it again would only hide this error.
@@ -363,7 +372,7 @@ class VLLMEngine(RolloutEngine):
             raise
         await self.llm.finish_weight_update()
         received = await self.llm.collective_rpc("raylign_sync_receipt")
-        _raise_failed(received, update_info.get("version"))
+        _raise_failed(received, version)
         return received
 
     async def receive_adapter(self, adapter: dict[str, Any], version: int | None = None) -> SyncReceipt:

@@ -16,7 +16,7 @@ One update:
   the layer is rebuilt and processed (on CPU, its linear layers repacked) once all its weights arrived.
 * ``update_weights({"version": v})``: take in the buckets, check each one's checksum, load its
   tensors. ``update_weights({"version": v, "packed": [...]})`` loads tensors handed over inline
-  instead (an engine in the trainer's own process has no group).
+  instead, one bucket a call (an engine in the trainer's own process has no group).
 * ``finish_weight_update``: the reload ends; layers that received nothing keep their tensors.
 
 vLLM's ``update_weights`` answers nothing, so the outcome is kept as :attr:`GlooWeightTransferEngine.receipt`
@@ -33,7 +33,7 @@ imported, which vLLM does in every worker process before it loads the model.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from raylign.rollout.buckets import BufferPool
+from raylign.rollout.buckets import BufferPool, group_into_buckets
 from raylign.rollout.sync_wire import IncomingSync, load_and_drain
 from raylign.rollout.vllm_engine import TRANSFER_BACKEND as BACKEND
 from raylign.rollout.weight_sync import join_group_as_receiver, with_tied_lm_head
@@ -72,7 +72,7 @@ class GlooInitInfo(WeightTransferInitInfo):
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
     """One update: its weight version (names it in errors), and tensors handed over inline, if any
-    (:func:`pack_tensors`), instead of buckets from the group."""
+    (one of :func:`pack_buckets`), instead of buckets from the group."""
 
     version: int | None = None
     packed: list | None = None
@@ -115,9 +115,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        if update_info.packed is not None:
+        if update_info.packed is not None:  # one bucket of several, each its own call
             self.load(unpack_tensors(update_info.packed))
-            self.receipt = {"inline": len(update_info.packed)}
+            self.receipt = {"inline": self.receipt.get("inline", 0) + len(update_info.packed)}
             return
         self.receipt = self.receive(update_info.version, self.load)
 
@@ -146,17 +146,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group = None
 
 
-def pack_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int], bytes]]:
-    """Tensors as plain values that survive vLLM's message encoding to its engine process."""
-    return [
-        (
-            name,
-            str(t.dtype).removeprefix("torch."),
-            list(t.shape),
-            t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(),
-        )
-        for name, t in named_tensors
-    ]
+def pack_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, str, list[int], bytes]]]:
+    """Tensors as plain values that survive vLLM's message encoding to its engine process, grouped
+    as the sync's buckets are (:func:`~raylign.rollout.buckets.group_into_buckets`: about
+    ``bucket_bytes`` each, a larger tensor alone), each group handed out before the next is read."""
+    for group in group_into_buckets(named_tensors, bucket_bytes):
+        yield [
+            (
+                name,
+                str(t.dtype).removeprefix("torch."),
+                list(t.shape),
+                t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(),
+            )
+            for name, t in group
+        ]
 
 
 def unpack_tensors(packed: list) -> Iterable[tuple[str, torch.Tensor]]:

@@ -51,9 +51,7 @@ from raylign.rollout.sync_wire import (  # noqa: F401 - the receiving side's nam
     WeightSyncCorrupted,
     WeightSyncMismatch,
     load_and_drain,
-    receive_named_tensors,
     send_buckets,
-    send_named_tensors,
 )
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """Code run inside the 2 spawned gloo ranks of ``test_engine_adapter.py``: one LoRA model per backend
 (fsdp2, ZeRO-2, ZeRO-3), each sharded over both ranks; rank 0 saves what ``adapter_state_dict``
-gathered and what ``iter_full_state`` streamed (the weights merged layer by layer)."""
+gathered and what ``iter_full_state`` streamed (the weights merged layer by layer), rank 1 what both
+gave it with ``every_rank``."""
 
 from __future__ import annotations
 
@@ -54,4 +55,12 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
                 torch.save({"names": list(streamed), "tensors": streamed}, Path(out_dir) / f"{name}_merged.pt")
             else:
                 assert weights == {} and streamed == {}, f"{name}: rank {rank} got weights"
+            # What colocated engines load: the same on every rank.
+            weights, _ = engine.adapter_state_dict(every_rank=True)
+            streamed = {key: tensor.clone() for key, tensor in engine.iter_full_state(every_rank=True)}
+            if rank == WORLD_SIZE - 1:
+                save_file(weights, Path(out_dir) / f"{name}_every_rank.safetensors")
+                torch.save(
+                    {"names": list(streamed), "tensors": streamed}, Path(out_dir) / f"{name}_merged_every_rank.pt"
+                )
             dist.barrier()

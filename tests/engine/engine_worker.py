@@ -119,21 +119,34 @@ def save_weights(engine, path: Path) -> None:
         torch.save(state, path)
 
 
-def save_streamed(engine, path: Path) -> None:
-    """What a weight sync sends (``iter_full_state``), in order, and the most gathered tensors the
-    stream kept alive at once: each yielded tensor is dropped here at once, so a stream that holds
-    one tensor at a time shows 1."""
+def _kept(stream) -> dict:
+    """A weight stream's names in order, its tensors (copied), and the most of them it kept alive at
+    once: each yielded tensor is dropped here at once, so a stream that holds one tensor at a time shows 1."""
     import weakref
 
     names, tensors, refs, held = [], {}, [], 0
-    for name, tensor in engine.iter_full_state():
+    for name, tensor in stream:
         held = max(held, 1 + sum(ref() is not None for ref in refs))
         names.append(name)
         tensors[name] = tensor.clone()
         refs.append(weakref.ref(tensor))
         del tensor
+    return {"names": names, "tensors": tensors, "held_at_once": held}
+
+
+def save_streamed(engine, path: Path) -> None:
+    """What a weight sync sends (``iter_full_state``) as rank 0 sees it; and on the last rank what
+    colocated engines load (``every_rank``), from the backend's stream and from the default whole-model
+    gather broadcast from rank 0."""
+    from raylign.engine.base import TrainEngine
+
+    sent = _kept(engine.iter_full_state())
     if get_rank() == 0:
-        torch.save({"names": names, "tensors": tensors, "held_at_once": held}, path)
+        torch.save(sent, path)
+    every_rank = _kept(engine.iter_full_state(every_rank=True))
+    broadcast = _kept(TrainEngine.iter_full_state(engine, every_rank=True))
+    if get_rank() == get_world_size() - 1:
+        torch.save({"stream": every_rank, "broadcast": broadcast}, path.with_name("every_rank_" + path.name))
 
 
 def reference_then_resume(args: argparse.Namespace, run: str, out: Path, vocab_size: int) -> None:

@@ -39,7 +39,7 @@ def test_the_local_engine_gives_the_adapter_as_peft_saves_it(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sharded_backends_gather_the_same_adapter_on_rank_0(tmp_path):
+def test_sharded_backends_gather_the_same_adapter_on_rank_0_or_every_rank(tmp_path):
     model = worker.lora_model()
     model.save_pretrained(tmp_path / "peft")
     saved = load_file(tmp_path / "peft" / "adapter_model.safetensors")
@@ -47,10 +47,12 @@ def test_sharded_backends_gather_the_same_adapter_on_rank_0(tmp_path):
         patch.syspath_prepend(str(Path(__file__).parent))
         spawn_and_join(worker.run_rank, (free_port(), str(tmp_path)), worker.WORLD_SIZE, 600, "adapter ranks")
     for name in worker.BACKENDS:
-        gathered = load_file(tmp_path / f"{name}.safetensors")
-        assert sorted(gathered) == sorted(saved), name
-        for key, value in saved.items():
-            assert torch.equal(gathered[key], value), (name, key)
+        # Rank 0's gather, and every rank's (what colocated engines load) as seen on rank 1.
+        for suffix in ("", "_every_rank"):
+            gathered = load_file(tmp_path / f"{name}{suffix}.safetensors")
+            assert sorted(gathered) == sorted(saved), (name, suffix)
+            for key, value in saved.items():
+                assert torch.equal(gathered[key], value), (name, suffix, key)
         with safe_open(tmp_path / f"{name}.safetensors", "pt") as f:
             assert f.metadata()["r"] == "4"
     # The merged weights a full-weight sync streams equal PEFT's own merge of the same model, in the
@@ -59,8 +61,11 @@ def test_sharded_backends_gather_the_same_adapter_on_rank_0(tmp_path):
     tied = merged.config.tie_word_embeddings
     expected = {k: v for k, v in merged.state_dict().items() if not (tied and k == "lm_head.weight")}
     for name in worker.BACKENDS:
-        streamed = torch.load(tmp_path / f"{name}_merged.pt")
-        assert streamed["names"] == list(expected), name
-        for key, value in expected.items():
-            # fp32; PEFT adds B @ A * scaling in the weight's dtype as the merge here does: float error only.
-            torch.testing.assert_close(streamed["tensors"][key], value, rtol=1e-6, atol=1e-6, msg=(name, key))
+        for suffix in ("", "_every_rank"):
+            streamed = torch.load(tmp_path / f"{name}_merged{suffix}.pt")
+            assert streamed["names"] == list(expected), (name, suffix)
+            for key, value in expected.items():
+                # fp32; PEFT adds B @ A * scaling in the weight's dtype as the merge here does: float error only.
+                torch.testing.assert_close(
+                    streamed["tensors"][key], value, rtol=1e-6, atol=1e-6, msg=(name, suffix, key)
+                )

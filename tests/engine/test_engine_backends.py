@@ -85,6 +85,7 @@ def crash_then_resume(runs: list[str], model_dir: Path, out: Path, nproc: int) -
         result["reference_weights"] = torch.load(out / run / "reference_weights.pt")
         result["resumed_weights"] = torch.load(out / run / "resumed_weights.pt")
         result["streamed"] = torch.load(out / run / "streamed_weights.pt")
+        result["every_rank"] = torch.load(out / run / "every_rank_streamed_weights.pt")
         result["export"] = out / run / "export"
         results[run] = result
     return results
@@ -156,11 +157,12 @@ def test_sharded_backend_export_reloads_and_generates(run, sharded_results, loca
     assert_export_loads_and_generates(result["export"], local_result["reference_weights"], atol=WEIGHT_ATOL)
 
 
-def assert_stream_is_the_full_state(result: dict, model_dir: Path) -> None:
-    """The weight-sync stream holds the full state's tensors, in its order, bitwise, less a tied head."""
+def assert_stream_is_the_full_state(result: dict, model_dir: Path, streamed: dict | None = None) -> None:
+    """The weight-sync stream (rank 0's unless ``streamed``) holds the full state's tensors, in its
+    order, bitwise, less a tied head."""
     from transformers import AutoConfig
 
-    full, streamed = result["reference_weights"], result["streamed"]
+    full, streamed = result["reference_weights"], streamed or result["streamed"]
     tied = AutoConfig.from_pretrained(model_dir).tie_word_embeddings
     expected = [name for name in full if not (tied and name == "lm_head.weight")]
     assert streamed["names"] == expected
@@ -181,3 +183,15 @@ def test_sharded_weight_stream_is_the_full_state(run, sharded_results, tiny_mode
     # Handed out one tensor at a time (FSDP2 gathers one parameter, ZeRO-3 one submodule, at a time):
     # rank 0 never held two of the stream's tensors at once.
     assert sharded_results[run]["streamed"]["held_at_once"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", RUN_PARAMS)
+def test_every_rank_streams_the_full_state_for_colocated_engines(run, sharded_results, tiny_model_dir):
+    """What colocated engines load: rank 1 gets the same stream as rank 0, one tensor at a time; and
+    the default whole-model gather, broadcast from rank 0 a tensor at a time, gives it the same."""
+    every_rank = sharded_results[run]["every_rank"]
+    assert_stream_is_the_full_state(sharded_results[run], tiny_model_dir, every_rank["stream"])
+    assert every_rank["stream"]["held_at_once"] == 1
+    assert_stream_is_the_full_state(sharded_results[run], tiny_model_dir, every_rank["broadcast"])

@@ -37,11 +37,11 @@ def _greedy_per_rank(group: WorkerGroup) -> list[list]:
     ("engine", "backend", "workers", "lora"),
     [
         # One case per way weights reach an engine (each vLLM case costs a minute): the local backend's
-        # own weights (hf), fsdp2's gathered ones to one rank's engine and sent on to the others (hf, vllm).
+        # own weights (hf), fsdp2's all-gathered ones streamed into every rank's own engine (hf, vllm).
         pytest.param("hf", "local", 1, False, id="hf-local-1"),
         pytest.param("hf", "fsdp2", 2, False, id="hf-fsdp2-2"),
         pytest.param("vllm", "fsdp2", 2, False, id="vllm-fsdp2-2"),
-        # A LoRA policy: rank 0 gathers the adapter alone and every rank's engine serves it as a vLLM adapter.
+        # A LoRA policy: every rank gathers the adapter alone and its engine serves it as a vLLM adapter.
         pytest.param("vllm", "fsdp2", 2, True, id="vllm-fsdp2-2-lora-adapter"),
     ],
 )
@@ -69,7 +69,7 @@ def test_colocated_engines_follow_the_trained_policy(
         assert sync[0]["sync/total_s"] > 0 and all(s == {} for s in sync[1:])
         if lora:  # the engines hold the adapter of the sync, version 1, and nothing else
             assert group.call("local_engine_adapters") == [[1]] * workers
-        for completions in _greedy_per_rank(group):  # every rank's engine, rank 0's and the ones it sent to
+        for completions in _greedy_per_rank(group):  # every rank's engine
             assert _gap(completions, _trainer_logprobs(group, completions)) <= LOGPROB_TOL
 
         # The controller's pool spreads one request over the ranks' engines and keeps prompt order.

@@ -8,6 +8,7 @@ Qwen2 and an untied Llama, both fp32 so that log-probs can be compared exactly.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 from raylign.rollout.pool import launch_engines, stop_engines
@@ -170,10 +171,35 @@ def test_gloo_weight_sync_untied_model(ray_session, untied_engine, untied_model_
     _sync_and_check(ray_session, untied_engine, untied_model_dir, lambda m: iter(m.state_dict().items()))
 
 
+def test_inline_tensors_are_packed_a_bucket_at_a_time():
+    """A colocated engine's update takes its tensors in buckets of about ``bucket_bytes`` (a larger
+    tensor alone), each handed on after reading at most one tensor past it, and they unpack exactly."""
+    from raylign.rollout.vllm_transfer import pack_buckets, unpack_tensors
+
+    sizes = [100, 100, 100, 250, 4]  # float32 elements: 400, 400, 400, 1000, 16 bytes
+    named = [(f"w{i}", torch.arange(n, dtype=torch.float32) + i) for i, n in enumerate(sizes)]
+    read = []
+
+    def stream():
+        for item in named:
+            read.append(item[0])
+            yield item
+
+    buckets, read_at_hand_over = [], []
+    for bucket in pack_buckets(stream(), bucket_bytes=1000):
+        buckets.append([name for name, *_ in bucket])
+        read_at_hand_over.append(len(read))
+        for (name, tensor), expected in zip(unpack_tensors(bucket), [t for n, t in named if n in buckets[-1]]):
+            assert torch.equal(tensor, expected), name
+    assert buckets == [["w0", "w1"], ["w2"], ["w3"], ["w4"]]
+    assert read_at_hand_over == [3, 4, 5, 5]
+
+
 def test_colocated_update_hands_tensors_to_the_worker(ray_session, untied_engine, untied_model_dir):
     trainer = load_fp32(untied_model_dir)
     perturb_(trainer, seed=99)
-    # The list travels to the actor once; inside it the engine loads it without any group.
+    # The list travels to the actor once; inside it the engine loads it without any group, a bucket
+    # (bucket_mb 0.05 here: several) per update_weights call of one update.
     ray_session.get(untied_engine.update_weights.remote([(n, t) for n, t in trainer.state_dict().items()]))
     after = generate(ray_session, untied_engine, [LONG_PROMPT, PROMPTS[1]], temperature=0.0, max_new_tokens=6)
     assert_logprobs_match(after, trainer)
