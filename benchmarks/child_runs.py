@@ -31,12 +31,15 @@ CHILD_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
 }
 
+MATMUL_SIZES = (128, 256, 512)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "sve", "bf16")
 
 
 def machine(dtype: str) -> dict[str, Any]:
     """What this machine can do, measured now: CPU model, instruction set, cores this process may use,
-    one-thread matmul GFLOP/s at ``dtype``, memory-copy and TCP-loopback GB/s."""
+    one-thread matmul GFLOP/s at ``dtype`` (the best of square sizes 128, 256 and 512: which size runs
+    fastest depends on the instruction set, e.g. bf16 without native support is fastest at 128), memory-copy
+    and TCP-loopback GB/s."""
     import torch
 
     from raylign.hardware import cpu_flags, cpu_model, matmul_gflops
@@ -46,7 +49,7 @@ def machine(dtype: str) -> dict[str, Any]:
         "capability": torch.backends.cpu.get_cpu_capability(),
         "flags": [f for f in ISA_FLAGS if f in cpu_flags()],
         "cores": len(os.sched_getaffinity(0)),
-        "matmul_gflops_1thread": matmul_gflops(getattr(torch, dtype), size=512, repeats=5),
+        "matmul_gflops_1thread": max(matmul_gflops(getattr(torch, dtype), size=n, repeats=5) for n in MATMUL_SIZES),
         "copy_gb_s": copy_gb_s(),
         "loopback_gb_s": loopback_gb_s(),
     }

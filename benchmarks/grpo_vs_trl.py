@@ -469,6 +469,7 @@ def phase_floors(
     hw: dict[str, Any],
     threads: int,
     bytes_per_weight: int,
+    reference_early: bool = False,
 ) -> dict[str, float]:
     """Seconds per step no implementation can beat on this machine, per phase, from the work of the
     step (``side``'s medians; ``prompt_tokens`` per sample) and the rates measured in this run:
@@ -477,8 +478,10 @@ def phase_floors(
       response tokens)`` FLOP (the output layer is needed at response positions only);
     - train = 3F (forward and backward) at ``threads`` x the one-thread matmul rate; experience = F,
       the reference forward, when there is a KL term (one optimizer step per generation needs no
-      separate behaviour forward); generate = F, or, when larger, the weights read once per decoding
-      step for the longest response at the memory-copy rate; sync = the bytes sent at the TCP-loopback
+      separate behaviour forward), and no floor (NaN) with ``reference_early``, where the reference
+      passes run while other groups generate and the phase holds only what is left of them;
+    - generate = F, or, when larger, the weights read once per decoding step for the longest
+      response at the memory-copy rate; sync = the bytes sent at the TCP-loopback
       rate (raylign's engines are separate processes); reward has no floor here.
     """
     rate = hw["matmul_gflops_1thread"] * 1e9 * threads
@@ -488,7 +491,7 @@ def phase_floors(
     return {
         "generate": max(forward / rate, decode),
         "reward": float("nan"),
-        "experience": forward / rate if kl else 0.0,
+        "experience": (float("nan") if reference_early else forward / rate) if kl else 0.0,
         "train": 3 * forward / rate,
         "sync": side["sync_bytes"] / (hw["loopback_gb_s"] * 1e9),
     }
@@ -564,9 +567,16 @@ def print_floors(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
         f"\nWhere the time goes, against this machine's limits measured in this run: {hw['cpu']} "
         f"({hw['capability']}, {' '.join(hw['flags'])}), {hw['cores']} cores; matmul at {args.dtype} on one "
-        f"thread {hw['matmul_gflops_1thread']:.0f} GFLOP/s, memory copy {hw['copy_gb_s']:.1f} GB/s, TCP "
+        f"thread {hw['matmul_gflops_1thread']:.1f} GFLOP/s, memory copy {hw['copy_gb_s']:.1f} GB/s, TCP "
         f"loopback {hw['loopback_gb_s']:.2f} GB/s. Floors at {rows[0]['threads_used']} thread(s) per phase "
         "(benchmarks/grpo_vs_trl.py: phase_floors); floor/measured is the share of the machine a phase used."
+        + (
+            " raylign's experience has no floor (n/a): with --early-reference its reference passes run while "
+            "other groups generate, and the phase holds what is left of them (--no-early-reference to measure "
+            "the reference pass against its floor)."
+            if args.early_reference and args.kl_coef > 0
+            else ""
+        )
     )
     print(f"{'model':8s} {'side':8s} {'phase':10s} {'measured s':>10s} {'floor s':>9s} {'floor/measured':>14s}")
     for row in rows:
@@ -726,7 +736,17 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path, hw: dict[str, 
     bytes_per_weight = 2 if args.dtype == "bfloat16" else 4
     row["machine"], row["threads_used"] = hw, threads
     row["floors"] = {
-        side: phase_floors(sizes, row[side], prompt_tokens, samples, args.kl_coef > 0, hw, threads, bytes_per_weight)
+        side: phase_floors(
+            sizes,
+            row[side],
+            prompt_tokens,
+            samples,
+            args.kl_coef > 0,
+            hw,
+            threads,
+            bytes_per_weight,
+            reference_early=side == "raylign" and args.early_reference,
+        )
         for side in ("raylign", "trl")
     }
     return row

@@ -386,8 +386,8 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace, hw: dict[
     )
     print(f"CPU: {hw['cpu']}; torch capability {hw['capability']}; flags: {' '.join(hw['flags']) or 'none of note'}")
     print(
-        f"Matmul on one thread at {args.dtype}: {hw['matmul_gflops_1thread']:.1f} GFLOP/s (512^3, best of 5, "
-        "this run); "
+        f"Matmul on one thread at {args.dtype}: {hw['matmul_gflops_1thread']:.1f} GFLOP/s (best of 5 at 128^3, 256^3 "
+        "and 512^3, this run); "
         f"floor = GFLOP per step / ({args.threads} x that)."
     )
     who = "raylign only (--skip-trl)" if args.skip_trl else "Both sides ran back to back in this invocation"

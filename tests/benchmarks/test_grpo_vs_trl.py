@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -37,6 +38,8 @@ def test_phase_floors_by_hand():
     assert floors["sync"] == pytest.approx(2.8e-6)
     without_kl = grpo_vs_trl.phase_floors(sizes, side, 5.0, 4, False, hw, 2, 4)
     assert without_kl["experience"] == 0.0
+    early = grpo_vs_trl.phase_floors(sizes, side, 5.0, 4, True, hw, 2, 4, reference_early=True)
+    assert math.isnan(early["experience"]) and early["train"] == floors["train"]
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -71,9 +74,11 @@ def test_report_prints_every_phase_against_its_floor(tmp_path):
     assert "GFLOP/s" in report and "GB/s" in report
     rows = {line.split()[2]: line.split()[3:] for line in report.splitlines() if line.startswith("tiny     raylign")}
     assert sorted(rows) == sorted(grpo_vs_trl.PHASES)
-    for phase in ("generate", "experience", "train", "sync"):
+    for phase in ("generate", "train", "sync"):
         measured, floor, share = (float(x) for x in rows[phase])
         assert measured > 0 and floor >= 0 and 0 <= share <= 1, (phase, rows[phase])
+    # the reference passes ran as the groups finished generating (--early-reference, the default)
+    assert float(rows["experience"][0]) > 0 and rows["experience"][1:] == ["n/a", "n/a"]
     generation = report.split("raylign/bare")[1].splitlines()[1].split()
     raylign_tok_s, trl_tok_s, bare_tok_s, ratio = generation[1:]
     assert trl_tok_s == "n/a" and float(raylign_tok_s) > 0 and float(bare_tok_s) > 0
