@@ -208,21 +208,32 @@ def client_run(ray_session, rl_model_dir, prompt_file, tmp_path_factory):
 
 
 def test_an_openai_client_agent_is_trained_on_the_tokens_it_received(client_run):
+    """Each sample trains the token ids the client got back, turn by turn, with the reward it posted.
+    A random policy sometimes samples a special token (<|im_start|>), which the reply's text leaves
+    out as vLLM's does; the client's next request then does not continue the tokens so far, and the
+    episode is trained up to that turn and counted in agent/template_drift_turns."""
     trainer, records = client_run
-    received = {json.dumps(r["received"]): r["reward"] for r in records}
     samples, exp = trainer.seen[0]
-    assert len(samples) == 2 * 2
+    assert len(samples) == 2 * 2 == len(records)
+    cut = 0
     for i, s in enumerate(samples):
         turns = _policy_turns(s)
-        assert json.dumps(turns) in received  # the ids the client got back, token for token, as trained
-        assert s.reward == received[json.dumps(turns)]  # the reward it posted
-        # between the turns: the template's rendering of the client's next user message, masked
-        env_text = trainer.tokenizer.decode([t for t, m in zip(s.response_ids, s.loss_mask) if not m])
-        assert "<|im_start|>user\nand again 0<|im_end|>\n<|im_start|>assistant\n" in env_text
+        sent = [r for r in records if r["received"][: len(turns)] == turns]
+        assert len(sent) == 1 and len(turns) in (1, 2), (turns, records)  # the ids it got, token for token
+        assert s.reward == sent[0]["reward"]  # the reward it posted
         assert exp.mask[i, : len(s.response_ids)].tolist() == [float(m) for m in s.loss_mask]
         # REINFORCE, gamma 1: the posted reward is the return of every policy token
         trained = exp.mask[i] > 0
         torch.testing.assert_close(exp.returns[i][trained], torch.full((int(trained.sum()),), s.reward))
+        if len(turns) == 1:
+            cut += 1
+            continue
+        # between the turns: the template's rendering of the client's next user message, masked
+        env_text = trainer.tokenizer.decode([t for t, m in zip(s.response_ids, s.loss_mask) if not m])
+        assert "<|im_start|>user\nand again 0<|im_end|>\n<|im_start|>assistant\n" in env_text
+    assert cut < len(samples)  # about 3% of replies hold a special token: all four is one in a million
+    drift = [r["agent/template_drift_turns"] for r in read_metrics(trainer.out) if "agent/template_drift_turns" in r]
+    assert drift == [cut]
 
 
 SANDBOX_ENV_FILE = '''
