@@ -29,6 +29,12 @@ log = logging.getLogger("raylign")
 
 # One thread per actor: several actors each using every core slow one another down many times over.
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# glibc's malloc hands every block over 32 MiB (logits, the output layer's gradient) back to the kernel
+# on free and maps fresh pages for the next; each first write to a fresh page faults, which on the
+# 2-core test machine made a training step's forward 2-4x slower (``benchmarks/README.md``). Large
+# blocks come from the heap instead and the heap is never shrunk, so later steps write into pages
+# they used before. The price: an actor's resident memory stays at its peak.
+REUSE_FREED_MEMORY = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
 # Environment variables that must never reach an actor's runtime environment (see the module docstring).
 NEVER_IN_ACTOR_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 # How long a failed call waits to see whether a peer still computing died (the likelier cause).
@@ -58,8 +64,11 @@ class ActorDied(RuntimeError):
 
 
 def actor_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The ``env_vars`` of an actor's runtime environment: :data:`WORKER_ENV` plus ``extra``."""
-    env = {**WORKER_ENV, **(extra or {})}
+    """The ``env_vars`` of an actor's runtime environment: :data:`WORKER_ENV`, glibc's allocator told
+    to reuse freed memory (:data:`REUSE_FREED_MEMORY`; a ``GLIBC_TUNABLES`` of the caller's own,
+    empty included, is passed on instead), plus ``extra``."""
+    tunables = os.environ.get("GLIBC_TUNABLES", REUSE_FREED_MEMORY)
+    env = {**WORKER_ENV, "GLIBC_TUNABLES": tunables, **(extra or {})}
     for key in NEVER_IN_ACTOR_ENV:
         env.pop(key, None)
     return env

@@ -40,9 +40,22 @@ class Idle:
         return "pong"
 
 
-def test_actor_environment_never_overrides_ray_authentication():
+def test_actor_environment_never_overrides_ray_authentication(monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     env = actor_env({"RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": "x", "FOO": "1"})
-    assert env == {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "FOO": "1"}
+    assert env == {
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736",
+        "FOO": "1",
+    }
+
+
+def test_actor_environment_passes_on_the_callers_allocator_setting(monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "")  # glibc's defaults, as the caller asked
+    assert actor_env()["GLIBC_TUNABLES"] == ""
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert actor_env()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
 
 
 @pytest.mark.slow
