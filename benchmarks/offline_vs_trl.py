@@ -210,10 +210,12 @@ def sample_tokens(sample: Any) -> int:
 def run_raylign_side(w: Workload) -> tuple[list[dict[str, float]], int]:
     """Run raylign's trainer; one record per step (time from its metrics.jsonl, tokens of its samples)
     and the model's parameter count."""
+    from raylign.cluster import reuse_freed_memory
     from raylign.trainers.dpo import DPOTrainer
     from raylign.trainers.metrics import read_metrics
     from raylign.trainers.sft import SFTTrainer
 
+    reuse_freed_memory()  # as every raylign command does at its start
     base = SFTTrainer if w.trainer == "sft" else DPOTrainer
     step_tokens: list[int] = []
 

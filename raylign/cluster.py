@@ -35,6 +35,8 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # blocks come from the heap instead and the heap is never shrunk, so later steps write into pages
 # they used before. The price: an actor's resident memory stays at its peak.
 REUSE_FREED_MEMORY = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+# mallopt's parameter numbers (glibc's malloc.h) for the same two settings in a running process.
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 # Environment variables that must never reach an actor's runtime environment (see the module docstring).
 NEVER_IN_ACTOR_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 # How long a failed call waits to see whether a peer still computing died (the likelier cause).
@@ -72,6 +74,24 @@ def actor_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     for key in NEVER_IN_ACTOR_ENV:
         env.pop(key, None)
     return env
+
+
+def reuse_freed_memory() -> bool:
+    """Give this process what :data:`REUSE_FREED_MEMORY` gives every actor, through glibc's
+    ``mallopt`` (the environment is read only at a process's start): used by every raylign command,
+    whose process trains when it runs on one rank. The heap is then trimmed only past 2 GiB free
+    (``mallopt`` takes an int). Nothing is changed when the caller set ``GLIBC_TUNABLES`` (empty:
+    glibc's defaults) or the C library is not glibc; returns whether it was changed."""
+    import ctypes
+
+    if "GLIBC_TUNABLES" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> bool:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from raylign.cluster import reuse_freed_memory
 from raylign.config.base import ConfigError, Section, describe_fields, overrides_from_argv, resolve_config, to_yaml
 
 
@@ -236,6 +237,7 @@ def _launch_ranks(name: str, argv: list[str], num_processes: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    reuse_freed_memory()
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
