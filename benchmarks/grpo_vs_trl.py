@@ -104,7 +104,7 @@ class Workload:
     threads: str = "1"
     task: str = "letters"
     master_weights: bool = True
-    early_reference: bool = True
+    early_reference: bool | None = None  # None: raylign's auto
 
 
 # ---- shared inputs ---------------------------------------------------------------------------
@@ -170,7 +170,12 @@ def raylign_config(w: Workload):
             "reward": {
                 "sources": [{"kind": "math"} if w.task == "gsm" else {"kind": "function", "path": str(REWARD_FILE)}]
             },
-            "rollout": {"engine": w.engine, "dtype": w.dtype, "max_staleness": w.max_staleness},
+            "rollout": {
+                "engine": w.engine,
+                "dtype": w.dtype,
+                "max_staleness": w.max_staleness,
+                "threads_per_engine": 1 if w.threads == "1" else "auto",
+            },
             "placement": {"colocate": w.colocate, "threads_per_worker": 1 if w.threads == "1" else "auto"},
             "sampling": {"n": w.group_size, "max_new_tokens": w.max_new_tokens, "temperature": 1.0},
             "data": {"train": [w.prompt_file], "format": "chat"},
@@ -193,7 +198,7 @@ def raylign_config(w: Workload):
                 "resume": False,
                 "log_samples": 0,
                 "seed": w.seed,
-                "early_reference": w.early_reference,
+                "early_reference": "auto" if w.early_reference is None else w.early_reference,
                 "logging": {"progress_bar": False, "tensorboard": False},
             },
         },
@@ -460,6 +465,14 @@ def model_sizes(model_path: str) -> dict[str, int]:
     return {"total": total, "head": head, "trunk": total - embed - (0 if tied else head)}
 
 
+def early_reference(args: argparse.Namespace) -> bool:
+    """Whether raylign's reference passes ran beside generation: as asked, or raylign's ``auto`` on CPU
+    (on unless the engines compute with every core: synchronous, engine threads not pinned)."""
+    if args.early_reference is not None:
+        return bool(args.early_reference)
+    return args.threads == "1" or args.max_staleness > 0
+
+
 def phase_floors(
     sizes: dict[str, int],
     side: dict[str, float],
@@ -574,7 +587,7 @@ def print_floors(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             " raylign's experience has no floor (n/a): with --early-reference its reference passes run while "
             "other groups generate, and the phase holds what is left of them (--no-early-reference to measure "
             "the reference pass against its floor)."
-            if args.early_reference and args.kl_coef > 0
+            if early_reference(args) and args.kl_coef > 0
             else ""
         )
     )
@@ -648,8 +661,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--early-reference",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="raylign's train.early_reference: each group's reference log-probs computed while others generate",
+        default=None,
+        help="raylign's train.early_reference: each group's reference log-probs computed while others generate "
+        "(default: raylign's auto, off with --threads default where its engines compute with every core)",
     )
     parser.add_argument(
         "--bare-vllm",
@@ -745,7 +759,7 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path, hw: dict[str, 
             hw,
             threads,
             bytes_per_weight,
-            reference_early=side == "raylign" and args.early_reference,
+            reference_early=side == "raylign" and early_reference(args),
         )
         for side in ("raylign", "trl")
     }

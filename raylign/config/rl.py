@@ -205,12 +205,14 @@ class RLTrainConfig(Section):
         description="Tokens per packed row within a micro-batch; 0: the longest "
         "sample's length. Attention cost grows with the square of a row's length.",
     )
-    early_reference: bool = Field(
-        True,
+    early_reference: bool | Literal["auto"] = Field(
+        "auto",
         description="The reference workers compute each prompt group's log-probs as soon as the group is scored, "
         "on one thread each, while other groups still generate, instead of all in the experience phase (the "
         "reference is frozen, so when they run changes nothing else). Not with placement.colocate, where the "
-        "reference shares its device with the generating engine.",
+        "reference shares its device with the generating engine. auto: on, except on CPU in a synchronous run whose "
+        "engines compute with every core (rollout.threads_per_engine: auto), where a pass beside them slowed "
+        "generation more than it saved; true there leaves the reference ranks their cores.",
     )
     async_rollout: bool | None = Field(
         None, description="Replaced by rollout.max_staleness (async_rollout: true is rollout.max_staleness: 1)."
@@ -316,10 +318,14 @@ class RLConfig(Section):
         sharded = p.shard_reference and self.engine.backend == "fsdp2" and p.reference_workers > 1
         return self.uses_reference and not self.reference_in_policy and sharded
 
-    @property
-    def reference_early(self) -> bool:
-        """Reference log-probs are computed per group as groups finish (train.early_reference)."""
-        return "reference" in self.worker_roles and self.train.early_reference and not self.placement.colocate
+    def reference_early(self, has_gpus: bool) -> bool:
+        """Reference log-probs are computed per group as groups finish (train.early_reference; ``auto``
+        is off on CPU where synchronous engines compute with every core: they keep none for it)."""
+        if "reference" not in self.worker_roles or self.placement.colocate:
+            return False
+        if self.train.early_reference == "auto":
+            return has_gpus or self.rollout.max_staleness > 0 or self.rollout.threads_per_engine != "auto"
+        return self.train.early_reference
 
     @property
     def reference_in_policy(self) -> bool:

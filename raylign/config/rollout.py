@@ -177,7 +177,22 @@ class RolloutConfig(Section):
     num_cpus_per_engine: float = Field(
         1.0, ge=0.0, le=1024.0, description="Ray CPU slots reserved per engine actor (0-1024)."
     )
+    threads_per_engine: int | Literal["auto"] = Field(
+        "auto",
+        description="Compute threads of each engine actor (its OMP_NUM_THREADS; vLLM's engine process and the hf "
+        "engine's torch follow it). auto: on CPU with max_staleness 0 training waits while the engines generate, so "
+        "they share the cores of a node equally (all of this machine's with a local Ray, the smallest node's Ray CPU "
+        "count on a cluster); with max_staleness >= 1, and on GPUs, num_cpus_per_engine (at least 1), the training "
+        "workers taking the rest. A number pins it.",
+    )
     seed: int = Field(0, ge=0, description="Engine seed (>= 0), used for requests without their own seed.")
+
+    @field_validator("threads_per_engine")
+    @classmethod
+    def _at_least_one_thread(cls, threads: int | str) -> int | str:
+        if threads != "auto" and int(threads) < 1:
+            raise ValueError(f"an engine computes on at least 1 thread (got {threads}); or auto")
+        return threads
 
     @field_validator("engine")
     @classmethod

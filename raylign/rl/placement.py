@@ -10,10 +10,12 @@ policy rank's rollout engine lives in the policy worker's process on the same GP
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from typing import Any
 
 from raylign.config.rl import RLConfig
+from raylign.config.rollout import RolloutConfig
 
 
 def reward_model_gpus(cfg: RLConfig) -> dict[str, float]:
@@ -113,6 +115,32 @@ def threads_per_worker(cores: float, busy_cores: float, workers: int) -> int:
     node of ``cores`` cores, while other work keeps ``busy_cores`` of them busy: an equal share of
     the free cores, ``floor((cores - busy_cores) / workers)``, at least 1."""
     return max(1, math.floor((cores - busy_cores) / workers))
+
+
+def engine_threads(r: RolloutConfig, node_cores: float, has_gpus: bool, busy_cores: float = 0.0) -> int:
+    """Compute threads of each rollout engine actor (``rollout.threads_per_engine``): pinned, or with
+    ``auto`` on CPU in a synchronous run (``rollout.max_staleness`` 0, training waits while the engines
+    generate) an equal share among ``rollout.num_engines`` of the ``node_cores`` that the reference
+    passes beside them (``busy_cores``) leave, at least 1; in streaming runs, where the training
+    workers compute beside them (:func:`phase_threads` leaves them these cores), and on GPUs,
+    ``rollout.num_cpus_per_engine``, at least 1."""
+    if r.threads_per_engine != "auto":
+        return r.threads_per_engine
+    if has_gpus or r.max_staleness > 0:
+        return max(1, int(r.num_cpus_per_engine))
+    return threads_per_worker(node_cores, busy_cores, r.num_engines)
+
+
+def engine_node_cores(ray_address: str | None) -> float:
+    """Cores of a node the engines run on: this machine's (those this process may use) with a local
+    Ray; on a cluster the smallest CPU count a live node offers Ray (which node an engine lands on is
+    Ray's choice)."""
+    if ray_address is None:
+        return float(len(os.sched_getaffinity(0)))
+    import ray
+
+    offered = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
+    return min((c for c in offered if c > 0), default=1.0)
 
 
 def phase_threads(

@@ -51,7 +51,14 @@ from raylign.rl.experience import (
     token_versions,
 )
 from raylign.rl.metric import Metric, average_updates, combine
-from raylign.rl.placement import check_gpu_count, phase_threads, placement_groups, worker_nodes
+from raylign.rl.placement import (
+    check_gpu_count,
+    engine_node_cores,
+    engine_threads,
+    phase_threads,
+    placement_groups,
+    worker_nodes,
+)
 from raylign.rl.prompts import Prompt, load_prompts
 from raylign.rl.records import (
     drop_records_after,
@@ -91,6 +98,7 @@ class RLTrainer:
         self.engine_restarts = 0  # engine actors replaced after their process died
         self._policy_ahead = False  # the policy has been updated since the engines' last weight sync
         self.shaping = RewardShaping(cfg)  # running reward statistics, checkpointed
+        self._engine_env: dict[str, str] = {}  # the rollout engine actors' own environment (setup)
         self.threads: dict[str, list[int]] = {}  # torch threads of each role's ranks in its phases (setup)
         self._threads_used: dict[str, list[int]] = {}  # phase -> the threads its ranks reported, this step
         self._peaks: dict[str, list[int | None]] = {}  # phase -> the peak memory its ranks reported, this step
@@ -171,10 +179,21 @@ class RLTrainer:
                 call_timeout_s=p.worker_call_timeout_s,
             )
         if not p.colocate:
+            # A reference pass beside the generating engines keeps a core per rank (or as pinned).
+            beside = cfg.worker_roles.get("reference", 0) if cfg.reference_early(has_gpus) else 0
+            beside *= 1 if p.threads_per_worker == "auto" else p.threads_per_worker
+            threads = engine_threads(cfg.rollout, engine_node_cores(p.ray_address), has_gpus, beside)
+            log.info(
+                "rollout engines: %d compute thread(s) each (rollout.threads_per_engine=%s)",
+                threads,
+                cfg.rollout.threads_per_engine,
+            )
+            self._engine_env = {"OMP_NUM_THREADS": str(threads)}
             starts[ENGINES] = functools.partial(
                 launch_engines,
                 self.model_path,
                 cfg.rollout,
+                env_vars=self._engine_env,
                 startup_timeout_s=timeout,
                 lora_rank=self._engine_lora_rank(),
             )
@@ -200,7 +219,7 @@ class RLTrainer:
                 # beside the generating engines: one thread per rank, or the count the user pinned
                 threads=self.threads["reference"] if cfg.placement.threads_per_worker != "auto" else None,
             )
-            if cfg.reference_early
+            if cfg.reference_early(has_gpus)
             else None
         )
         self.positions = PromptPositions(self.sampler)
@@ -678,7 +697,11 @@ class RLTrainer:
         for index in dead:
             timeout = cfg.placement.startup_timeout_s
             replaced[index] = launch_engines(
-                self.model_path, one, startup_timeout_s=timeout, lora_rank=self._engine_lora_rank()
+                self.model_path,
+                one,
+                env_vars=self._engine_env,
+                startup_timeout_s=timeout,
+                lora_rank=self._engine_lora_rank(),
             )[0]
             self.engines[index] = replaced[index]
             self.pool.replace_engine(index, replaced[index])

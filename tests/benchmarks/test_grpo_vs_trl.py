@@ -77,7 +77,7 @@ def test_report_prints_every_phase_against_its_floor(tmp_path):
     for phase in ("generate", "train", "sync"):
         measured, floor, share = (float(x) for x in rows[phase])
         assert measured > 0 and floor >= 0 and 0 <= share <= 1, (phase, rows[phase])
-    # the reference passes ran as the groups finished generating (--early-reference, the default)
+    # the reference passes ran as the groups finished generating (raylign's auto with --threads 1, the default)
     assert float(rows["experience"][0]) > 0 and rows["experience"][1:] == ["n/a", "n/a"]
     generation = report.split("raylign/bare")[1].splitlines()[1].split()
     raylign_tok_s, trl_tok_s, bare_tok_s, ratio = generation[1:]

@@ -105,16 +105,17 @@ def test_while_a_phase_runs_alone_its_workers_compute_on_every_core(runs):
     """Synchronous rollout: generation, experience and training take turns, and each role has one
     rank, so under the default placement.threads_per_worker (auto) the worker of each phase computes
     with all the cores this machine lets the run use. Presets without a KL term have no forward pass
-    before training (on-policy: the training forward's own log-probs are the behaviour's), and the
-    reference's pass runs beside generation (train.early_reference), on one thread per rank."""
+    before training (on-policy: the training forward's own log-probs are the behaviour's). The engine
+    generates with every core too (rollout.threads_per_engine auto), so the reference's pass does not
+    run beside it (train.early_reference auto) but in the experience phase, on every core."""
     cores = len(os.sched_getaffinity(0))
     for record in runs.first_records + runs.second_records:
         assert record["threads/train"] == cores
-        assert record.get("threads/experience", cores) == cores  # only the critic's pass (ppo) is left there
+        assert "threads/reference_early" not in record
         if runs.preset in USES_REFERENCE:
-            assert record["threads/reference_early"] == 1
+            assert record["threads/experience"] == cores and record["experience/reference_early"] == 0.0
         else:
-            assert "threads/reference_early" not in record
+            assert record.get("threads/experience", cores) == cores  # only the critic's pass (ppo) is left there
 
 
 def test_rewards_gave_the_policy_a_gradient(runs):

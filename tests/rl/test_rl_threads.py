@@ -1,4 +1,7 @@
-"""The torch threads a training worker computes with follow the phases: the phases on the training
+"""The threads a rollout engine computes with: in a synchronous run training waits while the engines
+generate, so they share the node's cores; otherwise what they reserve, training taking the rest.
+
+The torch threads a training worker computes with follow the phases: the phases on the training
 workers take turns, so each phase's ranks share the cores of their node that nothing else keeps busy
 meanwhile (the rollout engines, when they generate beside training), unless
 ``placement.threads_per_worker`` pins a number. The expected counts are worked out by hand."""
@@ -9,7 +12,8 @@ import os
 
 import pytest
 
-from raylign.rl.placement import phase_threads, threads_per_worker
+from raylign.config.rollout import RolloutConfig
+from raylign.rl.placement import engine_threads, phase_threads, threads_per_worker
 from raylign.rl.trainer import RLTrainer
 from raylign.trainers.metrics import read_metrics
 
@@ -29,6 +33,75 @@ from .rl_helpers import resolve, rl_config_data
 )
 def test_each_worker_gets_an_equal_share_of_the_free_cores(cores, busy, workers, expected):
     assert threads_per_worker(cores, busy, workers) == expected
+
+
+@pytest.mark.parametrize(
+    ("setting", "staleness", "engines", "slots", "cores", "gpus", "expected"),
+    [
+        ("auto", 0, 1, 1.0, 2, False, 2),  # synchronous, one engine on 2 cores: both
+        ("auto", 0, 3, 1.0, 16, False, 5),  # 16 cores among 3 engines, rounded down
+        ("auto", 0, 4, 1.0, 2, False, 1),  # more engines than cores: still 1
+        ("auto", 1, 1, 1.0, 16, False, 1),  # streaming: training computes beside it on the rest
+        ("auto", 2, 1, 3.5, 16, False, 3),  # streaming with 3.5 CPU slots reserved
+        ("auto", 0, 1, 2.0, 64, True, 2),  # on GPUs: the slots reserved
+        (6, 1, 2, 1.0, 4, False, 6),  # pinned, whatever runs
+    ],
+)
+def test_engines_share_the_cores_while_training_waits(setting, staleness, engines, slots, cores, gpus, expected):
+    r = RolloutConfig(
+        threads_per_engine=setting, max_staleness=staleness, num_engines=engines, num_cpus_per_engine=slots
+    )
+    assert engine_threads(r, cores, gpus) == expected
+
+
+def test_reference_passes_beside_the_engines_keep_their_cores():
+    # train.early_reference: true on 8 cores, 2 reference ranks of one thread each: 6 left for 2 engines
+    r = RolloutConfig(num_engines=2)
+    assert engine_threads(r, 8, False, busy_cores=2) == 3
+
+
+@pytest.mark.parametrize(
+    ("setting", "gpus", "staleness", "engine_setting", "expected"),
+    [
+        ("auto", False, 0, "auto", False),  # synchronous engines on every core: none left for it
+        ("auto", False, 0, 1, True),  # engines pinned to a thread: the other cores are free
+        ("auto", False, 1, "auto", True),  # streaming: engines keep their slots, the rest is training's
+        ("auto", True, 0, "auto", True),  # on GPUs the reference has its own device
+        (True, False, 0, "auto", True),  # asked for (the engines then leave it a core per rank)
+        (False, True, 0, "auto", False),
+    ],
+)
+def test_early_reference_auto_is_off_only_where_the_engines_take_every_core(
+    base, tmp_path, setting, gpus, staleness, engine_setting, expected
+):
+    base["train"]["early_reference"] = setting
+    base["rollout"].update(max_staleness=staleness, threads_per_engine=engine_setting)
+    assert resolve(tmp_path, base).reference_early(gpus) is expected
+
+
+def test_an_engine_thread_count_below_one_is_refused():
+    with pytest.raises(ValueError, match="at least 1 thread"):
+        RolloutConfig(threads_per_engine=0)
+
+
+@pytest.mark.slow
+def test_the_engine_actor_computes_with_the_threads_decided(ray_session, rl_model_dir, prompt_file, tmp_path):
+    ray = ray_session
+    data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "run", "grpo")
+    data["rollout"]["threads_per_engine"] = 2
+    trainer = RLTrainer(resolve(tmp_path, data))
+    try:
+        trainer.setup()
+        [engine] = trainer.engines
+        seen = ray.get(
+            engine.__ray_call__.remote(
+                lambda self: (os.environ["OMP_NUM_THREADS"], __import__("torch").get_num_threads())
+            ),
+            timeout=60,
+        )
+    finally:
+        trainer.shutdown()
+    assert seen == ("2", 2)  # the training workers' environment says 1
 
 
 @pytest.fixture
@@ -79,6 +152,7 @@ def test_a_pinned_thread_count_is_what_each_phase_computes_with(ray_session, rl_
     """The counterpart of the presets' end-to-end runs, which leave the default (auto): all cores."""
     data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "run", "grpo")  # a policy and a reference
     data["placement"] = {"threads_per_worker": 1}
+    data["rollout"]["threads_per_engine"] = 1  # so the reference passes run beside generation (early_reference auto)
     RLTrainer(resolve(tmp_path, data)).run()
     records = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
     # GRPO is on-policy, so its experience phase has no pass left: the reference's ran during generation.
