@@ -84,11 +84,21 @@ def group_by_prompt(completions: Sequence[Completion], first_index: int, num_pro
 
 def _generate_all(cfg: GenerateConfig, model_path: str, items: list[tuple[Prompt, dict[str, Any]]]) -> dict[str, float]:
 
+    import ray
+
+    from raylign.rl.placement import engine_node_cores, engine_threads
     from raylign.rollout.pool import RolloutPool, launch_engines, stop_engines
     from raylign.trainers.progress import Progress
 
+    # Nothing computes beside the engines: with rollout.threads_per_engine auto they share the cores.
+    has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    threads = engine_threads(cfg.rollout, engine_node_cores(cfg.ray.address), has_gpus)
     engines = launch_engines(
-        model_path, cfg.rollout, startup_timeout_s=cfg.ray.startup_timeout_s, timeout_setting="ray.startup_timeout_s"
+        model_path,
+        cfg.rollout,
+        env_vars={"OMP_NUM_THREADS": str(threads)},
+        startup_timeout_s=cfg.ray.startup_timeout_s,
+        timeout_setting="ray.startup_timeout_s",
     )
     counts: dict[str, float] = {"response_tokens": 0, "stopped": 0, "responses": 0}
     progress = Progress(len(items), "generate", enabled=cfg.progress_bar)
