@@ -131,6 +131,14 @@ def engine_threads(r: RolloutConfig, node_cores: float, has_gpus: bool, busy_cor
     return threads_per_worker(node_cores, busy_cores, r.num_engines)
 
 
+def probes_at_once(has_gpus: bool, engine_threads: int, num_engines: int, policy_threads: int, cores: float) -> bool:
+    """Whether the policy and the engines score a sync's probe at the same time: on GPUs, or where
+    their threads fit the node's cores together. Two scorers computing on the same cores at once slowed
+    each other 4-7x (OpenMP threads waiting for ones the other process displaced): on 2 cores the
+    probe took 0.7-1.9 s at once, 0.33-0.46 s one after the other (``benchmarks/README.md``)."""
+    return has_gpus or engine_threads * num_engines + policy_threads <= cores
+
+
 def engine_node_cores(ray_address: str | None) -> float:
     """Cores of a node the engines run on: this machine's (those this process may use) with a local
     Ray; on a cluster the smallest CPU count a live node offers Ray (which node an engine lands on is

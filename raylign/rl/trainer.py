@@ -57,6 +57,7 @@ from raylign.rl.placement import (
     engine_threads,
     phase_threads,
     placement_groups,
+    probes_at_once,
     worker_nodes,
 )
 from raylign.rl.prompts import Prompt, load_prompts
@@ -99,6 +100,8 @@ class RLTrainer:
         self._policy_ahead = False  # the policy has been updated since the engines' last weight sync
         self.shaping = RewardShaping(cfg)  # running reward statistics, checkpointed
         self._engine_env: dict[str, str] = {}  # the rollout engine actors' own environment (setup)
+        self._engine_threads = 0  # their compute threads (setup; 0: colocated engines)
+        self._probes_at_once = True  # the policy and the engines score a sync's probe at the same time (setup)
         self.threads: dict[str, list[int]] = {}  # torch threads of each role's ranks in its phases (setup)
         self._threads_used: dict[str, list[int]] = {}  # phase -> the threads its ranks reported, this step
         self._peaks: dict[str, list[int | None]] = {}  # phase -> the peak memory its ranks reported, this step
@@ -189,6 +192,7 @@ class RLTrainer:
                 cfg.rollout.threads_per_engine,
             )
             self._engine_env = {"OMP_NUM_THREADS": str(threads)}
+            self._engine_threads = threads
             starts[ENGINES] = functools.partial(
                 launch_engines,
                 self.model_path,
@@ -210,6 +214,13 @@ class RLTrainer:
             self.pool = RolloutPool(self.engines, cfg.rollout.generate_timeout_s)
             self.groups["policy"].call("connect_engines", self.engines)
         self.threads = self._decide_threads(has_gpus)
+        self._probes_at_once = probes_at_once(
+            has_gpus,
+            self._engine_threads,
+            cfg.rollout.num_engines,
+            max(self.threads["policy"]),
+            engine_node_cores(p.ray_address),
+        )
         self.early_reference = (
             EarlyReference(
                 self.groups["reference"],
@@ -671,7 +682,17 @@ class RLTrainer:
         adapter = self.cfg.syncs_adapters
         # Colocated: the policy scores with its weights still in place, the engines once they have their cache.
         between = functools.partial(self._make_room_for, "generation") if self.cfg.placement.colocate else None
-        return verify_sync(self.pool, self.groups["policy"], self.probe_tokens, version, names, limit, adapter, between)
+        return verify_sync(
+            self.pool,
+            self.groups["policy"],
+            self.probe_tokens,
+            version,
+            names,
+            limit,
+            adapter,
+            between,
+            at_once=self._probes_at_once,
+        )
 
     def _engine_lora_rank(self) -> int:
         """The LoRA rank the engines serve adapters of; 0 when they take merged full weights."""

@@ -168,19 +168,23 @@ def verify_sync(
     max_diff: float | None,
     adapter: bool = False,
     between: Callable[[], None] | None = None,
+    at_once: bool = True,
 ) -> dict[str, float]:
     """Score ``probe`` on every engine of ``pool`` and on the ``policy`` worker group (every rank
     takes part; rank 0's answer), the two at once, then :func:`compare_probe`; with ``adapter`` (the
     engines serve the policy's LoRA adapter) both also without it, for :func:`compare_adapter_shift`.
-    With ``between`` the policy scores first, then ``between()`` runs (a colocated run moves the
-    policy's weights out and wakes the engines' cache there), then the engines score.
-    Adds the time it took."""
+    With ``between``, or ``at_once`` false (the two would compute on the same cores:
+    :func:`raylign.rl.placement.probes_at_once`), the policy scores first, then ``between()`` runs (a
+    colocated run moves the policy's weights out and wakes the engines' cache there), then the
+    engines score. Adds the time it took."""
     start = time.perf_counter()
-    submitted = pool.submit_score(probe) if between is None else None
+    in_turn = between is not None or not at_once
+    submitted = None if in_turn else pool.submit_score(probe)
     scored = policy.call("score_probe", probe)[0]
     scored_base = policy.call("score_probe", probe, True)[0] if adapter else None
-    if between is not None:
-        between()
+    if in_turn:
+        if between is not None:
+            between()
         submitted = pool.submit_score(probe)
     engines = pool.scores(submitted)
     metrics = compare_probe(version, scored, engines, names, max_diff)

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from raylign.config.rollout import RolloutConfig
-from raylign.rl.placement import engine_threads, phase_threads, threads_per_worker
+from raylign.rl.placement import engine_threads, phase_threads, probes_at_once, threads_per_worker
 from raylign.rl.trainer import RLTrainer
 from raylign.trainers.metrics import read_metrics
 
@@ -77,6 +77,22 @@ def test_early_reference_auto_is_off_only_where_the_engines_take_every_core(
     base["train"]["early_reference"] = setting
     base["rollout"].update(max_staleness=staleness, threads_per_engine=engine_setting)
     assert resolve(tmp_path, base).reference_early(gpus) is expected
+
+
+@pytest.mark.parametrize(
+    ("gpus", "engine", "engines", "policy", "cores", "expected"),
+    [
+        (False, 2, 1, 2, 2, False),  # both would take the 2 cores: one after the other
+        (False, 1, 1, 1, 2, True),  # a core each
+        (False, 3, 2, 2, 8, True),  # 6 + 2 threads on 8 cores
+        (False, 3, 2, 3, 8, False),  # 6 + 3 on 8
+        (True, 8, 4, 8, 2, True),  # GPUs: each on its own device
+    ],
+)
+def test_the_probe_is_scored_at_once_only_where_the_scorers_fit_the_cores(
+    gpus, engine, engines, policy, cores, expected
+):
+    assert probes_at_once(gpus, engine, engines, policy, cores) is expected
 
 
 def test_an_engine_thread_count_below_one_is_refused():

@@ -74,6 +74,17 @@ def test_after_a_sync_every_engine_agrees_with_the_policy_on_the_probe(setup, rl
         assert scores.logprobs == pytest.approx(expected.tolist(), abs=LOGPROB_TOL)
 
 
+def test_scored_one_after_the_other_the_probe_gives_the_same_answer(setup):
+    """Where the policy and the engines would share cores, the policy scores first, then the engines."""
+    group, pool, _ = setup
+    group.call("sync_weights", 1)
+    together = verify_sync(pool, group, PROBE, 1, NAMES, None)
+    in_turn = verify_sync(pool, group, PROBE, 1, NAMES, None, at_once=False)
+    assert in_turn["sync/engine_version"] == 1
+    for key in ("sync/probe_logprob_diff_max", "sync/probe_logprob_diff_mean"):
+        assert in_turn[key] == pytest.approx(together[key], abs=1e-7)
+
+
 def test_an_engine_changed_behind_the_trainers_back_is_named_with_the_sync_and_the_gap(
     ray_session, setup, rl_model_dir
 ):
