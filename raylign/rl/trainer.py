@@ -99,8 +99,7 @@ class RLTrainer:
         self.engine_restarts = 0  # engine actors replaced after their process died
         self._policy_ahead = False  # the policy has been updated since the engines' last weight sync
         self.shaping = RewardShaping(cfg)  # running reward statistics, checkpointed
-        self._engine_env: dict[str, str] = {}  # the rollout engine actors' own environment (setup)
-        self._engine_threads = 0  # their compute threads (setup; 0: colocated engines)
+        self._engine_threads = 0  # the rollout engine actors' compute threads (setup; 0: colocated engines)
         self._probes_at_once = True  # the policy and the engines score a sync's probe at the same time (setup)
         self.threads: dict[str, list[int]] = {}  # torch threads of each role's ranks in its phases (setup)
         self._threads_used: dict[str, list[int]] = {}  # phase -> the threads its ranks reported, this step
@@ -181,23 +180,22 @@ class RLTrainer:
                 startup_timeout_s=timeout,
                 call_timeout_s=p.worker_call_timeout_s,
             )
+        engine_cores = engine_node_cores(p.ray_address)
         if not p.colocate:
             # A reference pass beside the generating engines keeps a core per rank (or as pinned).
             beside = cfg.worker_roles.get("reference", 0) if cfg.reference_early(has_gpus) else 0
             beside *= 1 if p.threads_per_worker == "auto" else p.threads_per_worker
-            threads = engine_threads(cfg.rollout, engine_node_cores(p.ray_address), has_gpus, beside)
+            self._engine_threads = engine_threads(cfg.rollout, engine_cores, has_gpus, beside)
             log.info(
                 "rollout engines: %d compute thread(s) each (rollout.threads_per_engine=%s)",
-                threads,
+                self._engine_threads,
                 cfg.rollout.threads_per_engine,
             )
-            self._engine_env = {"OMP_NUM_THREADS": str(threads)}
-            self._engine_threads = threads
             starts[ENGINES] = functools.partial(
                 launch_engines,
                 self.model_path,
                 cfg.rollout,
-                env_vars=self._engine_env,
+                env_vars=self._engine_env(),
                 startup_timeout_s=timeout,
                 lora_rank=self._engine_lora_rank(),
             )
@@ -219,7 +217,7 @@ class RLTrainer:
             self._engine_threads,
             cfg.rollout.num_engines,
             max(self.threads["policy"]),
-            engine_node_cores(p.ray_address),
+            engine_cores,
         )
         self.early_reference = (
             EarlyReference(
@@ -694,6 +692,10 @@ class RLTrainer:
             at_once=self._probes_at_once,
         )
 
+    def _engine_env(self) -> dict[str, str]:
+        """The rollout engine actors' own environment: their compute threads (setup decides them)."""
+        return {"OMP_NUM_THREADS": str(self._engine_threads)}
+
     def _engine_lora_rank(self) -> int:
         """The LoRA rank the engines serve adapters of; 0 when they take merged full weights."""
         return self.cfg.model.lora.rank if self.cfg.syncs_adapters else 0
@@ -720,7 +722,7 @@ class RLTrainer:
             replaced[index] = launch_engines(
                 self.model_path,
                 one,
-                env_vars=self._engine_env,
+                env_vars=self._engine_env(),
                 startup_timeout_s=timeout,
                 lora_rank=self._engine_lora_rank(),
             )[0]
