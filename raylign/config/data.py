@@ -134,8 +134,9 @@ class DataConfig(Section):
     pack_row_tokens: int = Field(
         0,
         ge=0,
-        description="With packing, tokens per packed row; 0: the longest sample's length. Attention cost grows "
-        "with the square of a row's length.",
+        description="With packing, tokens per packed row; 0: one row per micro-batch where the model computes "
+        "attention within each packed sample on its own (sdpa on Llama, Mistral, Qwen2, Qwen3 without a sliding "
+        "window), else rows as long as the longest sample (a block mask costs the square of a row).",
     )
     skip_bad_rows: bool = Field(
         False,

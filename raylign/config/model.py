@@ -39,7 +39,11 @@ class ModelConfig(Section):
         "times slower); the choice and its reason are logged at start.",
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
-    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+    attn_implementation: Literal["sdpa", "eager"] = Field(
+        "sdpa",
+        description="Attention kernel. sdpa on Llama, Mistral, Qwen2 and Qwen3 without a sliding window computes "
+        "each packed sample's attention on its own (raylign_sdpa), so packed rows cost no cross-sample work.",
+    )
     trust_remote_code: bool = Field(False, description="Allow model code from the model folder.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Low-rank adapters (off when rank is 0).")
 

@@ -202,8 +202,9 @@ class RLTrainConfig(Section):
     pack_row_tokens: int = Field(
         0,
         ge=0,
-        description="Tokens per packed row within a micro-batch; 0: the longest "
-        "sample's length. Attention cost grows with the square of a row's length.",
+        description="Tokens per packed row within a micro-batch; 0: one row per micro-batch where every model "
+        "computes attention within each packed sample on its own (sdpa on Llama, Mistral, Qwen2, Qwen3 without a "
+        "sliding window), else rows as long as the longest sample (a block mask costs the square of a row).",
     )
     early_reference: bool | Literal["auto"] = Field(
         "auto",

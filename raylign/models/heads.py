@@ -25,6 +25,7 @@ from raylign.models.loading import (
     load_tokenizer,
     resolve_model_path,
 )
+from raylign.models.packed_attention import keep_samples_apart
 from raylign.models.packing import attention_kwargs
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ def load_score_model(
     model, info = AutoModelForSequenceClassification.from_pretrained(
         folder, num_labels=num_labels, output_loading_info=True, **from_pretrained_kwargs(cfg)
     )
+    keep_samples_apart(model)
     head = getattr(model, HEAD_NAME, None)
     if not isinstance(head, nn.Linear):
         raise ValueError(

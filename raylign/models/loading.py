@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from raylign.config.model import ModelConfig
 from raylign.errors import MissingPackageError
+from raylign.models.packed_attention import keep_samples_apart
 from raylign.models.smollm2 import SMOLLM2_NAME, ensure_smollm2
 
 logger = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ def build_empty(auto_class: Any, cfg: ModelConfig, folder: Path, **config_fields
             trust_remote_code=cfg.trust_remote_code,
         )
     model.config._name_or_path = str(folder)
-    return model
+    return keep_samples_apart(model)
 
 
 def load_causal_lm(cfg: ModelConfig, device: torch.device | str | None = None, empty: bool = False) -> torch.nn.Module:
@@ -239,7 +240,7 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device | str | None = None, e
         model = build_empty(AutoModelForCausalLM, cfg, folder)
         model.tie_weights()  # from_pretrained ties embeddings after loading; from_config leaves them apart
         return apply_training_options(model, cfg, task_type="CAUSAL_LM")
-    model = AutoModelForCausalLM.from_pretrained(folder, **from_pretrained_kwargs(cfg))
+    model = keep_samples_apart(AutoModelForCausalLM.from_pretrained(folder, **from_pretrained_kwargs(cfg)))
     if device is not None and not is_quantized(model):  # a 4-bit base sits where it was quantised
         model.to(device)  # type: ignore[arg-type]  # transformers' decorator hides Module.to's signature
     return apply_training_options(model, cfg, task_type="CAUSAL_LM")

@@ -33,6 +33,7 @@ from raylign.engine.checkpoint import (
     step_directory,
     write_atomically,
 )
+from raylign.models.packed_attention import packed_row_tokens, runs_samples_apart
 from raylign.rl.advantages import RewardShaping, compute_advantages
 from raylign.rl.episodes import EpisodeStream, agent_episode_stream, sample_from_episode
 from raylign.rl.evaluation import pass_at_k_metrics
@@ -121,6 +122,7 @@ class RLTrainer:
         seed_everything(cfg.train.seed)
         self.model_path = str(resolve_model_path(cfg.model.path))
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path, padding_side="left")
+        self.row_tokens = packed_row_tokens(cfg.train.pack_row_tokens, self._models_compute_samples_apart())
         self.train_prompts = load_prompts(cfg.data.train, cfg.data, self.tokenizer)
         self.eval_prompts = load_prompts(cfg.data.eval, cfg.data, self.tokenizer) if cfg.data.eval else []
         if len(self.train_prompts) < cfg.train.prompts_per_step:
@@ -223,7 +225,7 @@ class RLTrainer:
             EarlyReference(
                 self.groups["reference"],
                 cfg.train.micro_batch_tokens,
-                cfg.train.pack_row_tokens,
+                self.row_tokens,
                 keep_steps=cfg.rollout.max_staleness + 2,
                 # beside the generating engines: one thread per rank, or the count the user pinned
                 threads=self.threads["reference"] if cfg.placement.threads_per_worker != "auto" else None,
@@ -498,12 +500,23 @@ class RLTrainer:
             )
         return samples, metrics
 
+    def _models_compute_samples_apart(self) -> bool:
+        """Whether every model that runs the micro-batches (policy, reference, critic) attends within each
+        packed sample on its own, so that a micro-batch packs into one row."""
+        cfg = self.cfg
+        models = [cfg.model]
+        if cfg.reference is not None:
+            models.append(cfg.reference)
+        if cfg.critic.path is not None:
+            models.append(cfg.model.model_copy(update={"path": cfg.critic.path}))
+        return all(runs_samples_apart(m.path, m.attn_implementation, m.trust_remote_code) for m in models)
+
     # ---- experience ----------------------------------------------------------------------
 
     def _forward_all(self, role: str, method: str, samples: list[Sample]) -> torch.Tensor:
         """Run ``method`` over all samples, sharded across the role's ranks; ``[B, R]`` in sample order."""
         plan = micro_batches_for_ranks(samples, self._data_parallel(role), self.cfg.train.micro_batch_tokens)
-        rows = self.cfg.train.pack_row_tokens
+        rows = self.row_tokens
         per_rank = [
             [pack_samples([samples[i] for i in micro], row_tokens=rows) for micro in rank_plan] for rank_plan in plan
         ]
@@ -631,7 +644,7 @@ class RLTrainer:
                 pack_samples(
                     [chosen[j] for j in micro],
                     exp.rows([idx[j] for j in micro]),
-                    row_tokens=self.cfg.train.pack_row_tokens,
+                    row_tokens=self.row_tokens,
                     behaviour=exp.behaviour,
                 )
                 for micro in rank_plan

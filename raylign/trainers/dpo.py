@@ -30,7 +30,8 @@ from raylign.data.preference import PairSample, build_pair_datasets, collate_pai
 from raylign.engine import load_frozen
 from raylign.engine.distributed import all_reduce_scalars
 from raylign.models import load_causal_lm, load_tokenizer, loads_sharded, sequence_logprobs
-from raylign.trainers.loop import ONE_ROW, Batch, OfflineTrainer, data_stats_dict
+from raylign.models.packed_attention import ONE_ROW
+from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
 
 log = logging.getLogger("raylign")
 
@@ -145,7 +146,7 @@ class DPOTrainer(OfflineTrainer):
 
     def _collate_pairs(self, pairs: list[PairSample]) -> Batch:
         data = self.cfg.data
-        return collate_pairs(pairs, self.tokenizer.pad_token_id, packed=data.packing, row_tokens=data.pack_row_tokens)
+        return collate_pairs(pairs, self.tokenizer.pad_token_id, packed=data.packing, row_tokens=self.row_tokens)
 
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.engine.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

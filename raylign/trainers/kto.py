@@ -35,7 +35,8 @@ from raylign.config.model import LoraConfig
 from raylign.data.kto import build_kto_datasets, collate_kto
 from raylign.engine import load_frozen
 from raylign.models import load_causal_lm, load_tokenizer, loads_sharded, sequence_logprobs
-from raylign.trainers.loop import ONE_ROW, Batch, OfflineTrainer, data_stats_dict
+from raylign.models.packed_attention import ONE_ROW
+from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
 
 
 def completion_logps(model: nn.Module, batch: Batch, prefix: str = "") -> torch.Tensor:
@@ -82,7 +83,7 @@ class KTOTrainer(OfflineTrainer):
             self.cfg.data.packing,
             with_kl_pairs=self.cfg.kto.estimate_kl,
             max_length=self.cfg.data.max_length,
-            row_tokens=ONE_ROW if split else self.cfg.data.pack_row_tokens,
+            row_tokens=ONE_ROW if split else self.row_tokens,
         )
         if not split:
             return batch

@@ -43,6 +43,7 @@ from raylign.engine.distributed import (
     peak_memory_bytes,
     sequence_parallel_groups,
 )
+from raylign.models.packed_attention import packed_row_tokens, runs_samples_apart
 from raylign.models.sequence_parallel import RING_ATTENTION, shard_packed_batch, sharded_sequence_logprobs
 from raylign.trainers.guard import SkippedSteps
 from raylign.trainers.metrics import MetricsLogger, format_metrics
@@ -51,8 +52,6 @@ from raylign.trainers.progress import Progress
 log = logging.getLogger("raylign")
 
 Batch = dict[str, Any]
-
-ONE_ROW = 1 << 62  # a pack_row_tokens that packs every sample of a micro-batch into one row
 
 # The keys of a packed batch that shard_sequences replaces by this rank's chunk.
 _ROW_KEYS = ("input_ids", "loss_mask", "position_ids", "seq_starts", "seq_lens")
@@ -162,6 +161,11 @@ class OfflineTrainer:
         self.micro_per_rank = self._micro_batches_per_rank()
         self.total_steps = self._total_steps()
         model = self.build_model()
+        m = self.cfg.model
+        # 0 (the default) packs a micro-batch into one row where the attention computes packed samples apart
+        self.row_tokens = packed_row_tokens(
+            self.cfg.data.pack_row_tokens, runs_samples_apart(m.path, m.attn_implementation, m.trust_remote_code)
+        )
         self.engine = create_engine(model, self.cfg.engine, self.cfg.optim, self.total_steps)
         self.metrics = MetricsLogger(
             self.output_dir, self.train_cfg.logging, self.cfg.model_dump(mode="json"), enabled=self.is_main

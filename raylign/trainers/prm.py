@@ -39,8 +39,9 @@ from raylign.data.prm import (
     single_token_id,
 )
 from raylign.models import load_score_model, load_tokenizer, token_scores
+from raylign.models.packed_attention import ONE_ROW
 from raylign.models.sequence_parallel import SequenceShard, chunk_of_row, sequence_shard, shard_packed_batch
-from raylign.trainers.loop import ONE_ROW, Batch, OfflineTrainer, data_stats_dict
+from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
 
 NUM_CLASSES = 2
 CORRECT = 1
@@ -113,7 +114,7 @@ class PRMTrainer(OfflineTrainer):
             self.tokenizer.pad_token_id,
             self.cfg.data.packing,
             soft_labels=self.cfg.prm.label_type == "soft",
-            row_tokens=ONE_ROW if split else self.cfg.data.pack_row_tokens,
+            row_tokens=ONE_ROW if split else self.row_tokens,
         )
         if not split:
             return batch

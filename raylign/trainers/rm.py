@@ -30,9 +30,10 @@ from raylign.data.preference import PairSample, build_pair_datasets, collate_pai
 from raylign.engine.distributed import all_reduce_scalars
 from raylign.models import load_score_model, load_tokenizer, loads_sharded
 from raylign.models.heads import HEAD_NAME
+from raylign.models.packed_attention import ONE_ROW
 from raylign.models.packing import attention_kwargs
 from raylign.models.sequence_parallel import sharded_scores_at
-from raylign.trainers.loop import ONE_ROW, Batch, OfflineTrainer, data_stats_dict
+from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
 
 log = logging.getLogger("raylign")
 
@@ -102,7 +103,7 @@ class RMTrainer(OfflineTrainer):
         data = self.cfg.data
         if self.sp_size == 1:
             pad = self.tokenizer.pad_token_id
-            return collate_pairs(samples, pad, packed=data.packing, row_tokens=data.pack_row_tokens)
+            return collate_pairs(samples, pad, packed=data.packing, row_tokens=self.row_tokens)
         # One row holding every sequence, which the group then cuts into chunks; each sequence's last token
         # is recorded as its position in that row first.
         whole = collate_pairs(samples, self.tokenizer.pad_token_id, packed=True, row_tokens=ONE_ROW)

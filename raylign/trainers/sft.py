@@ -45,7 +45,7 @@ class SFTTrainer(OfflineTrainer):
             row = sum(len(s.input_ids) for s in samples)
             return shard_packed_batch(collate_packed(samples, pad, row_tokens=row), self.sp_rank, self.sp_size, pad)
         if self.cfg.data.packing:
-            return collate_packed(samples, pad, self.cfg.data.pack_row_tokens)
+            return collate_packed(samples, pad, self.row_tokens)
         return collate_padded(samples, pad)
 
     def batch_units(self, batch: Batch) -> float:

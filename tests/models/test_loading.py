@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from raylign.config.model import LoraConfig, ModelConfig
 from raylign.models import load_causal_lm, load_tokenizer, resolve_model_path, token_logprobs
+from raylign.models.packed_attention import PER_SAMPLE_SDPA
 from raylign.models.tiny import build_tiny_tokenizer
 
 
@@ -35,10 +36,11 @@ def test_loads_with_requested_dtype(tiny_model_dir, dtype, expected):
     assert model.dtype == expected
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
-def test_loads_with_requested_attention_kernel(tiny_qwen2, kernel):
+@pytest.mark.parametrize(("kernel", "loaded"), [("sdpa", PER_SAMPLE_SDPA), ("eager", "eager")])
+def test_loads_with_requested_attention_kernel(tiny_qwen2, kernel, loaded):
+    """sdpa becomes raylign's per-sample sdpa on a Qwen2 (which computes packed samples apart)."""
     model = load_causal_lm(config(tiny_qwen2, attn_implementation=kernel))
-    assert model.config._attn_implementation == kernel
+    assert model.config._attn_implementation == loaded
 
 
 def test_loaded_weights_are_the_saved_ones(tiny_llama):

@@ -15,6 +15,7 @@ from raylign.models import (
     sequence_logprobs,
     token_logprobs,
 )
+from raylign.models.packed_attention import PER_SAMPLE_SDPA
 
 LENGTHS = [5, 9, 3]
 PAD_ID = 3  # any id works: padded positions are masked
@@ -110,7 +111,7 @@ def test_logprobs_from_logits_gradient_matches_reference():
 # ---------------------------------------------------------------- model batches
 
 
-@pytest.fixture(scope="module", params=["sdpa", "eager"])
+@pytest.fixture(scope="module", params=["sdpa", "eager", PER_SAMPLE_SDPA])
 def model(request, tiny_qwen2):
     lm = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32, attn_implementation=request.param)
     return lm.eval()

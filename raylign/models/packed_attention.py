@@ -1,0 +1,165 @@
+"""Attention that keeps packed samples apart by computing each sample on its own.
+
+A packed row holds several samples, ``position_ids`` restarting at 0 at each (see
+:mod:`raylign.models.packing`). Transformers' ``sdpa`` keeps them apart with a dense
+``[row, row]`` block-causal mask: the kernel then computes every query against every key of the
+row, other samples' and future tokens included, and masked kernels are the slow ones. Rows were
+therefore cut about as long as the longest sample, and the padding that left (a third of the
+tokens of a long-tailed RL batch) went through every matrix product.
+
+``raylign_sdpa`` instead runs causal ``scaled_dot_product_attention`` on each sample's span of the
+row: the work is the sum of the samples' own causal attention, whatever the row's length, so a
+micro-batch packs into one row without padding. Everything else (a padding mask, a KV cache,
+decoding, a sliding window) goes to transformers' own ``sdpa`` unchanged.
+
+Models are switched to it at load time (:func:`keep_samples_apart`) when they ask for ``sdpa``
+and their attention is plain causal attention that receives the ``position_ids``
+(:data:`PER_SAMPLE_MODEL_TYPES`, no sliding window, no soft-capping).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+PER_SAMPLE_SDPA = "raylign_sdpa"
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+# Decoders whose attention layers pass ``position_ids`` on to the attention function (checked in
+# transformers 5's modelling code) and apply plain causal attention.
+PER_SAMPLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def sample_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row of ``position_ids`` ``[B, T]``, the ``(start, end)`` of each packed sample: a new sample
+    starts wherever the position does not grow by one (as transformers' own packed-mask detection)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    length = position_ids.shape[1]
+    spans = []
+    for row in starts.cpu():
+        begins = row.nonzero().flatten().tolist()
+        spans.append(list(zip(begins, [*begins[1:], length])))
+    return spans
+
+
+def per_sample_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Transformers' attention-function signature: ``query`` ``[B, H, T, D]``, ``key`` / ``value``
+    ``[B, H_kv, T, D]``; output ``[B, T, H, D]``. Causal attention within each packed sample of each row
+    (spans from ``kwargs["position_ids"]``); transformers' ``sdpa`` wherever that is not the case."""
+    position_ids = kwargs.get("position_ids")
+    plain = (
+        attention_mask is None
+        and query.shape[2] == key.shape[2]
+        and getattr(module, "is_causal", True)
+        and kwargs.get("sliding_window") is None
+        and kwargs.get("softcap") is None
+    )
+    if position_ids is None or not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    grouped = query.shape[1] != key.shape[1]
+    rows = []
+    for b, spans in enumerate(sample_spans(position_ids.expand(query.shape[0], -1))):
+        rows.append(
+            torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        query[b : b + 1, :, start:end],
+                        key[b : b + 1, :, start:end],
+                        value[b : b + 1, :, start:end],
+                        dropout_p=dropout,
+                        is_causal=True,
+                        scale=scaling,
+                        enable_gqa=grouped,
+                    )
+                    for start, end in spans
+                ],
+                dim=2,
+            )
+        )
+    return torch.cat(rows).transpose(1, 2).contiguous(), None
+
+
+def per_sample_mask(
+    *,
+    q_length: int,
+    kv_length: int,
+    attention_mask: torch.Tensor | None = None,
+    kv_offset: int = 0,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The mask builder transformers calls for ``raylign_sdpa``: none where the attention works from the
+    ``position_ids`` alone (no padding, no cached keys), transformers' ``sdpa`` mask otherwise."""
+    unpadded = attention_mask is None or bool(attention_mask.all())
+    if unpadded and q_length == kv_length and kv_offset == 0:
+        return None
+    return sdpa_mask(
+        q_length=q_length, kv_length=kv_length, attention_mask=attention_mask, kv_offset=kv_offset, **kwargs
+    )
+
+
+AttentionInterface.register(PER_SAMPLE_SDPA, per_sample_attention)
+AttentionMaskInterface.register(PER_SAMPLE_SDPA, per_sample_mask)
+
+
+def computes_samples_apart(config: Any) -> bool:
+    """Whether a model of ``config`` can run ``raylign_sdpa``: a listed decoder with plain causal attention."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sliding = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
+    layer_types = getattr(text, "layer_types", None) or []
+    return (
+        getattr(text, "model_type", None) in PER_SAMPLE_MODEL_TYPES
+        and not sliding
+        and "sliding_attention" not in layer_types
+        and getattr(text, "attn_logit_softcapping", None) is None
+    )
+
+
+def keep_samples_apart(model: ModelT) -> ModelT:
+    """Switch a model loaded with ``sdpa`` to ``raylign_sdpa`` where it can run it (see the module
+    docstring); any other model, or another kernel, is left as it is. Returns the model."""
+    config = getattr(model, "config", None)
+    if config is not None and config._attn_implementation == "sdpa" and computes_samples_apart(config):
+        model.set_attn_implementation(PER_SAMPLE_SDPA)  # type: ignore[operator]  # a PreTrainedModel's
+    return model
+
+
+ONE_ROW = 1 << 62  # a row length that packs every sample of a micro-batch into one row
+
+
+def runs_samples_apart(path: str, attn_implementation: str, trust_remote_code: bool = False) -> bool:
+    """Whether the model at ``path``, loaded with ``attn_implementation``, attends within each packed
+    sample on its own (``raylign_sdpa``, see :func:`keep_samples_apart`), read from its config alone."""
+    if attn_implementation != "sdpa":
+        return False
+    from transformers import AutoConfig
+
+    from raylign.models.loading import resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code)
+    return computes_samples_apart(config)
+
+
+def packed_row_tokens(row_tokens: int, samples_apart: bool) -> int:
+    """Tokens per packed row for a ``pack_row_tokens`` setting: the setting when it is set; for 0, one
+    row per micro-batch where the attention computes samples apart (padding is then all a row costs),
+    else rows as long as the longest sample (a dense block mask costs the square of the row)."""
+    if row_tokens or not samples_apart:
+        return row_tokens
+    return ONE_ROW

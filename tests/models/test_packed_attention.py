@@ -1,0 +1,106 @@
+"""raylign_sdpa: causal attention within each packed sample, computed sample by sample.
+
+Expected values come from transformers' eager attention (a plain softmax over a masked score
+matrix) run on each sample alone, not from the kernel under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import raylign.models.packed_attention as packed_attention
+from raylign.models.packed_attention import (
+    ONE_ROW,
+    PER_SAMPLE_SDPA,
+    computes_samples_apart,
+    keep_samples_apart,
+    packed_row_tokens,
+    runs_samples_apart,
+    sample_spans,
+)
+
+LENGTHS = [6, 11, 3, 8]
+
+
+def _model(folder, kernel: str):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=kernel)
+
+
+def _samples() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(5, 500, (n,), generator=gen) for n in LENGTHS]
+
+
+def test_sample_spans_start_wherever_the_position_does_not_grow_by_one():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 0, 0, 1]])
+    assert sample_spans(positions) == [[(0, 3), (3, 5), (5, 9)], [(0, 6), (6, 7), (7, 9)]]
+
+
+def test_packed_row_logits_and_gradients_equal_each_sample_alone_under_eager_attention(tiny_model_dir):
+    """One row of four samples through raylign_sdpa: every sample's logits, and the weights' gradients
+    of a loss summed over all samples, equal eager attention's on each sample alone (1e-5, float32)."""
+    samples = _samples()
+    ours, eager = _model(tiny_model_dir, PER_SAMPLE_SDPA), _model(tiny_model_dir, "eager")
+    ids = torch.cat(samples)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in samples])[None]
+    packed = ours(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+    packed.pow(2).mean(-1).sum().backward()
+    alone = [eager(input_ids=s[None], use_cache=False).logits[0] for s in samples]
+    sum(a.pow(2).mean(-1).sum() for a in alone).backward()
+    torch.testing.assert_close(packed, torch.cat(alone), atol=1e-5, rtol=0)
+    for (name, p), (_, q) in zip(ours.named_parameters(), eager.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_attention_runs_each_sample_causally_on_its_own_tokens(tiny_qwen2, monkeypatch):
+    """The kernel is called once per sample and layer, on that sample's tokens only, causal: no query
+    meets another sample's keys (the work is the sum of the samples' own attention)."""
+    calls = []
+    real = packed_attention.F.scaled_dot_product_attention
+
+    def record(query, key, value, **kwargs):
+        calls.append((query.shape[2], key.shape[2], kwargs["is_causal"]))
+        return real(query, key, value, **kwargs)
+
+    monkeypatch.setattr(packed_attention.F, "scaled_dot_product_attention", record)
+    model = _model(tiny_qwen2, PER_SAMPLE_SDPA)
+    samples = _samples()
+    with torch.no_grad():
+        model(
+            input_ids=torch.cat(samples)[None],
+            position_ids=torch.cat([torch.arange(len(s)) for s in samples])[None],
+            use_cache=False,
+        )
+    layers = model.config.num_hidden_layers
+    assert calls == [(n, n, True) for n in LENGTHS] * layers
+
+
+def test_generation_with_left_padding_equals_sdpa(tiny_qwen2):
+    """Padded prompts, a KV cache and one-token decoding steps go to transformers' sdpa unchanged."""
+    ours, sdpa = _model(tiny_qwen2, PER_SAMPLE_SDPA), _model(tiny_qwen2, "sdpa")
+    ids = torch.tensor([[0, 0, 7, 8, 9], [4, 5, 6, 7, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    kwargs = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(ours.generate(ids, **kwargs), sdpa.generate(ids, **kwargs))
+
+
+def test_models_switch_to_it_only_where_it_computes_the_same_attention(tiny_qwen2, tiny_llama):
+    assert keep_samples_apart(_model(tiny_llama, "sdpa")).config._attn_implementation == PER_SAMPLE_SDPA
+    assert keep_samples_apart(_model(tiny_qwen2, "eager")).config._attn_implementation == "eager"
+    windowed = AutoConfig.for_model("mistral", sliding_window=16)
+    assert not computes_samples_apart(windowed)
+    assert computes_samples_apart(AutoConfig.for_model("mistral", sliding_window=None))
+    assert not computes_samples_apart(AutoConfig.for_model("gpt2"))
+    assert runs_samples_apart(str(tiny_qwen2), "sdpa")
+    assert not runs_samples_apart(str(tiny_qwen2), "eager")
+
+
+@pytest.mark.parametrize(
+    ("setting", "apart", "expected"),
+    [(0, True, ONE_ROW), (0, False, 0), (512, True, 512), (512, False, 512)],
+)
+def test_row_length_zero_means_one_row_where_samples_are_computed_apart(setting, apart, expected):
+    assert packed_row_tokens(setting, apart) == expected
