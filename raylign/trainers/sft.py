@@ -19,7 +19,7 @@ import torch
 
 from raylign.config.commands import SFTConfig
 from raylign.data import build_sft_datasets, collate_packed, collate_padded
-from raylign.models import load_causal_lm, load_tokenizer, loads_sharded, token_logprobs
+from raylign.models import load_causal_lm, load_tokenizer, loads_sharded, selected_token_logprobs
 from raylign.models.sequence_parallel import shard_packed_batch, sharded_target_logprobs
 from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
 
@@ -54,14 +54,19 @@ class SFTTrainer(OfflineTrainer):
     def compute_loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         if "target_mask" in batch:  # this rank's chunk of a row shared by its sequence-parallel group
             return -sharded_target_logprobs(model, batch, self.sp_group, self.collective_timeout).sum(), {}
-        logprobs = token_logprobs(
+        # The output layer and its softmax run at the trained tokens only (prompts and padding skip both).
+        weights = batch["loss_mask"].reshape(-1)
+        targets = weights.nonzero().flatten()
+        if not targets.numel():  # nothing to train here: one position, weighted 0, keeps every weight in the graph
+            targets = torch.ones(1, dtype=torch.long, device=weights.device)
+        logprobs = selected_token_logprobs(
             model,
             batch["input_ids"],
-            attention_mask=batch.get("attention_mask"),
+            targets,
             position_ids=batch.get("position_ids"),
+            attention_mask=batch.get("attention_mask"),
         )
-        mask = batch["loss_mask"].to(logprobs.dtype)
-        return -(logprobs.float() * mask).sum(), {}
+        return -(logprobs * weights[targets].float()).sum(), {}
 
 
 def run_sft(cfg: SFTConfig) -> dict[str, float]:

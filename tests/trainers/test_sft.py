@@ -220,3 +220,28 @@ def test_non_finite_steps_in_a_row_stop_the_run_naming_the_step_and_the_rows(tmp
     assert "2 step(s) in a row" in message and "train.max_skipped_steps = 1" in message
     for name, value in trainer.engine.module.state_dict().items():  # the weights are those of step 1
         assert torch.equal(value, trainer.weights_after[1][name]), name
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_loss_runs_the_output_layer_at_the_trained_tokens_only(tiny_model_dir, packed):
+    """Two samples of 7 and 4 tokens whose last 3 and 2 tokens are trained: the output layer computes 5
+    rows, and the loss is minus the sum of those 5 tokens' log-probs from a plain full forward."""
+    from raylign.data import collate_packed, collate_padded
+    from raylign.data.sft import Sample
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = [[5, 9, 14, 3, 27, 8, 41], [12, 6, 30, 7]]
+    samples = [Sample(s, [0] * (len(s) - n) + [1] * n, "test", 1) for s, n in zip(ids, [3, 2], strict=True)]
+    batch = collate_packed(samples, 0) if packed else collate_padded(samples, 0)
+    rows = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda _m, args, _o: rows.append(args[0].shape[-2]))
+    trainer = SFTTrainer.__new__(SFTTrainer)
+    loss, _ = trainer.compute_loss(model, batch)
+    hook.remove()
+    assert rows == [5]
+    expected = 0.0
+    for s, n in zip(ids, [3, 2], strict=True):
+        with torch.no_grad():
+            log_p = torch.log_softmax(model(input_ids=torch.tensor([s])).logits[0].double(), -1)
+        expected -= sum(float(log_p[t - 1, s[t]]) for t in range(len(s) - n, len(s)))
+    assert float(loss) == pytest.approx(expected, abs=1e-4)
