@@ -30,20 +30,20 @@ sequences plus 2 x parameters x tokens for the reference forward (none when prec
 Attention's own arithmetic is left out (small at these lengths), so the floor is a lower bound.
 
 Known differences in the work itself (they are part of what is compared):
-* SFT with ``--packing``: raylign packs a micro-batch's samples first-fit into rows as long as its
-  longest sample (rows right-padded to the longest row); TRL runs with ``padding_free=True``,
-  which puts the same samples into one row. Both restart position ids per sample, and transformers
-  builds the block-diagonal attention mask from them. TRL's own ``packing=True`` is not used: it
-  packs the whole data set into rows of ``max_length`` before batching, so a batch would hold rows
-  rather than samples and the steps would not train the same samples. TRL's single row costs more
-  attention arithmetic (the square of the row's length) but has no padding.
+* SFT with ``--packing``: both sides put a micro-batch's samples into one row, position ids
+  restarting per sample: raylign with its ``raylign_sdpa`` attention, which computes each sample's
+  attention on its own (for model types without it raylign packs rows as long as the longest
+  sample); TRL with ``padding_free=True``, transformers building a block-diagonal mask from the
+  position ids (so TRL's attention covers the whole row's square). TRL's own ``packing=True`` is
+  not used: it packs the whole data set into rows of ``max_length`` before batching, so a batch
+  would hold rows rather than samples and the steps would not train the same samples.
 * DPO: TRL 1.16's DPOTrainer has no packing (``padding_free`` is disabled and falls back to
   padding), so TRL pads all chosen and rejected sequences of a batch to the longest; with
   ``--packing`` raylign packs them. With ``--no-packing`` both pad. Token counts and the floor
   count non-padding tokens only, so padding shows as time above the floor.
-* TRL computes the output layer only at positions with a target (its fused LM head, in tiles);
-  raylign's SFT and DPO losses take the log-probs of every position of the batch, prompt and
-  padding included (the floor counts the output layer at every token for both).
+* Both SFT losses compute the output layer only at positions with a target (TRL with its fused
+  LM head, in tiles); raylign's DPO loss takes the log-probs of every position of the batch,
+  prompt and padding included (the floor counts the output layer at every token for both).
 * Loss normalisation, which does not change the work: raylign's SFT loss is the mean over the
   global batch's target tokens and TRL's the mean over the batch's target tokens (the same with
   one micro-batch); DPO on both sides is the mean over pairs of the per-pair sigmoid loss.
