@@ -3,9 +3,9 @@
 A packed row holds several samples, ``position_ids`` restarting at 0 at each (see
 :mod:`raylign.models.packing`). Transformers' ``sdpa`` keeps them apart with a dense
 ``[row, row]`` block-causal mask: the kernel then computes every query against every key of the
-row, other samples' and future tokens included, and masked kernels are the slow ones. Rows were
-therefore cut about as long as the longest sample, and the padding that left (a third of the
-tokens of a long-tailed RL batch) went through every matrix product.
+row, other samples' and future tokens included, a cost that grows with the square of the row.
+Rows were therefore cut about as long as the longest sample, and the padding that left (a
+quarter to a third of the tokens of a long-tailed RL batch) went through every matrix product.
 
 ``raylign_sdpa`` instead runs causal ``scaled_dot_product_attention`` on each sample's span of the
 row: the work is the sum of the samples' own causal attention, whatever the row's length, so a

@@ -122,7 +122,6 @@ class RLTrainer:
         seed_everything(cfg.train.seed)
         self.model_path = str(resolve_model_path(cfg.model.path))
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path, padding_side="left")
-        self.row_tokens = packed_row_tokens(cfg.train.pack_row_tokens, self._models_compute_samples_apart())
         self.train_prompts = load_prompts(cfg.data.train, cfg.data, self.tokenizer)
         self.eval_prompts = load_prompts(cfg.data.eval, cfg.data, self.tokenizer) if cfg.data.eval else []
         if len(self.train_prompts) < cfg.train.prompts_per_step:
@@ -499,6 +498,12 @@ class RLTrainer:
                 }
             )
         return samples, metrics
+
+    @functools.cached_property
+    def row_tokens(self) -> int:
+        """Tokens per packed row of a micro-batch: ``train.pack_row_tokens``, 0 resolved by what the models'
+        attention does (:func:`raylign.models.packed_attention.packed_row_tokens`)."""
+        return packed_row_tokens(self.cfg.train.pack_row_tokens, self._models_compute_samples_apart())
 
     def _models_compute_samples_apart(self) -> bool:
         """Whether every model that runs the micro-batches (policy, reference, critic) attends within each

@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from raylign.models.packed_attention import ONE_ROW
 from raylign.rl.experience import Experience, behaviour_for, pack_samples, response_tensor
 from raylign.rl.group import WorkerGroup
 from raylign.rl.metric import Metric, average_updates, combine
@@ -123,6 +124,21 @@ def test_a_reference_policy_is_started_only_where_a_kl_term_reads_it(
     samples = _samples()
     exp = RLTrainer(cfg).make_experience(samples)
     assert exp.ref_logprobs is None and "kl/reference" not in exp.metrics
+
+
+@pytest.mark.parametrize(
+    ("kernel", "reference_kernel", "rows"), [("sdpa", None, ONE_ROW), ("eager", None, 0), ("sdpa", "eager", 0)]
+)
+def test_micro_batches_are_one_row_where_every_model_computes_samples_apart(
+    rl_model_dir, prompt_file, tmp_path, kernel, reference_kernel, rows
+):
+    """The tiny Qwen2 with sdpa attends within each packed sample (raylign_sdpa): a micro-batch is one row.
+    An eager policy, or an eager reference beside an sdpa policy, keeps rows as long as the longest sample."""
+    data = _config_data(rl_model_dir, prompt_file, tmp_path)
+    data["model"]["attn_implementation"] = kernel
+    if reference_kernel is not None:
+        data["reference"] = {"path": str(rl_model_dir), "attn_implementation": reference_kernel}
+    assert RLTrainer(resolve(tmp_path, data)).row_tokens == rows
 
 
 @pytest.mark.slow
