@@ -143,17 +143,21 @@ def keep_samples_apart(model: ModelT) -> ModelT:
 ONE_ROW = 1 << 62  # a row length that packs every sample of a micro-batch into one row
 
 
-def runs_samples_apart(path: str, attn_implementation: str, trust_remote_code: bool = False) -> bool:
-    """Whether the model at ``path``, loaded with ``attn_implementation``, attends within each packed
-    sample on its own (``raylign_sdpa``, see :func:`keep_samples_apart`), read from its config alone."""
-    if attn_implementation != "sdpa":
-        return False
+def runs_samples_apart(models: list[Any]) -> bool:
+    """Whether every one of ``models`` (model configs: ``path``, ``attn_implementation``,
+    ``trust_remote_code``) attends within each packed sample on its own once loaded (``raylign_sdpa``,
+    see :func:`keep_samples_apart`), read from the model folders' configs alone."""
     from transformers import AutoConfig
 
     from raylign.models.loading import resolve_model_path
 
-    config = AutoConfig.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code)
-    return computes_samples_apart(config)
+    return all(
+        m.attn_implementation == "sdpa"
+        and computes_samples_apart(
+            AutoConfig.from_pretrained(resolve_model_path(m.path), trust_remote_code=m.trust_remote_code)
+        )
+        for m in models
+    )
 
 
 def packed_row_tokens(row_tokens: int, samples_apart: bool) -> int:

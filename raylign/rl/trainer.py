@@ -501,20 +501,14 @@ class RLTrainer:
 
     @functools.cached_property
     def row_tokens(self) -> int:
-        """Tokens per packed row of a micro-batch: ``train.pack_row_tokens``, 0 resolved by what the models'
-        attention does (:func:`raylign.models.packed_attention.packed_row_tokens`)."""
-        return packed_row_tokens(self.cfg.train.pack_row_tokens, self._models_compute_samples_apart())
-
-    def _models_compute_samples_apart(self) -> bool:
-        """Whether every model that runs the micro-batches (policy, reference, critic) attends within each
-        packed sample on its own, so that a micro-batch packs into one row."""
+        """Tokens per packed row of a micro-batch: ``train.pack_row_tokens``, 0 resolved by whether every model
+        that runs the micro-batches (policy, reference, critic) attends within each packed sample on its own
+        (:func:`raylign.models.packed_attention.packed_row_tokens`)."""
         cfg = self.cfg
-        models = [cfg.model]
-        if cfg.reference is not None:
-            models.append(cfg.reference)
+        models = [cfg.model, *([cfg.reference] if cfg.reference is not None else [])]
         if cfg.critic.path is not None:
             models.append(cfg.model.model_copy(update={"path": cfg.critic.path}))
-        return all(runs_samples_apart(m.path, m.attn_implementation, m.trust_remote_code) for m in models)
+        return packed_row_tokens(cfg.train.pack_row_tokens, runs_samples_apart(models))
 
     # ---- experience ----------------------------------------------------------------------
 

@@ -161,11 +161,8 @@ class OfflineTrainer:
         self.micro_per_rank = self._micro_batches_per_rank()
         self.total_steps = self._total_steps()
         model = self.build_model()
-        m = self.cfg.model
         # 0 (the default) packs a micro-batch into one row where the attention computes packed samples apart
-        self.row_tokens = packed_row_tokens(
-            self.cfg.data.pack_row_tokens, runs_samples_apart(m.path, m.attn_implementation, m.trust_remote_code)
-        )
+        self.row_tokens = packed_row_tokens(self.cfg.data.pack_row_tokens, runs_samples_apart([self.cfg.model]))
         self.engine = create_engine(model, self.cfg.engine, self.cfg.optim, self.total_steps)
         self.metrics = MetricsLogger(
             self.output_dir, self.train_cfg.logging, self.cfg.model_dump(mode="json"), enabled=self.is_main

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import raylign.models.packed_attention as packed_attention
+from raylign.config.model import ModelConfig
 from raylign.models.packed_attention import (
     ONE_ROW,
     PER_SAMPLE_SDPA,
@@ -94,8 +95,9 @@ def test_models_switch_to_it_only_where_it_computes_the_same_attention(tiny_qwen
     assert not computes_samples_apart(windowed)
     assert computes_samples_apart(AutoConfig.for_model("mistral", sliding_window=None))
     assert not computes_samples_apart(AutoConfig.for_model("gpt2"))
-    assert runs_samples_apart(str(tiny_qwen2), "sdpa")
-    assert not runs_samples_apart(str(tiny_qwen2), "eager")
+    sdpa, eager = ModelConfig(path=str(tiny_qwen2)), ModelConfig(path=str(tiny_qwen2), attn_implementation="eager")
+    assert runs_samples_apart([sdpa])
+    assert not runs_samples_apart([eager])
 
 
 @pytest.mark.parametrize(
