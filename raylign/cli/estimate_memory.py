@@ -55,6 +55,9 @@ class EstimateMemoryConfig(Section):
     offload_params: bool = Field(False, description="As engine.offload_params.")
     offload_optimizer: bool = Field(False, description="As engine.offload_optimizer.")
     reshard_after_forward: bool = Field(True, description="As engine.reshard_after_forward (fsdp2).")
+    tensor_parallel_shard_activations: bool = Field(
+        True, description="As engine.tensor_parallel_shard_activations (fsdp2)."
+    )
     table: bool = Field(
         False,
         description="Print instead the documentation's table: the sizes 0.5b-32b (bf16, 4096-token micro-batches) "
@@ -92,6 +95,7 @@ def run_estimate_memory(cfg: EstimateMemoryConfig) -> dict[str, float]:
         offload_params=cfg.offload_params,
         offload_optimizer=cfg.offload_optimizer,
         reshard_after_forward=cfg.reshard_after_forward,
+        shard_activations=cfg.tensor_parallel_shard_activations,
     )
     estimate = estimate_training_memory(shape, layout)
     print(f"{cfg.model}: {parameter_count(shape)} parameters, {cfg.dtype}, {cfg.backend}, {cfg.num_processes} rank(s)")

@@ -36,7 +36,8 @@ class EngineConfig(Section):
         True,
         description="fsdp2: build the model on the meta device, shard it, then read each rank's rows of every "
         "weight from the model's safetensors files, so no rank ever holds the whole model; false loads the whole "
-        "model on every rank first. Models with LoRA adapters always load whole (the adapters are not in the files).",
+        "model on every rank first. LoRA adapters, which the files lack, are drawn on every rank as PEFT draws them; a "
+        "4-bit base (model.lora.quantize_base) always loads whole.",
     )
     reshard_after_forward: bool = Field(
         True,
@@ -44,6 +45,13 @@ class EngineConfig(Section):
         "again for the backward (least memory: one layer whole at a time); false keeps every layer's weights "
         "whole from its forward to its backward, which saves one all-gather per layer per micro-batch and holds "
         "the whole model's weights in compute precision on every rank meanwhile (ZeRO-2-like).",
+    )
+    tensor_parallel_shard_activations: bool = Field(
+        True,
+        description="fsdp2 with tensor_parallel_size T > 1: the activations between the split matrices (the "
+        "residual stream, the norms) are split along the sequence over the T ranks too, so each keeps 1/T of "
+        "them (Megatron-LM's sequence parallelism); the same bytes move between the ranks. false keeps them "
+        "whole on every rank of the group.",
     )
     sequence_parallel_size: int = Field(
         1,
@@ -128,6 +136,10 @@ class EngineConfig(Section):
         return self
 
 
+LORA_AUTOTP = (
+    "engine.tensor_parallel_size > 1 with engine.backend deepspeed (AutoTP) does not support model.lora: AutoTP "
+    "splits the linear layers the adapters wrap; use engine.backend fsdp2, whose plan splits the adapters with them"
+)
 SPLITS_ROWS = {"sft", "rm", "prm", "dpo", "kto", "kd"}  # offline commands whose rows sequence parallelism splits
 
 
@@ -136,7 +148,7 @@ def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str, p
 
     * sequence parallelism in a command whose training path does not split rows across ranks (every
       offline command's does today), or with unpacked data (it splits packed rows);
-    * LoRA with tensor parallelism: the plan splits the base layers the adapters wrap;
+    * LoRA under DeepSpeed AutoTP (fsdp2's plan splits the adapters with the layers they wrap);
     * a 4-bit base (``model.lora.quantize_base``) on several processes: FSDP2 and ZeRO would have to
       shard bitsandbytes' packed weights and their quantisation state; and for prm at all, whose
       grown embedding has no full-precision original to merge the export into.
@@ -149,11 +161,8 @@ def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str, p
             )
         if not packing:
             raise ValueError("engine.sequence_parallel_size > 1 splits packed rows: data.packing must be true")
-    if engine.tensor_parallel_size > 1 and model.lora.rank > 0:
-        raise ValueError(
-            "engine.tensor_parallel_size > 1 does not support model.lora yet (the tensor-parallel plan splits "
-            "the base layers the adapters wrap); set model.lora.rank: 0 or engine.tensor_parallel_size: 1"
-        )
+    if engine.tensor_parallel_size > 1 and engine.backend == "deepspeed" and model.lora.rank > 0:
+        raise ValueError(LORA_AUTOTP)
     if model.lora.quantize_base == "none":
         return
     if command == "prm":

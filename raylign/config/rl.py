@@ -14,7 +14,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from raylign.config.agent import AgentConfig
 from raylign.config.base import Section, check_registered, deep_merge, registered
 from raylign.config.data import DatasetSpec
-from raylign.config.engine import EngineConfig
+from raylign.config.engine import LORA_AUTOTP, EngineConfig
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.config.reward import RewardConfig
@@ -382,8 +382,8 @@ class RLConfig(Section):
                 continue
             if p.policy_workers % size:
                 raise ValueError(f"engine.{field} ({size}) must divide placement.policy_workers ({p.policy_workers})")
-            if self.model.lora.rank > 0 and field == "tensor_parallel_size":
-                raise ValueError(f"engine.{field} > 1 does not support model.lora yet")
+            if field == "tensor_parallel_size" and self.engine.backend == "deepspeed" and self.model.lora.rank > 0:
+                raise ValueError(LORA_AUTOTP)
             if self.uses_critic and p.critic_workers % size:
                 raise ValueError(f"engine.{field} ({size}) must divide placement.critic_workers ({p.critic_workers})")
         if self.reward is None and not self.agent.enabled:

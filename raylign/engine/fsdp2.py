@@ -49,6 +49,14 @@ from raylign.engine.base import TrainEngine, floating_dtype
 from raylign.engine.distributed import ensure_process_group
 from raylign.engine.export import is_adapter_weight, stream_hf_tensors, tied_output_key
 from raylign.engine.optim import build_adamw, build_scheduler, clip_grad_norm, move_optimizer_state
+from raylign.engine.sequence_sharded_activations import (
+    NORM_STYLE,
+    SEQUENCE_STYLES,
+    register_styles,
+    sequence_sharded_plan,
+    shard_activations_by_sequence,
+)
+from raylign.models.loading import stored_name
 
 DCP_FOLDER = "dcp"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -94,13 +102,15 @@ def load_sharded_weights(model: torch.nn.Module, device: torch.device) -> int:
     folder = Path(model.config._name_or_path)
     files = _weight_files(folder)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    fresh = getattr(model, "fresh_weights", {})  # weights the files lack, made whole by a function (a new head)
+    # Weights the files lack (a new head, LoRA adapters), made whole by a function; names as stored.
+    fresh = getattr(model, "fresh_weights", {})
     model.to_empty(device=device)
     read = 0
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
-        for name, param in model.named_parameters():
+        for peft_name, param in model.named_parameters():
+            name = stored_name(peft_name)
             if name in fresh:
                 whole = torch.empty(param.shape, dtype=param.dtype)
                 fresh[name](name, whole)
@@ -210,15 +220,15 @@ def whole_tensor(tensor: DTensor, buffers: ReusedBuffers | None = None) -> torch
     return whole
 
 
-def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh, shard_activations: bool = False) -> None:
     """Split ``model``'s matrices over ``mesh`` with the tensor-parallel plan transformers ships for its
     architecture (attention and MLP projections column- then row-wise, embedding and output head over
     the vocabulary); every rank must hold the same full weights first, and each keeps its slice. Raises,
-    naming the model and the sizes, for an architecture without a plan or sizes the ranks cannot split."""
+    naming the model and the sizes, for an architecture without a plan or sizes the ranks cannot split.
+    ``shard_activations``: the activations between the split matrices are split along the sequence too
+    (``engine.tensor_parallel_shard_activations``, :mod:`raylign.engine.sequence_sharded_activations`)."""
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    if hasattr(model, "peft_config"):
-        raise ValueError("engine.tensor_parallel_size > 1 does not support LoRA adapters yet")
     plan = getattr(model, "tp_plan", None) or {}
     name = type(model).__name__
     if not plan:
@@ -239,7 +249,19 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> None:
             f"engine.tensor_parallel_size {tp}: {name}'s {', '.join(f'{k}={v}' for k, v in uneven.items())} "
             "cannot be split evenly over that many ranks"
         )
+    peft = hasattr(model, "get_base_model")
+    model = model.get_base_model() if peft else model
+    if shard_activations:
+        register_styles()
+        plan = sequence_sharded_plan(model, plan)
+    if peft:  # its LoRA layers wrap the planned linear layers
+        plan = lora_tensor_parallel_plan(model, plan)
+    trained = {name: param.requires_grad for name, param in model.named_parameters()}
     apply_tensor_parallelism(model, mesh, plan)
+    for name, param in model.named_parameters():  # a style that makes a parameter anew makes it trainable
+        param.requires_grad_(trained.get(name, param.requires_grad))  # (a tied head is untied until below)
+    if shard_activations:
+        shard_activations_by_sequence(model, mesh)
     if getattr(config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
         # (A score model has no output embeddings to tie.) The plan gives the embedding and the output head a
         # parameter each (both split over the vocabulary alike); tied, they must stay one, or each trains its
@@ -248,6 +270,45 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> None:
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         if head is None or head.weight is not embedding.weight:
             raise RuntimeError(f"engine.tensor_parallel_size: {name}'s tied output head could not be tied again")
+
+
+def lora_tensor_parallel_plan(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` for ``model`` whose planned linear layers PEFT wrapped in LoRA layers. The wrapped layer
+    (``base_layer``) keeps its style, and the adapter splits so that its output is laid out as the base
+    layer's: beside a column-split layer, ``lora_B`` splits its output columns too (each rank adds its
+    columns of B·A·x to its columns of W·x; ``lora_A`` stays whole); beside a row-split layer, ``lora_A``
+    splits its input rows like W, and its partial products are summed over the ranks before the whole
+    ``lora_B``, as W's are. Where that output is split along the sequence
+    (:mod:`~raylign.engine.sequence_sharded_activations`), the whole ``lora_B`` sees its rank's part of the
+    sequence and its gradient is summed over the parts, as a norm's is. Raises naming the layer for a
+    wrapped layer of any other style."""
+    from peft.tuners.lora import LoraLayer
+    from transformers.distributed.tensor_parallel import replace_layer_number_by_wildcard
+
+    adapted = {
+        replace_layer_number_by_wildcard(name): module
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+    split = {"colwise": "lora_B", "rowwise": "lora_A"}
+    split.update({sequence: split[style] for style, sequence in SEQUENCE_STYLES.items()})
+    lora_plan: dict[str, str] = {}
+    for key, style in plan.items():
+        if key not in adapted:
+            lora_plan[key] = style
+            continue
+        if style not in split:
+            raise ValueError(
+                f"engine.tensor_parallel_size with model.lora: the plan splits {key} as {style!r}, which LoRA "
+                f"adapters cannot follow (colwise and rowwise layers can); leave it out of "
+                f"model.lora.target_modules"
+            )
+        lora_plan[f"{key}.base_layer"] = style
+        for adapter in adapted[key].active_adapters:
+            lora_plan[f"{key}.{split[style]}.{adapter}"] = style
+            if style in SEQUENCE_STYLES.values():  # lora_B then sees this rank's part of the sequence only:
+                lora_plan[f"{key}.lora_B.{adapter}"] = NORM_STYLE  # its gradient is summed over the parts
+    return lora_plan
 
 
 def shard_model(
@@ -305,7 +366,7 @@ class FSDP2Engine(TrainEngine):
             self.device.type, self.world_size, engine_cfg.tensor_parallel_size, engine_cfg.data_parallel_shard_size
         )
         if engine_cfg.tensor_parallel_size > 1:
-            apply_tensor_parallel(model, self.mesh["tp"])
+            apply_tensor_parallel(model, self.mesh["tp"], engine_cfg.tensor_parallel_shard_activations)
         precision = mixed_precision_policy(self.model_dtype, engine_cfg.reduce_dtype)
         shard_model(model, data_mesh, precision, self.offload_policy, reshard_layers=engine_cfg.reshard_after_forward)
         if empty:

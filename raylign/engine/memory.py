@@ -16,8 +16,11 @@ What each rank holds while it trains a decoder-only transformer with AdamW, in b
   width ``H``, MLP width ``I`` and key/value width ``K`` saves about ``8H + 4K + 4I`` values
   (the two norms' inputs and outputs, q/k/v before and after the rotary embedding, the attention
   output, the MLP's gate, up, activation and product); under tensor parallel the ``4H + 4K + 4I``
-  inside attention and MLP are split. With gradient checkpointing a layer keeps its input ``H``
-  and one layer's activations exist at a time. Sequence parallel splits the tokens.
+  inside attention and MLP are split, and with fsdp2's sequence-split activations
+  (``engine.tensor_parallel_shard_activations``) so are the norms' inputs ``2H`` (their outputs
+  are gathered whole for the projections, which keep them). With gradient checkpointing a layer
+  keeps its input ``H`` (split likewise) and one layer's activations exist at a time. Sequence
+  parallel splits the tokens.
 * **logits**: 3.5 fp32 values per token and vocabulary entry (the logits, the log-softmax, its
   gradient, and part of a temporary), the largest single activation of small models.
 
@@ -117,6 +120,7 @@ class Layout:
     offload_params: bool = False
     offload_optimizer: bool = False
     reshard_after_forward: bool = True
+    shard_activations: bool = True  # fsdp2 under tensor parallel: engine.tensor_parallel_shard_activations
 
 
 @dataclass
@@ -171,9 +175,10 @@ def estimate_training_memory(shape: ModelShape, layout: Layout) -> MemoryEstimat
         parts["gathered layers"] = gathered * layer + shape.vocab * shape.hidden / t * width
     tokens = layout.micro_batch_tokens / sp
     h, k, i = shape.hidden, shape.kv_width, shape.intermediate
-    per_layer = 4 * h + (4 * h + 4 * k + 4 * i) / t  # values per token
+    by_sequence = t if backend == "fsdp2" and layout.shard_activations else 1  # the residual stream's split
+    per_layer = 2 * h / by_sequence + 2 * h + (4 * h + 4 * k + 4 * i) / t  # values per token
     # Checkpointed, a layer keeps its input, and one layer's activations exist at a time.
-    kept = shape.layers * h + per_layer if layout.gradient_checkpointing else shape.layers * per_layer
+    kept = shape.layers * h / by_sequence + per_layer if layout.gradient_checkpointing else shape.layers * per_layer
     parts["activations"] = tokens * kept * width
     parts["logits"] = tokens * shape.vocab * 4 * LOGIT_VALUES
     estimate = MemoryEstimate(device=parts)

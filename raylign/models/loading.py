@@ -8,6 +8,8 @@ into a bf16 cache folder by :mod:`raylign.models.smollm2`).
 from __future__ import annotations
 
 import logging
+import math
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -192,24 +194,63 @@ def apply_training_options(model: PreTrainedModel, cfg: ModelConfig, task_type: 
         target_modules=list(cfg.lora.target_modules),
         task_type=task_type,
     )
-    return get_peft_model(model, lora)
+    peft_model = get_peft_model(model, lora)
+    adapters = {name: param for name, param in peft_model.named_parameters() if is_lora_weight(name)}
+    if any(param.is_meta for param in adapters.values()):  # an empty model: the engine fills them shard by shard
+        fresh = dict(getattr(model, "fresh_weights", {}))
+        fresh.update(dict.fromkeys(map(stored_name, adapters), fresh_adapter_weight))
+        setattr(model, "fresh_weights", fresh)  # noqa: B010 - read by load_sharded_weights
+    else:
+        with torch.no_grad():
+            for name, param in adapters.items():
+                fresh_adapter_weight(name, param)
+    return peft_model
+
+
+def is_lora_weight(name: str) -> bool:
+    """A LoRA adapter's own tensor (``lora_A`` or ``lora_B``, of linear or embedding layers)."""
+    return ".lora_" in name
+
+
+def stored_name(name: str) -> str:
+    """The name a parameter of a PEFT-wrapped model has in the base model's files: the wrapper's prefix and
+    the wrapped layer's ``base_layer`` left out, a fully trained module's copy (``modules_to_save``) and
+    its original both read from the stored module. Names outside PEFT come back unchanged."""
+    name = name.removeprefix("base_model.model.")
+    for part in (".base_layer", ".original_module", ".modules_to_save.default"):
+        name = name.replace(part, "")
+    return name
+
+
+def fresh_adapter_weight(name: str, weight: torch.Tensor) -> None:
+    """Fill the whole LoRA tensor ``name`` as PEFT's default initialisation does: ``lora_A`` from
+    Kaiming-uniform with a = sqrt(5), that is U(-1/sqrt(fan_in), 1/sqrt(fan_in)), ``lora_B`` zeros (so the
+    adapted model starts as the base). ``lora_A`` is drawn from a generator seeded with the process's seed
+    and the name, so every rank draws the same values whether it holds the whole model or reads a shard
+    of it (``engine.load_sharded``), and loading whole or shard by shard starts from the same adapters."""
+    if ".lora_B" in name or ".lora_embedding_B" in name:
+        weight.zero_()
+        return
+    seed = (torch.initial_seed() + zlib.crc32(stored_name(name).encode())) % 2**63
+    bound = 1.0 / math.sqrt(weight.shape[-1])
+    values = torch.empty(weight.shape, dtype=torch.float32).uniform_(
+        -bound, bound, generator=torch.Generator().manual_seed(seed)
+    )
+    weight.copy_(values.to(weight.device))
 
 
 def loads_sharded(model_cfg: ModelConfig, engine_cfg: Any) -> bool:
     """Whether the trained model of ``model_cfg`` is built empty for the engine to read its shards
-    (``engine.load_sharded`` with the fsdp2 backend, no LoRA, no tensor parallel: a tensor-parallel model
-    loads whole and the plan slices it; read block by block, its vocabulary-split embedding came out
-    wrong in a trial, not yet explained)."""
-    whole = model_cfg.lora.rank > 0 or engine_cfg.tensor_parallel_size > 1
-    return engine_cfg.backend == "fsdp2" and engine_cfg.load_sharded and not whole
+    (``engine.load_sharded`` with the fsdp2 backend, no 4-bit base; under tensor parallel each rank reads
+    the block its tensor-parallel slice and FSDP2 shard leave it; LoRA adapters, which the files do not
+    hold, are drawn whole on every rank and each keeps its block)."""
+    return engine_cfg.backend == "fsdp2" and engine_cfg.load_sharded and model_cfg.lora.quantize_base == "none"
 
 
 def build_empty(auto_class: Any, cfg: ModelConfig, folder: Path, **config_fields: Any) -> Any:
     """The model ``auto_class`` builds from ``folder``'s config (with ``config_fields`` set on it), on
     the meta device: the dtype and attention kernel of ``cfg``, no memory and no values (buffers such as
     rotary frequencies are real); ``config._name_or_path`` names the folder its weights are read from."""
-    if cfg.lora.rank > 0:
-        raise ValueError("an empty (meta-device) model cannot take LoRA adapters: their weights are not in the files")
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 

@@ -1,6 +1,7 @@
 """One rank of an FSDP2 model loaded whole (``--mode full``) or shard by shard (``--mode sharded``).
 
-Run under ``python -m torch.distributed.run --nproc_per_node 2``. Each rank measures how far its
+Run under ``python -m torch.distributed.run --nproc_per_node N`` (``--tensor-parallel T``: the
+matrices split over groups of T ranks as well, the FSDP2 shards over the rest). Each rank measures how far its
 resident memory rose while the model was loaded and sharded (the high-water mark ``ru_maxrss``
 against the resident size before), then all ranks train one step on a fixed batch and rank 0
 gathers the weights as they were loaded and writes ``<out>/<mode>.json`` and ``<out>/<mode>.pt``.
@@ -37,14 +38,21 @@ def main() -> None:
     parser.add_argument("--mode", choices=["full", "sharded"], required=True)
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--tensor-parallel", type=int, default=1)
+    parser.add_argument("--lora-rank", type=int, default=0)
     args = parser.parse_args()
     init_distributed(600)
     rank = dist.get_rank()
     sharded = args.mode == "sharded"
     before = resident_bytes()
-    model = load_causal_lm(ModelConfig(path=args.model_dir, dtype="float32"), empty=sharded)
+    torch.manual_seed(0)  # the process's seed, from which LoRA adapters are drawn
+    model_cfg = ModelConfig(path=args.model_dir, dtype="float32", lora={"rank": args.lora_rank})
+    model = load_causal_lm(model_cfg, empty=sharded)
     engine = create_engine(
-        model, EngineConfig(backend="fsdp2", load_sharded=sharded), OptimConfig(lr=1e-3), total_steps=1
+        model,
+        EngineConfig(backend="fsdp2", load_sharded=sharded, tensor_parallel_size=args.tensor_parallel),
+        OptimConfig(lr=1e-3),
+        total_steps=1,
     )
     rise = peak_resident_bytes() - before
     weights = engine.full_state_dict()  # collective: every rank takes part
@@ -52,11 +60,13 @@ def main() -> None:
     loss = engine.module(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     metrics = engine.step()
+    adapters = engine.adapter_state_dict()[0] if args.lora_rank else {}  # after the step: B is no longer 0
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {"rise": rise, "bytes_read": getattr(engine, "bytes_read", None)})
     if rank == 0:
         out = Path(args.out)
         torch.save(weights, out / f"{args.mode}.pt")
+        torch.save(adapters, out / f"{args.mode}_adapters.pt")
         result = {"ranks": ranks, "loss": loss.item(), "grad_norm": metrics["grad_norm"]}
         (out / f"{args.mode}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

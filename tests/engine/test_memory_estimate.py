@@ -3,6 +3,7 @@ on a hand-computed case, and the estimate against the measured peak of real trai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -51,8 +52,11 @@ def test_each_layout_divides_what_it_shards():
     per_rank = 2 * (576 / 2 + 16) + 512 / 2 + 8  # 872 parameters, over 2 data-parallel ranks
     assert tp.device["weights"] == per_rank / 2 * 4 and tp.device["optimizer"] == per_rank / 2 * 8  # fp32 masters
     assert tp.device["gathered layers"] == 2 * (576 / 2 + 16) * 2 + 32 * 8 / 2 * 2
-    # 4H of each layer's values stay whole, the 4H + 4K + 4I inside attention and MLP halve.
-    assert tp.device["activations"] == 10 * 2 * (32 + 112 / 2) * 2
+    # The norms' inputs 2H halve with the sequence, their outputs 2H stay whole (the projections keep them
+    # gathered), the 4H + 4K + 4I inside attention and MLP halve.
+    assert tp.device["activations"] == 10 * 2 * (16 / 2 + 16 + 112 / 2) * 2
+    whole = estimate_training_memory(shape, dataclasses.replace(layout, shard_activations=False))
+    assert whole.device["activations"] == 10 * 2 * (32 + 112 / 2) * 2  # 4H whole on every rank
     # ZeRO-2: whole bf16 weights, sharded gradients, optimizer and fp32 masters; offloading moves the latter.
     zero2 = estimate_training_memory(
         shape, Layout(backend="deepspeed", zero_stage=2, ranks=4, offload_optimizer=True, micro_batch_tokens=10)

@@ -83,11 +83,13 @@ def test_model_parallel_training_equals_data_parallel_ranks(runs, layout):
 @pytest.fixture(scope="module")
 def lora_runs(ray_session, prompt_file, tmp_path_factory):
     """A LoRA policy's GRPO run with a KL term to its base (the policy with its adapters off), on 2
-    data-parallel ranks and on 2 ranks sharing every row: each layout's metrics and merged export."""
+    data-parallel ranks, on 2 ranks sharing every row and on 2 ranks splitting every matrix and its
+    adapter: each layout's metrics and merged export."""
     tmp_path = tmp_path_factory.mktemp("model_parallel_lora")
     model_dir = build_tiny_model(tmp_path / "policy", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, seed=3)
     out = {}
-    for layout, engine in (("data", {}), ("sequence", {"sequence_parallel_size": 2})):
+    layouts = {"data": {}, "sequence": {"sequence_parallel_size": 2}, "tensor": {"tensor_parallel_size": 2}}
+    for layout, engine in layouts.items():
         data = rl_config_data(model_dir, prompt_file, tmp_path / layout)
         data["model"]["lora"] = {"rank": 4, "alpha": 8.0}
         data["engine"] = {"backend": "fsdp2", **engine}
@@ -101,8 +103,9 @@ def lora_runs(ray_session, prompt_file, tmp_path_factory):
     return out
 
 
-def test_a_lora_policy_trains_with_rows_split_like_data_parallel_ranks(lora_runs):
-    (whole_records, whole_weights), (split_records, split_weights) = lora_runs["data"], lora_runs["sequence"]
+@pytest.mark.parametrize("layout", ["sequence", "tensor"])
+def test_a_lora_policy_trains_with_rows_or_matrices_split_like_data_parallel_ranks(lora_runs, layout):
+    (whole_records, whole_weights), (split_records, split_weights) = lora_runs["data"], lora_runs[layout]
     assert [r["step"] for r in split_records] == [r["step"] for r in whole_records] == [1, 2]
     for whole, split in zip(whole_records, split_records, strict=True):
         assert split["reward/mean"] == whole["reward/mean"]
@@ -129,8 +132,10 @@ def test_rl_refuses_model_parallel_layouts_it_cannot_split(prompt_file, tmp_path
     data["placement"]["policy_workers"] = 2
     data["train"]["prompts_per_step"] = 4
     if field == "tensor_parallel_size":
-        with pytest.raises((ConfigError, ValueError), match=rf"engine.{field} > 1 does not support model.lora"):
-            resolve(tmp_path, {**data, "model": {**data["model"], "lora": {"rank": 4}}})
+        lora = {**data, "model": {**data["model"], "lora": {"rank": 4}}}
+        assert resolve(tmp_path, lora).engine.tensor_parallel_size == 2  # fsdp2 splits the adapters too
+        with pytest.raises((ConfigError, ValueError), match=r"\(AutoTP\) does not support model.lora"):
+            resolve(tmp_path, {**lora, "engine": {**data["engine"], "backend": "deepspeed"}})
     data["preset"] = "ppo"
     with pytest.raises((ConfigError, ValueError), match=rf"{field} \(2\) must divide placement.critic_workers \(1\)"):
         resolve(tmp_path, data)

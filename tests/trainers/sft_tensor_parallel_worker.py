@@ -2,9 +2,11 @@
 ``engine.tensor_parallel_size`` 1 (4 data-parallel ranks), 2 (a 2 x 2 mesh: 2 data-parallel ranks,
 each splitting every matrix over 2) and 4 (one data-parallel rank split over all 4); then hybrid
 sharding (``engine.data_parallel_shard_size`` 2: two groups of 2 ranks, each sharding the model,
-replicating each other), tensor parallel 2 with the 2 data-parallel ranks replicating (shard size
-1), tensor parallel 2 with gradient checkpointing, and tensor parallel 2 stopped after step 2 and
-resumed from its checkpoint, and DeepSpeed AutoTP 2 with ZeRO-1: one after the other in one process group."""
+replicating each other), tensor parallel 2 with the activations whole on every rank (not split
+along the sequence), tensor parallel 2 with the 2 data-parallel ranks replicating (shard size 1),
+tensor parallel 2 with gradient checkpointing, tensor parallel 2 stopped after step 2 and resumed
+from its checkpoint, DeepSpeed AutoTP 2 with ZeRO-1, and a LoRA model on 4 data-parallel ranks and
+on the 2 x 2 mesh: one after the other in one process group."""
 
 from __future__ import annotations
 
@@ -18,13 +20,18 @@ STEPS = 3
 RUNS: dict[str, dict] = {
     "tp1": {},
     "tp2": {"tensor_parallel_size": 2},
+    "tp2_whole_activations": {"tensor_parallel_size": 2, "tensor_parallel_shard_activations": False},
     "tp4": {"tensor_parallel_size": 4},
     "hsdp": {"data_parallel_shard_size": 2},
     "tp2_replicated": {"tensor_parallel_size": 2, "data_parallel_shard_size": 1},
     "tp2_checkpointing": {"tensor_parallel_size": 2, "model": {"gradient_checkpointing": True}},
     "tp2_resumed": {"tensor_parallel_size": 2, "stop_after": 2},
     "deepspeed_tp2": {"backend": "deepspeed", "zero_stage": 1, "tensor_parallel_size": 2},
+    "lora_tp1": {"model": {"lora": {"rank": 4}}},
+    "lora_tp2": {"tensor_parallel_size": 2, "model": {"lora": {"rank": 4}}},
 }
+# Each run trains as this one (4 data-parallel ranks holding whole layers) does.
+BASELINE = {name: "lora_tp1" if name.startswith("lora") else "tp1" for name in RUNS}
 
 
 def sft_config(model_dir: str, train_file: str, out: Path, run: dict, steps: int = STEPS):
@@ -73,8 +80,50 @@ def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str
         for name, run in RUNS.items():
             if "stop_after" in run:
                 SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run, run["stop_after"])).run()
-            SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run)).run()
+            trainer = SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run))
+            trainer.run()
+            if name == "lora_tp2":
+                record_lora_blocks(trainer.engine.module, Path(out_dir) / f"lora_blocks_rank{rank}.json")
+            if name.startswith("tp2"):
+                record_residual_shapes(trainer.engine.module, Path(out_dir) / f"residual_{name}_rank{rank}.json")
         record_autotp_shapes(model_dir, Path(out_dir) / f"autotp_rank{rank}.json")
+
+
+def record_residual_shapes(module, path: Path) -> None:
+    """The shape of the residual stream a norm of the first layer sees, and of the logits, in a forward of
+    one row of 15 tokens (odd: the ranks cannot split it without padding)."""
+    import json
+
+    import torch
+
+    shapes = {}
+    norm = module.model.layers[0].post_attention_layernorm
+
+    def record(_module, args) -> None:
+        shapes["norm_input"] = list(args[0].shape)
+
+    handle = norm.register_forward_pre_hook(record)
+    with torch.no_grad():
+        logits = module(input_ids=torch.arange(1, 16).unsqueeze(0)).logits
+    handle.remove()
+    shapes["logits"] = list(logits.shape)
+    path.write_text(json.dumps(shapes))
+
+
+def record_lora_blocks(module, path: Path) -> None:
+    """How tensor parallel splits the first layer's q_proj (column-split) and o_proj (row-split): for the
+    base weight and each adapter matrix, the dimension split over the pair, or "whole"."""
+    import json
+
+    from torch.distributed.tensor import DTensor, Shard
+
+    blocks = {}
+    for name, param in module.named_parameters():
+        if ".layers.0." in name and ("q_proj" in name or "o_proj" in name):
+            split = isinstance(param, DTensor) and len(param.placements) == 2  # (FSDP2's, tensor parallel's)
+            tp = param.placements[-1] if split else None
+            blocks[name.split(".layers.0.self_attn.")[1]] = f"Shard({tp.dim})" if isinstance(tp, Shard) else "whole"
+    path.write_text(json.dumps(blocks))
 
 
 def record_autotp_shapes(model_dir: str, path: Path) -> None:

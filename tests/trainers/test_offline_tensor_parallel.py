@@ -68,9 +68,9 @@ def test_each_offline_command_trains_with_matrices_split_over_ranks_as_with_whol
 
 
 @pytest.mark.parametrize("command", worker.COMMANDS)
-def test_lora_with_tensor_parallel_is_refused_by_name_before_anything_starts(command, tmp_path):
+def test_lora_under_autotp_is_refused_by_name_before_anything_starts(command, tmp_path):
     from raylign.config.base import ConfigError
 
-    engine = {"backend": "fsdp2", "num_processes": 2, "tensor_parallel_size": 2}
-    with pytest.raises(ConfigError, match="engine.tensor_parallel_size > 1 does not support model.lora yet"):
+    engine = {"backend": "deepspeed", "num_processes": 2, "tensor_parallel_size": 2}
+    with pytest.raises(ConfigError, match=r"\(AutoTP\) does not support model.lora"):
         worker.command_config(command, str(tmp_path), tmp_path / "out", {**engine}, lora_rank=4)
