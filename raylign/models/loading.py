@@ -223,19 +223,24 @@ def stored_name(name: str) -> str:
 
 
 def fresh_adapter_weight(name: str, weight: torch.Tensor) -> None:
-    """Fill the whole LoRA tensor ``name`` as PEFT's default initialisation does: ``lora_A`` from
-    Kaiming-uniform with a = sqrt(5), that is U(-1/sqrt(fan_in), 1/sqrt(fan_in)), ``lora_B`` zeros (so the
-    adapted model starts as the base). ``lora_A`` is drawn from a generator seeded with the process's seed
-    and the name, so every rank draws the same values whether it holds the whole model or reads a shard
-    of it (``engine.load_sharded``), and loading whole or shard by shard starts from the same adapters."""
-    if ".lora_B" in name or ".lora_embedding_B" in name:
+    """Fill the whole LoRA tensor ``name`` as PEFT's default initialisation does: a linear layer's
+    ``lora_A`` from Kaiming-uniform with a = sqrt(5), that is U(-1/sqrt(fan_in), 1/sqrt(fan_in)), its
+    ``lora_B`` zeros; an embedding's the other way round (``lora_embedding_A`` zeros, ``lora_embedding_B``
+    standard normal). Either way the adapted model starts as the base. The random half is drawn from a
+    generator seeded with the process's seed and the name, so every rank draws the same values whether it
+    holds the whole model or reads a shard of it (``engine.load_sharded``), and loading whole or shard by
+    shard starts from the same adapters."""
+    if ".lora_B" in name or ".lora_embedding_A" in name:
         weight.zero_()
         return
     seed = (torch.initial_seed() + zlib.crc32(stored_name(name).encode())) % 2**63
-    bound = 1.0 / math.sqrt(weight.shape[-1])
-    values = torch.empty(weight.shape, dtype=torch.float32).uniform_(
-        -bound, bound, generator=torch.Generator().manual_seed(seed)
-    )
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.empty(weight.shape, dtype=torch.float32)
+    if ".lora_embedding_B" in name:
+        values.normal_(0.0, 1.0, generator=generator)
+    else:
+        bound = 1.0 / math.sqrt(weight.shape[-1])
+        values.uniform_(-bound, bound, generator=generator)
     weight.copy_(values.to(weight.device))
 
 

@@ -149,6 +149,12 @@ def test_fresh_lora_adapters_are_drawn_as_peft_draws_them_from_the_seed_and_name
     b = torch.ones(4096, 64)
     fresh_adapter_weight(name.replace("lora_A", "lora_B"), b)
     assert not b.any()
+    # An embedding's adapter the other way round: A zeros, B standard normal.
+    embedding = "base_model.model.model.embed_tokens.lora_embedding_{}.default"
+    a, b = torch.ones(8, 512), torch.empty(4096, 8)
+    fresh_adapter_weight(embedding.format("A"), a)
+    fresh_adapter_weight(embedding.format("B"), b)
+    assert not a.any() and abs(b.std().item() - 1) < 0.02 and abs(b.mean().item()) < 0.02
 
     path = build_tiny_model(tmp_path / "tiny", hidden_size=64)
     model = load_causal_lm(ModelConfig(path=str(path), dtype="float32", lora={"rank": 4}))
