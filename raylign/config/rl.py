@@ -370,11 +370,11 @@ class RLConfig(Section):
     @model_validator(mode="after")
     def _possible(self) -> RLConfig:
         a, t, s, p = self.algorithm, self.train, self.sampling, self.placement
-        if self.model.lora.quantize_base != "none":
+        if self.model.lora.quantize_base != "none" and self.engine.backend != "local":
             raise ValueError(
-                f"model.lora.quantize_base {self.model.lora.quantize_base!r}: rl does not support a 4-bit base yet "
-                "(the rollout engines serve the base in full precision, so their log-probs would not be the "
-                "policy's); set it to none"
+                f"model.lora.quantize_base {self.model.lora.quantize_base!r}: rl trains a 4-bit base on one "
+                f"process only for now (engine.backend local; got {self.engine.backend!r}): FSDP2 and ZeRO would "
+                "have to shard bitsandbytes' packed weights and their quantisation state"
             )
         for field in ("tensor_parallel_size", "sequence_parallel_size"):
             size = getattr(self.engine, field)

@@ -203,6 +203,17 @@ class TrainEngine(ABC):
             return dict(broadcast_named_tensors(adapter.items(), self.device))
         return adapter
 
+    def write_base_folder(self, directory: str | Path, tokenizer: Any | None = None) -> None:
+        """A LoRA model's base, without its adapters, as a plain HF folder: what rollout engines that
+        serve the adapters on top start from. A 4-bit base (QLoRA) is written as the values its
+        layers compute with, dequantised, so an engine computes what this model computes, not what
+        the full-precision original would. Collective; rank 0 writes."""
+        raw = self._gather_state_dict()
+        if is_main_process():
+            base = to_hf_state_dict(raw, self.hf_model, self.model_dtype, merge=False)
+            write_hf_folder(directory, base, self.hf_model, self.model_dtype, tokenizer)
+        barrier()
+
     def export_hf(self, directory: str | Path, tokenizer: Any | None = None) -> None:
         """Save a plain HF folder (config, safetensors, tokenizer) that transformers and vLLM load.
         A LoRA model's folder holds the merged weights, and its adapter alone as a PEFT adapter folder

@@ -137,12 +137,13 @@ def strip_peft_names(state_dict: dict[str, torch.Tensor], adapter: str) -> dict[
 
 
 def to_hf_state_dict(
-    raw: dict[str, torch.Tensor], model: torch.nn.Module, dtype: torch.dtype
+    raw: dict[str, torch.Tensor], model: torch.nn.Module, dtype: torch.dtype, merge: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Full training state dict (rank 0) -> HF names, LoRA merged, floats cast to ``dtype``."""
+    """Full training state dict (rank 0) -> HF names, LoRA merged (with ``merge=False`` left out: the
+    base weights the adapters sit on), floats cast to ``dtype``."""
     if hasattr(model, "get_base_model"):
         adapter = active_adapter(model)
-        raw = strip_peft_names(merge_lora(raw, lora_layers(model), adapter), adapter)
+        raw = strip_peft_names(merge_lora(raw, lora_layers(model) if merge else {}, adapter), adapter)
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in raw.items()}
 
 
@@ -279,6 +280,8 @@ def write_hf_folder(
     config = copy.deepcopy(hf_model.config)
     config.architectures = [_architecture_name(hf_model)]
     config.dtype = dtype
+    if hasattr(config, "quantization_config"):  # the folder holds plain tensors, a 4-bit base's dequantised
+        del config.quantization_config
     config.save_pretrained(temp)
     if getattr(hf_model, "generation_config", None) is not None:
         hf_model.generation_config.save_pretrained(temp)

@@ -20,7 +20,7 @@ from raylign.config.optim import OptimConfig
 from raylign.engine.base import TrainEngine, floating_dtype
 from raylign.engine.distributed import select_device
 from raylign.engine.optim import build_adamw, build_scheduler, clip_grad_norm, move_optimizer_state
-from raylign.models.loading import is_quantized
+from raylign.models.loading import dequantized_state_dict, is_quantized
 
 ENGINE_STATE_FILE = "engine_state.pt"
 
@@ -115,7 +115,9 @@ class LocalEngine(TrainEngine):
         return self.module.state_dict()
 
     def _gather_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        """The model's weights on the CPU; a 4-bit base's as the values it computes with."""
+        state = dequantized_state_dict(self.module) if is_quantized(self.module) else self.module.state_dict()
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
     def offload(self, keep_weights: bool = False) -> None:
         """Parameters, fp32 masters and optimizer state to the CPU (nothing to do on a CPU run)."""

@@ -156,6 +156,26 @@ def keep_4bit_layout_for_training(model: torch.nn.Module) -> None:
             setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010 - bitsandbytes' own attribute
 
 
+def dequantized_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with each 4-bit weight as the values its layer computes with
+    (bitsandbytes' dequantisation, in the dtype it was quantised from) under its plain ``.weight``
+    name, its quantisation state (``.weight.absmax``, ``.weight.quant_map`` ...) left out; every
+    other tensor as it is. What a full-precision copy of the model needs to compute as it does."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnb_functional
+
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        key = f"{name}.weight"
+        for extra in [k for k in state if k.startswith(f"{key}.")]:
+            del state[extra]
+        weight: Any = module.weight  # bitsandbytes' Params4bit
+        state[key] = bnb_functional.dequantize_4bit(weight.data, weight.quant_state)
+    return state
+
+
 def is_quantized(model: torch.nn.Module) -> bool:
     """Whether ``model`` (or the model a PEFT wrapper holds) was loaded with a 4-bit base."""
     get_base = getattr(model, "get_base_model", None)  # a peft wrapper

@@ -81,6 +81,7 @@ from raylign.trainers.progress import Progress
 
 log = logging.getLogger("raylign")
 ENGINES = "rollout engines"  # their entry among what setup() starts at once
+ENGINE_BASE = "engine_base"  # under the output folder: a 4-bit policy base, dequantised, the engines start from
 
 
 class RLTrainer:
@@ -121,6 +122,10 @@ class RLTrainer:
         save_yaml(cfg, self.out / "config.yaml")
         seed_everything(cfg.train.seed)
         self.model_path = str(resolve_model_path(cfg.model.path))
+        # A 4-bit policy base (QLoRA): the engines start from its values dequantised, which the policy
+        # writes once loaded, so they compute what it computes (the folder's weights would not).
+        self.engines_start_on_policy_base = cfg.model.lora.quantize_base != "none"
+        self.engine_model_path = str(self.out / ENGINE_BASE) if self.engines_start_on_policy_base else self.model_path
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path, padding_side="left")
         self.train_prompts = load_prompts(cfg.data.train, cfg.data, self.tokenizer)
         self.eval_prompts = load_prompts(cfg.data.eval, cfg.data, self.tokenizer) if cfg.data.eval else []
@@ -192,22 +197,28 @@ class RLTrainer:
                 self._engine_threads,
                 cfg.rollout.threads_per_engine,
             )
-            starts[ENGINES] = functools.partial(
+            start_engines = functools.partial(
                 launch_engines,
-                self.model_path,
+                self.engine_model_path,
                 cfg.rollout,
                 env_vars=self._engine_env(),
                 startup_timeout_s=timeout,
                 lora_rank=self._engine_lora_rank(),
             )
+            if not self.engines_start_on_policy_base:
+                starts[ENGINES] = start_engines
         started, failed = start_together(starts)
         self.engines = started.pop(ENGINES, [])
         self.groups.update(started)
         if failed is not None:
             raise failed  # run() stops what did start
+        if self.engines_start_on_policy_base:
+            self.groups["policy"].call("write_engine_base", self.engine_model_path)
+            if not p.colocate:
+                self.engines = start_engines()
         if p.colocate:
             # The hybrid engine: each policy worker generates with an engine in its own process.
-            self.groups["policy"].call("start_local_engine", self.model_path)
+            self.groups["policy"].call("start_local_engine", self.engine_model_path)
             self.pool = RolloutPool(self.groups["policy"].workers, cfg.rollout.generate_timeout_s)
         else:
             self.pool = RolloutPool(self.engines, cfg.rollout.generate_timeout_s)
@@ -732,7 +743,7 @@ class RLTrainer:
         for index in dead:
             timeout = cfg.placement.startup_timeout_s
             replaced[index] = launch_engines(
-                self.model_path,
+                self.engine_model_path,
                 one,
                 env_vars=self._engine_env(),
                 startup_timeout_s=timeout,

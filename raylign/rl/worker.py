@@ -478,6 +478,15 @@ class ModelWorker:
         tokenizer = load_tokenizer(self.cfg.model.tokenizer_path or self.cfg.model.path)
         self.engine.export_hf(Path(directory), tokenizer)
 
+    def write_engine_base(self, directory: str) -> None:
+        """The base the rollout engines start from when it is not the model folder's: a 4-bit base
+        (QLoRA), dequantised, so the engines compute what this policy computes
+        (:meth:`TrainEngine.write_base_folder`)."""
+        from raylign.models import load_tokenizer
+
+        tokenizer = load_tokenizer(self.cfg.model.tokenizer_path or self.cfg.model.path)
+        self.engine.write_base_folder(Path(directory), tokenizer)
+
     def placement_info(self) -> dict[str, Any]:
         """Where Ray put this worker: node id, the cores this process may run on, the node's address, the
         GPU ids it was given (empty on CPU), the rendezvous it used (``host:port``, hosted by rank 0;

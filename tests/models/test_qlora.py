@@ -131,3 +131,61 @@ def test_a_missing_bitsandbytes_is_named_with_the_install_command(tiny_qwen2):
     assert proc.returncode != 0
     assert "model.lora.quantize_base 'nf4' needs the bitsandbytes package" in proc.stderr
     assert "pip install bitsandbytes" in proc.stderr
+
+
+def test_the_engines_base_is_the_4bit_base_dequantised_and_computes_with_the_adapters_as_the_policy(
+    tiny_qwen2, tmp_path
+):
+    """What rl's rollout engines start from under a 4-bit policy base: the values the policy's layers
+    compute with, not the folder's full-precision weights, so engine and policy log-probs agree."""
+    import json
+
+    import bitsandbytes.functional as bnb_functional
+    from transformers import AutoModelForCausalLM
+
+    model = load_causal_lm(qlora_config(tiny_qwen2))
+    engine = create_engine(model, EngineConfig(), OptimConfig(lr=1e-2, warmup_steps=0), total_steps=10)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    _step(engine, model, input_ids)  # lora_B leaves zero: the base written below must hold no adapter
+    engine.write_base_folder(tmp_path / "base")
+
+    written = load_file(tmp_path / "base" / "model.safetensors")
+    original = load_file(tiny_qwen2 / "model.safetensors")
+    assert set(written) == set(original)
+    quantised = 0
+    for key, value in written.items():
+        if key.endswith("proj.weight"):  # every linear layer of the blocks is held in 4 bits
+            # Quantised again here from the stored weight as the loader does (NF4, 64-weight blocks, 8-bit
+            # absmax), and dequantised: the base's values, independent of the model's own layers.
+            packed, state = bnb_functional.quantize_4bit(
+                original[key], blocksize=BLOCK, compress_statistics=True, quant_type="nf4"
+            )
+            torch.testing.assert_close(value, bnb_functional.dequantize_4bit(packed, state), atol=0, rtol=0)
+            assert not torch.equal(value, original[key]), key
+            quantised += 1
+        else:
+            assert torch.equal(value, original[key]), key
+    assert quantised == 2 * 7
+    assert "quantization_config" not in json.loads((tmp_path / "base" / "config.json").read_text())
+
+    def with_adapters(path) -> torch.nn.Module:
+        """A plain float32 model from ``path`` with the policy's adapters added by hand: W + s B A."""
+        plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        scaling = LORA.alpha / LORA.rank
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                if name.endswith(tuple(LORA.target_modules)) and hasattr(module, "lora_A"):
+                    delta = module.lora_B["default"].weight @ module.lora_A["default"].weight
+                    plain.get_submodule(name.removeprefix("base_model.model.")).weight += scaling * delta
+        return plain
+
+    with torch.no_grad():
+        policy = model(input_ids=input_ids).logits
+        served = with_adapters(tmp_path / "base")
+        torch.testing.assert_close(served(input_ids=input_ids).logits, policy, atol=1e-5, rtol=0)
+        # The folder's full-precision weights under the same adapters compute something else.
+        assert float((with_adapters(tiny_qwen2)(input_ids=input_ids).logits - policy).abs().max()) > 1e-3
+    # A merged weight sync sends the same: the dequantised base with the adapters folded in.
+    merged = engine.full_state_dict()
+    for key, value in served.state_dict().items():
+        torch.testing.assert_close(merged[key], value, atol=1e-6, rtol=0)

@@ -74,7 +74,25 @@ def test_a_grpo_run_sends_only_the_adapter_and_the_engine_samples_from_the_train
     trainer = ProbingTrainer(resolve(tmp_path, data))
     trainer.run()
 
-    hf = fp32_model(rl_model_dir).config
+    _assert_adapter_syncs(trainer, rl_model_dir)
+    # The last adapter only; the run's export is the merged policy, and the engine samples from it.
+    assert trainer.adapters == [2]
+    merged, base = fp32_model(trainer.out / "final"), fp32_model(rl_model_dir)
+    moved = 0.0
+    with torch.no_grad():
+        for c in trainer.probe:
+            sampled = torch.tensor(c.response_logprobs)
+            expected = response_logprobs(merged, c.prompt_token_ids, c.response_token_ids)
+            torch.testing.assert_close(sampled, expected, atol=LOGPROB_TOL, rtol=0)
+            moved = max(
+                moved, float((response_logprobs(base, c.prompt_token_ids, c.response_token_ids) - sampled).abs().max())
+            )
+    assert moved > 1e-2  # training moved the policy away from its base
+
+
+def _assert_adapter_syncs(trainer: RLTrainer, model_dir) -> None:
+    """Each of the run's 2 syncs sent the adapter alone, and the engine's log-probs with it equal the policy's."""
+    hf = fp32_model(model_dir).config
     head_dim = hf.hidden_size // hf.num_attention_heads
     dims = {  # (fan in, fan out) of each targeted projection
         "q_proj": (hf.hidden_size, hf.num_attention_heads * head_dim),
@@ -96,16 +114,34 @@ def test_a_grpo_run_sends_only_the_adapter_and_the_engine_samples_from_the_train
         # Step 2 sampled under the adapter synced after step 1; the trainer recomputed the log-probs.
         assert r["mismatch/logprob_max_abs_diff"] <= LOGPROB_TOL
 
-    # The last adapter only; the run's export is the merged policy, and the engine samples from it.
+
+@vllm_only
+def test_a_qlora_grpo_run_serves_the_4bit_base_dequantised_so_the_engine_computes_as_the_policy(
+    ray_session, rl_model_dir, prompt_file, tmp_path
+):
+    """A 4-bit policy base: the engines start from its values dequantised (``engine_base`` in the
+    output folder, written by the policy), not from the model folder's full-precision weights, and
+    take the adapter alone at each sync."""
+    from peft import PeftModel
+
+    data = _data(rl_model_dir, prompt_file, tmp_path / "out", kv_cache_memory_bytes=32 << 20, max_model_len=256)
+    data["model"]["lora"] = {**LORA, "quantize_base": "nf4"}
+    trainer = ProbingTrainer(resolve(tmp_path, data))
+    trainer.run()
+
+    _assert_adapter_syncs(trainer, rl_model_dir)
     assert trainer.adapters == [2]
-    merged, base = fp32_model(trainer.out / "final"), fp32_model(rl_model_dir)
-    moved = 0.0
+    # What the engine served at the end: the dequantised base under the last adapter, applied here by PEFT.
+    served = PeftModel.from_pretrained(fp32_model(trainer.out / "engine_base"), trainer.out / "final" / "adapter")
+    served = served.merge_and_unload().eval()
+    # The export merges the adapter into the full-precision original instead (what a user deploys).
+    exported = fp32_model(trainer.out / "final")
+    apart = 0.0
     with torch.no_grad():
         for c in trainer.probe:
             sampled = torch.tensor(c.response_logprobs)
-            expected = response_logprobs(merged, c.prompt_token_ids, c.response_token_ids)
+            expected = response_logprobs(served, c.prompt_token_ids, c.response_token_ids)
             torch.testing.assert_close(sampled, expected, atol=LOGPROB_TOL, rtol=0)
-            moved = max(
-                moved, float((response_logprobs(base, c.prompt_token_ids, c.response_token_ids) - sampled).abs().max())
-            )
-    assert moved > 1e-2  # training moved the policy away from its base
+            other = response_logprobs(exported, c.prompt_token_ids, c.response_token_ids)
+            apart = max(apart, float((other - sampled).abs().max()))
+    assert apart > 10 * LOGPROB_TOL  # the 4-bit base computes measurably apart from its original
