@@ -386,6 +386,13 @@ class RLConfig(Section):
                 raise ValueError(LORA_AUTOTP)
             if self.uses_critic and p.critic_workers % size:
                 raise ValueError(f"engine.{field} ({size}) must divide placement.critic_workers ({p.critic_workers})")
+        copies = self.engine.tensor_parallel_size * self.engine.sequence_parallel_size
+        for role, workers in (("policy", p.policy_workers), ("critic", p.critic_workers if self.uses_critic else 0)):
+            if workers % copies:
+                raise ValueError(
+                    f"engine.tensor_parallel_size x engine.sequence_parallel_size ({copies}) must divide "
+                    f"placement.{role}_workers ({workers})"
+                )
         if self.reward is None and not self.agent.enabled:
             raise ValueError(
                 "reward: required (the reward sources), unless agent.env or agent.client gives the rewards"

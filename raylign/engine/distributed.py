@@ -201,21 +201,33 @@ def all_reduce_scalars(values: Sequence[float], op: ReduceOp = "mean") -> list[f
     return tensor.tolist()
 
 
-def sequence_parallel_groups(size: int, timeout_s: int) -> tuple[dist.ProcessGroup | None, int, int]:
-    """Split the ranks into consecutive groups of ``size`` that share rows (sequence parallelism).
+def sequence_parallel_groups(
+    size: int, timeout_s: int, tensor_parallel: int = 1
+) -> tuple[dist.ProcessGroup | None, int, int]:
+    """Split the ranks into groups of ``size`` that share rows (sequence parallelism).
 
-    Returns this rank's group (None when ``size`` is 1), its data-parallel rank (the index of its
-    group) and the data-parallel size (the number of groups). Collective: every rank creates
-    every group, in the same order.
+    Ranks are laid out data-parallel, then sequence-parallel, then tensor-parallel (the fastest):
+    rank ``(d * size + s) * tensor_parallel + t`` runs chunk ``s`` of data-parallel shard ``d`` with
+    slice ``t`` of every split matrix, so a group holds the ranks of one ``d`` and one ``t``
+    (consecutive ranks without tensor parallel). Returns this rank's group (None when ``size`` is 1),
+    its data-parallel rank and the data-parallel size. Collective: every rank creates every group,
+    in the same order.
     """
     world, rank = get_world_size(), get_rank()
+    copies = size * tensor_parallel  # ranks that share every micro-batch
+    if world % copies:
+        raise ValueError(
+            f"engine.sequence_parallel_size x engine.tensor_parallel_size ({size} x {tensor_parallel}) must divide "
+            f"the number of ranks ({world})"
+        )
     if size == 1:
-        return None, rank, world
-    if world % size:
-        raise ValueError(f"engine.sequence_parallel_size ({size}) must divide the number of ranks ({world})")
+        return None, rank // copies, world // copies
     mine = None
-    for start in range(0, world, size):
-        group = dist.new_group(list(range(start, start + size)), timeout=datetime.timedelta(seconds=timeout_s))
-        if start <= rank < start + size:
-            mine = group
-    return mine, rank // size, world // size
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for first in range(0, world, copies):
+        for t in range(tensor_parallel):
+            ranks = [first + s * tensor_parallel + t for s in range(size)]
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine = group
+    return mine, rank // copies, world // copies

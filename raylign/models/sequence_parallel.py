@@ -124,17 +124,37 @@ def hf_ring_attention(
         else:
             sample_ids = sample_ids_from_position_ids(position_ids.to(query.device)).expand(batch, length)
         shard = SequenceShard(None, token_index, sample_ids)
+    token_index, sample_ids = _labels_with_padding(shard, query.shape[2])
     out = ring_attention(
         query,
         key,
         value,
-        shard.token_index.to(query.device),
-        shard.sample_ids.to(query.device),
+        token_index.to(query.device),
+        sample_ids.to(query.device),
         scale=scaling,
         group=shard.group,
         timeout=shard.timeout,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _labels_with_padding(shard: SequenceShard, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shard's token labels for a chunk of ``length`` tokens. Under tensor parallel with its activations
+    split along the sequence (:mod:`raylign.engine.sequence_sharded_activations`) each rank's chunk arrives
+    padded on the right to a multiple of the tensor-parallel size, the same padding on every rank of the
+    group: it is labelled a sample of its own on each rank (ids below 0, which no packed sample has, one per
+    rank), so no real token attends to it and it attends to nothing of another rank."""
+    extra = length - shard.token_index.shape[1]
+    if extra == 0:
+        return shard.token_index, shard.sample_ids
+    if extra < 0:
+        raise ValueError(f"{RING_ATTENTION}: a chunk of {length} tokens under a shard of {shard.token_index.shape[1]}")
+    rows = shard.token_index.shape[0]
+    own = -1 - (0 if shard.group is None else dist.get_rank(shard.group))
+    after = shard.token_index[:, -1:] + 1 + torch.arange(extra, device=shard.token_index.device)
+    token_index = torch.cat([shard.token_index, after], dim=1)
+    sample_ids = torch.cat([shard.sample_ids, shard.sample_ids.new_full((rows, extra), own)], dim=1)
+    return token_index, sample_ids
 
 
 def _refuse_padding(*, attention_mask: torch.Tensor | None = None, **_: Any) -> None:

@@ -130,7 +130,9 @@ class ModelWorker:
             model_cfg = model_cfg.model_copy(update={"path": self.cfg.critic.path or self.cfg.model.path})
         if e.sequence_parallel_size > 1:
             model_cfg = model_cfg.model_copy(update={"attn_implementation": RING_ATTENTION})
-            self.sequence_group, _, _ = sequence_parallel_groups(e.sequence_parallel_size, e.dist_timeout_s)
+            self.sequence_group, _, _ = sequence_parallel_groups(
+                e.sequence_parallel_size, e.dist_timeout_s, e.tensor_parallel_size
+            )
         self.copies = e.tensor_parallel_size * e.sequence_parallel_size
         if self.role == "critic":
             model = load_score_model(model_cfg, num_labels=1, empty=loads_sharded(model_cfg, e))

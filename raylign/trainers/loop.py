@@ -136,20 +136,13 @@ class OfflineTrainer:
         self.collective_timeout = datetime.timedelta(seconds=self.cfg.engine.dist_timeout_s)
         # Ranks of one sequence-parallel group share every micro-batch, each running a chunk of its rows;
         # batches are sharded over the groups. Without sequence parallelism every rank is its own group.
-        self.sp_size = self.cfg.engine.sequence_parallel_size
-        self.sp_group, self.dp_rank, self.dp_size = sequence_parallel_groups(
-            self.sp_size, self.cfg.engine.dist_timeout_s
-        )
-        self.sp_rank = self.rank % self.sp_size
         # Ranks of one tensor-parallel group (consecutive, as the engine's mesh puts them) also share every
         # micro-batch: each computes its slice of every layer on it.
-        self.tp_size = self.cfg.engine.tensor_parallel_size
-        if self.tp_size > 1:
-            if self.world_size % self.tp_size:
-                raise ValueError(
-                    f"engine.tensor_parallel_size ({self.tp_size}) must divide the number of ranks ({self.world_size})"
-                )
-            self.dp_rank, self.dp_size = self.rank // self.tp_size, self.world_size // self.tp_size
+        self.sp_size, self.tp_size = self.cfg.engine.sequence_parallel_size, self.cfg.engine.tensor_parallel_size
+        self.sp_group, self.dp_rank, self.dp_size = sequence_parallel_groups(
+            self.sp_size, self.cfg.engine.dist_timeout_s, self.tp_size
+        )
+        self.sp_rank = self.rank // self.tp_size % self.sp_size
         if self.is_main:
             check_writable(self.output_dir, "train.output_dir")
             save_yaml(self.cfg, self.output_dir / "config.yaml")

@@ -1,7 +1,7 @@
 """RL with model-parallel training: two ranks that split every matrix (tensor parallel) or every packed
 row (sequence parallel) of the policy and the critic, one data-parallel shard given to both, train
 like two data-parallel ranks holding whole layers and whole rows; and a LoRA policy, whose reference is
-itself with its adapters off, with its rows split over two ranks.
+itself with its adapters off, with its rows split over two ranks, its matrices, or both over four.
 
 Seeded PPO runs (a policy and a critic) on the same tiny model (two key/value heads, so two ranks can
 split them), each model on 2 fsdp2 ranks, with ``engine.tensor_parallel_size`` 2, with
@@ -83,17 +83,23 @@ def test_model_parallel_training_equals_data_parallel_ranks(runs, layout):
 @pytest.fixture(scope="module")
 def lora_runs(ray_session, prompt_file, tmp_path_factory):
     """A LoRA policy's GRPO run with a KL term to its base (the policy with its adapters off), on 2
-    data-parallel ranks, on 2 ranks sharing every row and on 2 ranks splitting every matrix and its
-    adapter: each layout's metrics and merged export."""
+    data-parallel ranks, on 2 ranks sharing every row, on 2 ranks splitting every matrix and its
+    adapter, and on 4 ranks doing both (each row's 2 chunks split over 2 ranks each): each layout's
+    metrics and merged export."""
     tmp_path = tmp_path_factory.mktemp("model_parallel_lora")
     model_dir = build_tiny_model(tmp_path / "policy", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, seed=3)
     out = {}
-    layouts = {"data": {}, "sequence": {"sequence_parallel_size": 2}, "tensor": {"tensor_parallel_size": 2}}
+    layouts = {
+        "data": {},
+        "sequence": {"sequence_parallel_size": 2},
+        "tensor": {"tensor_parallel_size": 2},
+        "tensor_sequence": {"tensor_parallel_size": 2, "sequence_parallel_size": 2},
+    }
     for layout, engine in layouts.items():
         data = rl_config_data(model_dir, prompt_file, tmp_path / layout)
         data["model"]["lora"] = {"rank": 4, "alpha": 8.0}
         data["engine"] = {"backend": "fsdp2", **engine}
-        data["placement"] = {"policy_workers": 2}
+        data["placement"] = {"policy_workers": 4 if layout == "tensor_sequence" else 2}
         data["algorithm"] = {"kl_mode": "loss", "kl_coef": 0.1}
         data["optim"] = {"lr": 1e-2}
         trainer = RLTrainer(resolve(tmp_path, data))
@@ -103,7 +109,7 @@ def lora_runs(ray_session, prompt_file, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", ["sequence", "tensor"])
+@pytest.mark.parametrize("layout", ["sequence", "tensor", "tensor_sequence"])
 def test_a_lora_policy_trains_with_rows_or_matrices_split_like_data_parallel_ranks(lora_runs, layout):
     (whole_records, whole_weights), (split_records, split_weights) = lora_runs["data"], lora_runs[layout]
     assert [r["step"] for r in split_records] == [r["step"] for r in whole_records] == [1, 2]
@@ -141,3 +147,16 @@ def test_rl_refuses_model_parallel_layouts_it_cannot_split(prompt_file, tmp_path
         resolve(tmp_path, data)
     data["placement"]["critic_workers"] = 2
     assert resolve(tmp_path, data).uses_critic
+
+
+def test_rl_refuses_tensor_and_sequence_parallel_that_together_do_not_fit_the_ranks(prompt_file, tmp_path):
+    from raylign.config.base import ConfigError
+
+    data = rl_config_data(tmp_path / "m", prompt_file, tmp_path / "out")
+    data["engine"] = {"backend": "fsdp2", "tensor_parallel_size": 2, "sequence_parallel_size": 2}
+    data["placement"] = {"policy_workers": 2}
+    match = r"tensor_parallel_size x engine.sequence_parallel_size \(4\) must divide placement.policy_workers \(2\)"
+    with pytest.raises((ConfigError, ValueError), match=match):
+        resolve(tmp_path, data)
+    data["placement"] = {"policy_workers": 4}
+    assert resolve(tmp_path, data).engine.sequence_parallel_size == 2

@@ -5,11 +5,14 @@ sharding (``engine.data_parallel_shard_size`` 2: two groups of 2 ranks, each sha
 replicating each other), tensor parallel 2 with the activations whole on every rank (not split
 along the sequence), tensor parallel 2 with the 2 data-parallel ranks replicating (shard size 1),
 tensor parallel 2 with gradient checkpointing, tensor parallel 2 stopped after step 2 and resumed
-from its checkpoint, DeepSpeed AutoTP 2 with ZeRO-1, and a LoRA model on 4 data-parallel ranks and
-on the 2 x 2 mesh: one after the other in one process group."""
+from its checkpoint, DeepSpeed AutoTP 2 with ZeRO-1, tensor parallel 2 with sequence parallel 2 (one
+data-parallel rank: each row cut into 2 chunks, each chunk's matrices split over 2 ranks), and a LoRA
+model on 4 data-parallel ranks and on the 2 x 2 mesh: one after the other in one process group."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.spawned_ranks import as_gloo_rank
@@ -27,6 +30,7 @@ RUNS: dict[str, dict] = {
     "tp2_checkpointing": {"tensor_parallel_size": 2, "model": {"gradient_checkpointing": True}},
     "tp2_resumed": {"tensor_parallel_size": 2, "stop_after": 2},
     "deepspeed_tp2": {"backend": "deepspeed", "zero_stage": 1, "tensor_parallel_size": 2},
+    "tp2_sp2": {"tensor_parallel_size": 2, "sequence_parallel_size": 2},
     "lora_tp1": {"model": {"lora": {"rank": 4}}},
     "lora_tp2": {"tensor_parallel_size": 2, "model": {"lora": {"rank": 4}}},
 }
@@ -81,12 +85,40 @@ def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str
             if "stop_after" in run:
                 SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run, run["stop_after"])).run()
             trainer = SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run))
-            trainer.run()
+            if name == "tp2_sp2":
+                with counting_padded_chunks(Path(out_dir) / f"padded_chunks_rank{rank}.json"):
+                    trainer.run()
+            else:
+                trainer.run()
             if name == "lora_tp2":
                 record_lora_blocks(trainer.engine.module, Path(out_dir) / f"lora_blocks_rank{rank}.json")
             if name.startswith("tp2"):
                 record_residual_shapes(trainer.engine.module, Path(out_dir) / f"residual_{name}_rank{rank}.json")
         record_autotp_shapes(model_dir, Path(out_dir) / f"autotp_rank{rank}.json")
+
+
+@contextmanager
+def counting_padded_chunks(path: Path) -> Iterator[None]:
+    """Count the ring attention calls whose chunk came padded for tensor parallel's sequence split (an
+    odd chunk over 2 ranks), and how many calls there were, into ``path``."""
+    import json
+
+    from raylign.models import sequence_parallel
+
+    labels = sequence_parallel._labels_with_padding
+    counts = {"calls": 0, "padded": 0}
+
+    def counted(shard, length):
+        counts["calls"] += 1
+        counts["padded"] += int(length > shard.token_index.shape[1])
+        return labels(shard, length)
+
+    sequence_parallel._labels_with_padding = counted
+    try:
+        yield
+    finally:
+        sequence_parallel._labels_with_padding = labels
+        path.write_text(json.dumps(counts))
 
 
 def record_residual_shapes(module, path: Path) -> None:

@@ -1,5 +1,6 @@
-"""SFT with tensor parallelism: every attention and MLP matrix split over 2 or 4 gloo ranks (alone, and
-composed with fsdp2 as a 2 x 2 mesh) trains exactly like 4 data-parallel ranks holding whole layers;
+"""SFT with tensor parallelism: every attention and MLP matrix split over 2 or 4 gloo ranks (alone,
+composed with fsdp2 as a 2 x 2 mesh, and with sequence parallel 2: each packed row's 2 chunks split over
+2 ranks each) trains exactly like 4 data-parallel ranks holding whole layers;
 so does hybrid sharding (HSDP: groups of ranks that shard, replicating each other), alone and beside
 tensor parallel, tensor parallel with gradient checkpointing or resumed from a checkpoint, and the
 deepspeed backend's AutoTP (2, with ZeRO-1).
@@ -67,6 +68,10 @@ def test_sft_with_matrices_split_over_ranks_trains_like_whole_layers(tmp_path):
         for run, norm_tokens in (("tp2", 8), ("tp2_whole_activations", 15), ("tp2_checkpointing", 8)):
             shapes = json.loads((tmp_path / f"residual_{run}_rank{rank}.json").read_text())
             assert shapes == {"norm_input": [1, norm_tokens, 64], "logits": [1, 15, 512]}, (run, rank, shapes)
+    # With sequence parallel beside, some chunks were odd and came to the ring attention padded for the pair.
+    for rank in range(worker.WORLD_SIZE):
+        counts = json.loads((tmp_path / f"padded_chunks_rank{rank}.json").read_text())
+        assert counts["calls"] > counts["padded"] > 0, (rank, counts)
     # The adapters split with the layers they wrap: B by output rows beside a column-split layer, A by input
     # columns beside a row-split one.
     split = {
@@ -94,6 +99,21 @@ def test_sft_with_matrices_split_over_ranks_trains_like_whole_layers(tmp_path):
             "needs engine.zero_stage 1 or 2",
         ),
         ({"engine": {"backend": "fsdp2", "tensor_parallel_size": 2, "num_processes": 3}}, "must divide"),
+        (
+            {
+                "engine": {
+                    "backend": "fsdp2",
+                    "tensor_parallel_size": 2,
+                    "sequence_parallel_size": 2,
+                    "num_processes": 6,
+                }
+            },
+            r"engine.tensor_parallel_size x engine.sequence_parallel_size \(2 x 2\) must divide engine.num_processes",
+        ),
+        (
+            {"engine": {"backend": "deepspeed", "tensor_parallel_size": 2, "sequence_parallel_size": 2}},
+            "with engine.sequence_parallel_size 2 needs engine.backend 'fsdp2'",
+        ),
         (
             {
                 "engine": {"backend": "deepspeed", "tensor_parallel_size": 2},
