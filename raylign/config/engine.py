@@ -159,9 +159,8 @@ def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str, p
     * sequence parallelism in a command whose training path does not split rows across ranks (every
       offline command's does today), or with unpacked data (it splits packed rows);
     * LoRA under DeepSpeed AutoTP (fsdp2's plan splits the adapters with the layers they wrap);
-    * a 4-bit base (``model.lora.quantize_base``) on several processes: FSDP2 and ZeRO would have to
-      shard bitsandbytes' packed weights and their quantisation state; and for prm at all, whose
-      grown embedding has no full-precision original to merge the export into.
+    * a 4-bit base (``model.lora.quantize_base``) where :func:`refuse_quantized_layout` says; and for
+      prm at all, whose grown embedding has no full-precision original to merge the export into.
     """
     if engine.sequence_parallel_size > 1:
         if command not in SPLITS_ROWS:
@@ -180,9 +179,26 @@ def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str, p
             f"model.lora.quantize_base {model.lora.quantize_base!r}: prm grows the embedding by its step "
             "separator, which a 4-bit base's export cannot merge into; use model.lora with quantize_base: none"
         )
-    if engine.backend != "local" or engine.num_processes > 1:
+    refuse_quantized_layout(engine, model, command)
+
+
+def refuse_quantized_layout(engine: EngineConfig, model: Any, command: str) -> None:
+    """A 4-bit base (``model.lora.quantize_base``) trains on one process (local) or on data-parallel
+    fsdp2 ranks that each hold the packed base whole and shard the rest; not under ZeRO, which would
+    partition bitsandbytes' packed weights and their quantisation state, nor split by tensor or
+    sequence parallel."""
+    quantize = model.lora.quantize_base
+    if quantize == "none":
+        return
+    if engine.backend == "deepspeed":
         raise ValueError(
-            f"model.lora.quantize_base {model.lora.quantize_base!r}: {command} trains a 4-bit base on one process "
-            f"only for now (engine.backend local, engine.num_processes 1; got {engine.backend!r}, "
-            f"{engine.num_processes})"
+            f"model.lora.quantize_base {quantize!r}: {command} trains a 4-bit base with engine.backend local or "
+            "fsdp2 (data-parallel ranks, each holding the 4-bit base whole); got 'deepspeed', whose ZeRO would "
+            "partition bitsandbytes' packed weights"
         )
+    for field in ("tensor_parallel_size", "sequence_parallel_size"):
+        if getattr(engine, field) > 1:
+            raise ValueError(
+                f"model.lora.quantize_base {quantize!r}: {command} does not split a 4-bit base yet; set "
+                f"engine.{field} to 1 (got {getattr(engine, field)})"
+            )

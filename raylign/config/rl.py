@@ -14,7 +14,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from raylign.config.agent import AgentConfig
 from raylign.config.base import Section, check_registered, deep_merge, registered
 from raylign.config.data import DatasetSpec
-from raylign.config.engine import LORA_AUTOTP, EngineConfig
+from raylign.config.engine import LORA_AUTOTP, EngineConfig, refuse_quantized_layout
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.config.reward import RewardConfig
@@ -370,12 +370,7 @@ class RLConfig(Section):
     @model_validator(mode="after")
     def _possible(self) -> RLConfig:
         a, t, s, p = self.algorithm, self.train, self.sampling, self.placement
-        if self.model.lora.quantize_base != "none" and self.engine.backend != "local":
-            raise ValueError(
-                f"model.lora.quantize_base {self.model.lora.quantize_base!r}: rl trains a 4-bit base on one "
-                f"process only for now (engine.backend local; got {self.engine.backend!r}): FSDP2 and ZeRO would "
-                "have to shard bitsandbytes' packed weights and their quantisation state"
-            )
+        refuse_quantized_layout(self.engine, self.model, "rl")
         for field in ("tensor_parallel_size", "sequence_parallel_size"):
             size = getattr(self.engine, field)
             if size == 1:

@@ -56,7 +56,7 @@ from raylign.engine.sequence_sharded_activations import (
     sequence_sharded_plan,
     shard_activations_by_sequence,
 )
-from raylign.models.loading import stored_name
+from raylign.models.loading import dequantized_state_dict, is_quantized, quantized_weights, stored_name
 
 DCP_FOLDER = "dcp"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -323,10 +323,27 @@ def shard_model(
     their gathered weights after their forward unless ``reshard_layers`` is false
     (``engine.reshard_after_forward``). The root keeps its own until the backward (FSDP2's default,
     ``reshard_root`` None: it is needed again there); a model that has no backward passes
-    ``reshard_root=True``, or its embedding stays whole between forwards."""
+    ``reshard_root=True``, or its embedding stays whole between forwards. A 4-bit base's packed
+    weights (QLoRA) stay whole on every rank, as bitsandbytes computes with them: frozen, and an
+    eighth of the full-precision bytes; the rest, the adapters included, is sharded."""
+    whole = quantized_weights(model) or None
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_layers)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_root)
+        fully_shard(
+            layer,
+            mesh=mesh,
+            mp_policy=mp,
+            offload_policy=offload,
+            reshard_after_forward=reshard_layers,
+            ignored_params=whole,
+        )
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=mp,
+        offload_policy=offload,
+        reshard_after_forward=reshard_root,
+        ignored_params=whole,
+    )
 
 
 def shard_frozen(model: torch.nn.Module, engine_cfg: EngineConfig) -> tuple[torch.nn.Module, torch.device]:
@@ -388,11 +405,19 @@ class FSDP2Engine(TrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, update
 
+    def _state_options(self, **options: bool) -> StateDictOptions:
+        """A 4-bit base is frozen and read again from its folder on resume: its checkpoints keep the
+        trainable weights alone."""
+        if is_quantized(self.module):
+            options.update(ignore_frozen_params=True, strict=False)
+        return StateDictOptions(**options)
+
     def _sharded_state(self) -> dict[str, dict]:
-        return {
-            "model": get_model_state_dict(self.module),
-            "optimizer": get_optimizer_state_dict(self.module, self.optimizer),
-        }
+        model = get_model_state_dict(self.module, options=self._state_options())
+        if is_quantized(self.module):  # bitsandbytes adds each packed weight's quantisation state beside it
+            trainable = {name for name, param in self.module.named_parameters() if param.requires_grad}
+            model = {name: value for name, value in model.items() if name in trainable}
+        return {"model": model, "optimizer": get_optimizer_state_dict(self.module, self.optimizer)}
 
     def _save_engine_state(self, directory: Path) -> None:
         dcp.save(self._sharded_state(), checkpoint_id=str(directory / DCP_FOLDER))
@@ -400,12 +425,15 @@ class FSDP2Engine(TrainEngine):
     def _load_engine_state(self, directory: Path) -> None:
         state = self._sharded_state()  # templates with this run's sharding; DCP fills them in place
         dcp.load(state, checkpoint_id=str(directory / DCP_FOLDER))
-        set_model_state_dict(self.module, state["model"])
+        set_model_state_dict(self.module, state["model"], options=self._state_options())
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
 
     def _gather_state_dict(self) -> dict[str, torch.Tensor]:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.module, options=options)
+        """The whole model on rank 0's CPU; a 4-bit base's as the values it computes with."""
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if is_quantized(self.module) and state:
+            state = {k: v.to("cpu") for k, v in dequantized_state_dict(self.module, state).items()}
+        return state
 
     def iter_full_state(self, every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Each parameter all-gathered on its own, on the device, and handed out before the next is
@@ -413,8 +441,10 @@ class FSDP2Engine(TrainEngine):
         tensor) holds one full tensor at a time, never the whole model (a LoRA model: one layer's base
         and adapter tensors, merged once all are there). CPU-offloaded shards on a GPU take the
         whole-model gather instead."""
-        if self.device.type != "cpu" and isinstance(self.offload_policy, CPUOffloadPolicy):
-            yield from super().iter_full_state(every_rank)
+        if is_quantized(self.module) or (
+            self.device.type != "cpu" and isinstance(self.offload_policy, CPUOffloadPolicy)
+        ):
+            yield from super().iter_full_state(every_rank)  # a 4-bit base: dequantised whole on rank 0
             return
         tied = tied_output_key(self.hf_model)
         lora = hasattr(self.hf_model, "get_base_model")  # a tied head is known by its name after the merge

@@ -11,7 +11,7 @@ import logging
 import math
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -136,7 +136,7 @@ def quantized_base_kwargs(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         ) from err
     from transformers import BitsAndBytesConfig
 
-    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"  # this rank's GPU
     quantization = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=cfg.lora.quantize_base,
@@ -156,15 +156,18 @@ def keep_4bit_layout_for_training(model: torch.nn.Module) -> None:
             setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010 - bitsandbytes' own attribute
 
 
-def dequantized_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with each 4-bit weight as the values its layer computes with
-    (bitsandbytes' dequantisation, in the dtype it was quantised from) under its plain ``.weight``
-    name, its quantisation state (``.weight.absmax``, ``.weight.quant_map`` ...) left out; every
-    other tensor as it is. What a full-precision copy of the model needs to compute as it does."""
+def dequantized_state_dict(
+    model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """``state`` (default ``model.state_dict()``; a backend's gathered one) with each 4-bit weight as the
+    values its layer computes with (bitsandbytes' dequantisation, in the dtype it was quantised from)
+    under its plain ``.weight`` name, its quantisation state (``.weight.absmax``, ``.weight.quant_map``
+    ...) left out; every other tensor as it is. What a full-precision copy of the model needs to
+    compute as it does."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnb_functional
 
-    state = model.state_dict()
+    state = dict(model.state_dict() if state is None else state)
     for name, module in model.named_modules():
         if not isinstance(module, bnb.nn.Linear4bit):
             continue
@@ -174,6 +177,15 @@ def dequantized_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         weight: Any = module.weight  # bitsandbytes' Params4bit
         state[key] = bnb_functional.dequantize_4bit(weight.data, weight.quant_state)
     return state
+
+
+def quantized_weights(model: torch.nn.Module) -> set[torch.nn.Parameter]:
+    """The 4-bit weights of ``model`` (bitsandbytes' packed ``Params4bit``), none without a 4-bit base."""
+    if not is_quantized(model):
+        return set()
+    import bitsandbytes as bnb
+
+    return {cast(torch.nn.Parameter, m.weight) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)}
 
 
 def is_quantized(model: torch.nn.Module) -> bool:

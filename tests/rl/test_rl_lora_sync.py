@@ -119,13 +119,15 @@ def _assert_adapter_syncs(trainer: RLTrainer, model_dir) -> None:
 def test_a_qlora_grpo_run_serves_the_4bit_base_dequantised_so_the_engine_computes_as_the_policy(
     ray_session, rl_model_dir, prompt_file, tmp_path
 ):
-    """A 4-bit policy base: the engines start from its values dequantised (``engine_base`` in the
-    output folder, written by the policy), not from the model folder's full-precision weights, and
-    take the adapter alone at each sync."""
+    """A 4-bit policy base on 2 fsdp2 ranks (each holding the packed base whole): the engines start from
+    its values dequantised (``engine_base`` in the output folder, written by the policy), not from the
+    model folder's full-precision weights, and take the adapter alone at each sync."""
     from peft import PeftModel
 
     data = _data(rl_model_dir, prompt_file, tmp_path / "out", kv_cache_memory_bytes=32 << 20, max_model_len=256)
     data["model"]["lora"] = {**LORA, "quantize_base": "nf4"}
+    data["engine"] = {"backend": "fsdp2"}
+    data["placement"] = {"policy_workers": 2}
     trainer = ProbingTrainer(resolve(tmp_path, data))
     trainer.run()
 
