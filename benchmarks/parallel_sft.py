@@ -6,8 +6,9 @@ median tokens/s of the steps after the first, the peak memory of the rank that h
 (``train/peak_memory_gib``: on the CPU the process's peak resident size, interpreter and libraries
 included), the last step's loss, and the estimate of ``raylign estimate-memory`` for that layout
 beside it. Layouts: data parallel over 4 ranks, tensor parallel 2 (a 2 x 2 mesh) and 4, sequence
-parallel 2 and 4 (ring attention over packed rows), hybrid sharding 2 x 2, and tensor parallel 2
-with sequence parallel 2 (each row's 2 chunks split over 2 ranks each).
+parallel 2 and 4 (ring attention over packed rows), hybrid sharding 2 x 2, tensor parallel 2
+with sequence parallel 2 (each row's 2 chunks split over 2 ranks each), and sequence parallel 2 and 4
+with Ulysses attention (``sp2u``, ``sp4u``) in place of the ring.
 
     python benchmarks/parallel_sft.py                  # 6 steps per layout
     python benchmarks/parallel_sft.py --steps 4 --layouts dp4,tp2,sp2
@@ -37,6 +38,8 @@ LAYOUTS = {
     "sp4": {"sequence_parallel_size": 4},
     "hsdp2x2": {"data_parallel_shard_size": 2},
     "tp2sp2": {"tensor_parallel_size": 2, "sequence_parallel_size": 2},
+    "sp2u": {"sequence_parallel_size": 2, "sequence_parallel_mode": "ulysses"},
+    "sp4u": {"sequence_parallel_size": 4, "sequence_parallel_mode": "ulysses"},
 }
 RANKS = 4
 

@@ -63,6 +63,15 @@ class EngineConfig(Section):
         "rank of a row's group running its chunk split over T ranks); 1 turns it off.",
     )
 
+    sequence_parallel_mode: Literal["ring", "ulysses"] = Field(
+        "ring",
+        description="How the ranks sharing a row (sequence_parallel_size > 1) attend over each other's chunks. "
+        "ring: keys and values pass around the ranks in n - 1 hops (any number of heads; each rank holds one "
+        "chunk's scores against another at a time). ulysses: DeepSpeed-Ulysses, two all-to-alls per layer give "
+        "each rank the whole row of 1/n of the heads (the attention heads, per tensor-parallel rank, must "
+        "divide by sequence_parallel_size; each rank holds the whole row's scores for its heads).",
+    )
+
     tensor_parallel_size: int = Field(
         1,
         ge=1,

@@ -11,6 +11,11 @@ chunk holds is set for the duration of a forward pass with :func:`sequence_shard
 set the same model runs plain causal attention over its input, keeping packed samples apart by
 their ``position_ids``, so evaluation and single-rank use need nothing special.
 
+``engine.sequence_parallel_mode: ulysses`` registers the other way to reach the other chunks,
+``"raylign_ulysses"`` (:func:`ulysses_attention`, DeepSpeed-Ulysses): an all-to-all gives each rank
+the whole row of 1/n of the heads, which it attends over alone, and a second one hands the chunks
+back. Everything else here (the chunks, targets and sums) is the same for both.
+
 Next-token targets cross chunk boundaries (the last token of chunk r predicts the first of chunk
 r + 1), so they are taken from the whole row before it is cut: each chunk carries
 ``target_ids`` and ``target_mask`` aligned to the position that predicts them.
@@ -51,6 +56,9 @@ from raylign.models.logprobs import _place, entropy_from_logits, logits_only_at,
 from raylign.models.ring_attention import DEFAULT_TIMEOUT, ring_attention, sample_ids_from_position_ids
 
 RING_ATTENTION = "raylign_ring"
+ULYSSES_ATTENTION = "raylign_ulysses"
+# engine.sequence_parallel_mode -> the attention implementation a model splitting its rows computes with
+SEQUENCE_ATTENTION = {"ring": RING_ATTENTION, "ulysses": ULYSSES_ATTENTION}
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,36 @@ def _unsupported(what: str, hint: str = "") -> ValueError:
     return ValueError(f"{RING_ATTENTION} attention does not support {what} yet{hint}")
 
 
+def _active_shard(
+    query: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    position_ids: torch.Tensor | None,
+) -> SequenceShard:
+    """The shard a sequence-parallel attention call runs under, refusing what it does not support;
+    with none set, the whole input as one chunk (packed samples told apart by ``position_ids``)."""
+    if attention_mask is not None:
+        raise _unsupported("an attention mask", "; pass packed rows with position_ids instead")
+    if dropout:
+        raise _unsupported(f"attention dropout ({dropout})")
+    if sliding_window is not None:
+        raise _unsupported(f"sliding-window attention (window {sliding_window})")
+    if softcap is not None:
+        raise _unsupported(f"logit soft-capping ({softcap})")
+    shard = _ACTIVE_SHARD.get(None)  # a context variable, not a queue: nothing to wait for
+    if shard is not None:
+        return shard
+    batch, _, length, _ = query.shape
+    token_index = torch.arange(length, device=query.device).expand(batch, length)
+    if position_ids is None:
+        sample_ids = torch.zeros_like(token_index)
+    else:
+        sample_ids = sample_ids_from_position_ids(position_ids.to(query.device)).expand(batch, length)
+    return SequenceShard(None, token_index, sample_ids)
+
+
 def hf_ring_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -106,24 +144,7 @@ def hf_ring_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Transformers' attention-function signature around :func:`ring_attention`; output ``[B, S, H, D]``."""
-    if attention_mask is not None:
-        raise _unsupported("an attention mask", "; pass packed rows with position_ids instead")
-    if dropout:
-        raise _unsupported(f"attention dropout ({dropout})")
-    if sliding_window is not None:
-        raise _unsupported(f"sliding-window attention (window {sliding_window})")
-    if softcap is not None:
-        raise _unsupported(f"logit soft-capping ({softcap})")
-    shard = _ACTIVE_SHARD.get(None)  # a context variable, not a queue: nothing to wait for
-    if shard is None:
-        batch, _, length, _ = query.shape
-        token_index = torch.arange(length, device=query.device).expand(batch, length)
-        position_ids = kwargs.get("position_ids")
-        if position_ids is None:
-            sample_ids = torch.zeros_like(token_index)
-        else:
-            sample_ids = sample_ids_from_position_ids(position_ids.to(query.device)).expand(batch, length)
-        shard = SequenceShard(None, token_index, sample_ids)
+    shard = _active_shard(query, attention_mask, dropout, sliding_window, softcap, kwargs.get("position_ids"))
     token_index, sample_ids = _labels_with_padding(shard, query.shape[2])
     out = ring_attention(
         query,
@@ -136,6 +157,92 @@ def hf_ring_attention(
         timeout=shard.timeout,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def hf_ulysses_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Transformers' attention-function signature around :func:`ulysses_attention`; output ``[B, S, H, D]``."""
+    shard = _active_shard(query, attention_mask, dropout, sliding_window, softcap, kwargs.get("position_ids"))
+    token_index, sample_ids = _labels_with_padding(shard, query.shape[2])
+    out = ulysses_attention(
+        query, key, value, token_index.to(query.device), sample_ids.to(query.device), scaling, shard.group
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def ulysses_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    token_index: torch.Tensor,
+    sample_ids: torch.Tensor,
+    scale: float | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Causal attention of this rank's chunk over the whole row, DeepSpeed-Ulysses style (Jacobs et al.
+    2023, arXiv:2309.14509): an all-to-all trades the chunk of every head for the whole row of 1/n of
+    the heads, each rank attends over the whole row with its heads, and a second all-to-all trades
+    back. Arguments and result as :func:`ring_attention`'s (``[B, H, S, D]`` per rank, equal ``S`` on
+    every rank, chunks in rank order). The query heads must divide by the group's size; key/value
+    heads that do not are repeated to one per query head first. Two all-to-alls of the activations per
+    call instead of ``n - 1`` hops of the keys and values, but each rank holds the whole row's scores
+    for its heads."""
+    size = 1 if group is None else dist.get_world_size(group)
+    if size == 1:
+        return ring_attention(query, key, value, token_index, sample_ids, scale=scale)
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads % size:
+        raise ValueError(
+            f"engine.sequence_parallel_mode ulysses: {heads} attention heads (per tensor-parallel rank) cannot be "
+            f"split over the {size} ranks of a row; use sequence_parallel_mode ring"
+        )
+    if kv_heads % size:  # each rank needs the key/value heads of its query heads: one per query head then
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    whole_index, whole_samples = (
+        torch.cat(_all_gathered(t.contiguous(), group, size), dim=1) for t in (token_index, sample_ids)
+    )
+    q, k, v = (_sequence_to_heads(t, group, size) for t in (query, key, value))
+    out = ring_attention(q, k, v, whole_index, whole_samples, scale=scale)
+    return _heads_to_sequence(out, group, size)
+
+
+def _all_gathered(tensor: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> list[torch.Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor, group=group)
+    return parts
+
+
+def _sequence_to_heads(part: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
+    """``[B, H, S, D]`` (this rank's chunk, every head) -> ``[B, H/n, n*S, D]`` (the whole row, this rank's
+    n-th of the heads), by an all-to-all that autograd differentiates."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    batch, heads, length, dim = part.shape
+    send = part.reshape(batch, size, heads // size, length, dim).transpose(0, 1).contiguous()  # [n, B, H/n, S, D]
+    received = all_to_all_single(torch.empty_like(send), send, group=group)  # dim 0: the sender, its chunk
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * length, dim)
+
+
+def _heads_to_sequence(whole: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
+    """The inverse of :func:`_sequence_to_heads`: ``[B, H/n, n*S, D]`` -> ``[B, H, S, D]``."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    batch, local_heads, total, dim = whole.shape
+    length = total // size
+    send = whole.reshape(batch, local_heads, size, length, dim).permute(2, 0, 1, 3, 4).contiguous()  # by chunk
+    received = all_to_all_single(torch.empty_like(send), send, group=group)  # dim 0: the sender, its heads
+    return received.transpose(0, 1).reshape(batch, size * local_heads, length, dim)
 
 
 def _labels_with_padding(shard: SequenceShard, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,6 +274,8 @@ def _refuse_padding(*, attention_mask: torch.Tensor | None = None, **_: Any) -> 
 
 AttentionInterface.register(RING_ATTENTION, hf_ring_attention)
 AttentionMaskInterface.register(RING_ATTENTION, _refuse_padding)
+AttentionInterface.register(ULYSSES_ATTENTION, hf_ulysses_attention)
+AttentionMaskInterface.register(ULYSSES_ATTENTION, _refuse_padding)
 
 
 def _pad_right(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:

@@ -123,13 +123,15 @@ class ModelWorker:
             return
         init_distributed(self.cfg.engine.dist_timeout_s, store=self._rendezvous_store(rendezvous))
         from raylign.engine.distributed import sequence_parallel_groups
-        from raylign.models.sequence_parallel import RING_ATTENTION
+        from raylign.models.sequence_parallel import SEQUENCE_ATTENTION
 
         e, model_cfg = self.cfg.engine, self.cfg.model
         if self.role == "critic":
             model_cfg = model_cfg.model_copy(update={"path": self.cfg.critic.path or self.cfg.model.path})
         if e.sequence_parallel_size > 1:
-            model_cfg = model_cfg.model_copy(update={"attn_implementation": RING_ATTENTION})
+            model_cfg = model_cfg.model_copy(
+                update={"attn_implementation": SEQUENCE_ATTENTION[e.sequence_parallel_mode]}
+            )
             self.sequence_group, _, _ = sequence_parallel_groups(
                 e.sequence_parallel_size, e.dist_timeout_s, e.tensor_parallel_size
             )

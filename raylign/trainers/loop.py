@@ -44,7 +44,7 @@ from raylign.engine.distributed import (
     sequence_parallel_groups,
 )
 from raylign.models.packed_attention import packed_row_tokens, runs_samples_apart
-from raylign.models.sequence_parallel import RING_ATTENTION, shard_packed_batch, sharded_sequence_logprobs
+from raylign.models.sequence_parallel import SEQUENCE_ATTENTION, shard_packed_batch, sharded_sequence_logprobs
 from raylign.trainers.guard import SkippedSteps
 from raylign.trainers.metrics import MetricsLogger, format_metrics
 from raylign.trainers.progress import Progress
@@ -104,10 +104,13 @@ class OfflineTrainer:
     # ---- sequence parallelism, for the trainers whose rows it splits ---------------------
 
     def model_config(self, model: ModelConfig) -> ModelConfig:
-        """``model``, with ring attention when a sequence-parallel group splits its rows."""
+        """``model``, with the attention of ``engine.sequence_parallel_mode`` when a sequence-parallel group
+        splits its rows."""
         if self.sp_size == 1:
             return model
-        return model.model_copy(update={"attn_implementation": RING_ATTENTION})
+        return model.model_copy(
+            update={"attn_implementation": SEQUENCE_ATTENTION[self.cfg.engine.sequence_parallel_mode]}
+        )
 
     def shard_sequences(self, batch: Batch, prefix: str = "") -> Batch:
         """This rank's chunk of a batch whose sequences are packed into one row (keys ``prefix +

@@ -1,7 +1,7 @@
 """Code run inside the 2 spawned gloo ranks of ``test_sequence_parallel.py``.
 
-Each rank runs its half of a packed row through ring attention (and through a tiny HF model
-using it) and saves what it computed; the test compares against one process over the whole row.
+Each rank runs its half of a packed row through ring attention and Ulysses attention (and through a
+tiny HF model using each) and saves what it computed; the test compares against one process over the whole row.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ WORLD_SIZE = 2
 ATTENTION_CASES = {
     "spanning_sample": (2, 2, [5, 4, 3]),
     "gqa": (4, 2, [3, 7, 2]),
+    "one_kv_head": (4, 1, [4, 6, 2]),  # fewer key/value heads than ranks: Ulysses repeats them
 }
+MODES = ("ring", "ulysses")  # engine.sequence_parallel_mode
 HEAD_DIM = 8
 MODEL_SAMPLES = [5, 8, 4]  # 17 tokens: padded to 18, cut at 9 inside the second sample
 
@@ -97,15 +99,17 @@ def _chunk(tensor: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
     return tensor.chunk(WORLD_SIZE, dim=dim)[rank].contiguous()
 
 
-def run_attention_case(name: str, rank: int) -> dict[str, torch.Tensor]:
+def run_attention_case(name: str, rank: int, mode: str) -> dict[str, torch.Tensor]:
     from raylign.models.ring_attention import ring_attention, sample_ids_from_position_ids
+    from raylign.models.sequence_parallel import ulysses_attention
 
     full = attention_inputs(name)
     _, _, lengths = ATTENTION_CASES[name]
     q, k, v = (_chunk(full[n], rank, dim=2).requires_grad_() for n in ("query", "key", "value"))
     token_index = _chunk(torch.arange(sum(lengths)).unsqueeze(0), rank, dim=1)
     sample_ids = _chunk(sample_ids_from_position_ids(positions(lengths)), rank, dim=1)
-    out = ring_attention(q, k, v, token_index, sample_ids, group=dist.group.WORLD)
+    attention = {"ring": ring_attention, "ulysses": ulysses_attention}[mode]
+    out = attention(q, k, v, token_index, sample_ids, group=dist.group.WORLD)
     (out * _chunk(full["weights"], rank, dim=2)).sum().backward()
     return {"out": out.detach(), "query_grad": q.grad, "key_grad": k.grad, "value_grad": v.grad}
 
@@ -121,18 +125,19 @@ def _summed_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def run_model_case(model_dir: str, rank: int) -> dict[str, object]:
+def run_model_case(model_dir: str, rank: int, mode: str = "ring") -> dict[str, object]:
     from transformers import AutoModelForCausalLM
 
     from raylign.models.sequence_parallel import (
-        RING_ATTENTION,
+        SEQUENCE_ATTENTION,
         SequenceShard,
         sequence_shard,
         shard_packed_batch,
         sharded_target_logprobs,
     )
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=RING_ATTENTION)
+    attention = SEQUENCE_ATTENTION[mode]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention)
     full = model_inputs(model.config.vocab_size)
     chunk = shard_packed_batch(full, rank, WORLD_SIZE, pad_token_id=0)
     length = chunk["input_ids"].shape[1]
@@ -226,9 +231,12 @@ def run_rank(rank: int, port: int, out_dir: str, model_dirs: dict[str, str]) -> 
         timeout=datetime.timedelta(seconds=120),
     )
     try:
-        results: dict[str, object] = {name: run_attention_case(name, rank) for name in ATTENTION_CASES}
+        results: dict[str, object] = {
+            f"{name}_{mode}": run_attention_case(name, rank, mode) for name in ATTENTION_CASES for mode in MODES
+        }
         for arch, model_dir in model_dirs.items():
             results[arch] = run_model_case(model_dir, rank)
+            results[f"{arch}_ulysses"] = run_model_case(model_dir, rank, "ulysses")
             results[f"{arch}_rl"] = run_rl_case(model_dir, rank)
             results[f"{arch}_critic"] = run_critic_case(model_dir, rank)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")

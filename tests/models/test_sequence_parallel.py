@@ -1,4 +1,5 @@
-"""Sequence parallelism: ring attention over 2 gloo ranks equals one process over the whole packed row.
+"""Sequence parallelism: ring attention and Ulysses attention over 2 gloo ranks equal one process over the
+whole packed row.
 
 The references are plain: softmax attention with a block-diagonal causal mask built from the
 sample lengths, and the HF model with its own attention on the whole row.
@@ -98,11 +99,13 @@ def test_the_ring_attention_of_a_model_refuses_a_padding_mask_instead_of_droppin
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", list(worker.ATTENTION_CASES))
-def test_ring_attention_on_two_ranks_equals_full_attention(rank_results, case):
+@pytest.mark.parametrize("mode", worker.MODES)
+@pytest.mark.parametrize("name", list(worker.ATTENTION_CASES))
+def test_ring_and_ulysses_attention_on_two_ranks_equal_full_attention(rank_results, name, mode):
     """Outputs and the gradients of sum(out * weights) w.r.t. every rank's queries, keys and values."""
-    _, _, lengths = worker.ATTENTION_CASES[case]
-    full = worker.attention_inputs(case)
+    _, _, lengths = worker.ATTENTION_CASES[name]
+    case = f"{name}_{mode}"
+    full = worker.attention_inputs(name)
     inputs = [full[n].clone().requires_grad_() for n in ("query", "key", "value")]
     expected = reference_attention(*inputs, lengths)
     expected_grads = torch.autograd.grad((expected * full["weights"]).sum(), inputs)
@@ -118,9 +121,9 @@ def _reference_model(model_dir: Path) -> tuple[torch.nn.Module, dict[str, torch.
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2_ulysses", "llama_ulysses"])
 def test_model_logits_and_gradients_on_two_ranks_equal_one_process(rank_results, arch, tiny_qwen2, tiny_llama):
-    model, inputs = _reference_model({"qwen2": tiny_qwen2, "llama": tiny_llama}[arch])
+    model, inputs = _reference_model({"qwen2": tiny_qwen2, "llama": tiny_llama}[arch.removesuffix("_ulysses")])
     total = inputs["input_ids"].shape[1]
     logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False).logits
     (logits * inputs["logit_weights"]).sum().backward()
@@ -131,11 +134,11 @@ def test_model_logits_and_gradients_on_two_ranks_equal_one_process(rank_results,
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2_ulysses", "llama_ulysses"])
 def test_sft_loss_and_gradients_on_two_ranks_equal_one_process(rank_results, arch, tiny_qwen2, tiny_llama):
     """The next-token log-probs of the split row (targets crossing the cut included) and the gradient
     of their sum equal the whole row's, masked by the loss mask as SFT does."""
-    model, inputs = _reference_model({"qwen2": tiny_qwen2, "llama": tiny_llama}[arch])
+    model, inputs = _reference_model({"qwen2": tiny_qwen2, "llama": tiny_llama}[arch.removesuffix("_ulysses")])
     total = inputs["input_ids"].shape[1]
     logprobs = token_logprobs(model, inputs["input_ids"], position_ids=inputs["position_ids"])
     masked = logprobs * inputs["loss_mask"]

@@ -2,7 +2,8 @@
 same SFT run of LoRA adapters, and the same KD run (a student distilled from a teacher on the SFT data),
 with ``engine.sequence_parallel_size``
 1 (2 data-parallel ranks) and 2 (one row split over both ranks), one after the other in one process group;
-and the SFT run split over both ranks with gradient checkpointing, and with DeepSpeed ZeRO-3."""
+and the SFT run split over both ranks with gradient checkpointing, with DeepSpeed ZeRO-3, and with Ulysses
+attention (``engine.sequence_parallel_mode: ulysses``) in place of the ring."""
 
 from __future__ import annotations
 
@@ -82,3 +83,5 @@ def run_rank(rank: int, port: int, model_dir: str, student_dir: str, train_file:
         SFTTrainer(checkpointed).run()
         zero3 = sft_config(model_dir, train_file, Path(out_dir) / "zero3_sp2", 2, backend="deepspeed", zero_stage=3)
         SFTTrainer(zero3).run()
+        ulysses = sft_config(model_dir, train_file, Path(out_dir) / "ulysses_sp2", 2, sequence_parallel_mode="ulysses")
+        SFTTrainer(ulysses).run()

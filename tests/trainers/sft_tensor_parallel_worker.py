@@ -6,7 +6,8 @@ replicating each other), tensor parallel 2 with the activations whole on every r
 along the sequence), tensor parallel 2 with the 2 data-parallel ranks replicating (shard size 1),
 tensor parallel 2 with gradient checkpointing, tensor parallel 2 stopped after step 2 and resumed
 from its checkpoint, DeepSpeed AutoTP 2 with ZeRO-1, tensor parallel 2 with sequence parallel 2 (one
-data-parallel rank: each row cut into 2 chunks, each chunk's matrices split over 2 ranks), and a LoRA
+data-parallel rank: each row cut into 2 chunks, each chunk's matrices split over 2 ranks; ring and
+Ulysses attention), and a LoRA
 model on 4 data-parallel ranks and on the 2 x 2 mesh: one after the other in one process group."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ RUNS: dict[str, dict] = {
     "tp2_resumed": {"tensor_parallel_size": 2, "stop_after": 2},
     "deepspeed_tp2": {"backend": "deepspeed", "zero_stage": 1, "tensor_parallel_size": 2},
     "tp2_sp2": {"tensor_parallel_size": 2, "sequence_parallel_size": 2},
+    "tp2_sp2_ulysses": {"tensor_parallel_size": 2, "sequence_parallel_size": 2, "sequence_parallel_mode": "ulysses"},
     "lora_tp1": {"model": {"lora": {"rank": 4}}},
     "lora_tp2": {"tensor_parallel_size": 2, "model": {"lora": {"rank": 4}}},
 }
@@ -85,8 +87,8 @@ def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str
             if "stop_after" in run:
                 SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run, run["stop_after"])).run()
             trainer = SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run))
-            if name == "tp2_sp2":
-                with counting_padded_chunks(Path(out_dir) / f"padded_chunks_rank{rank}.json"):
+            if name.startswith("tp2_sp2"):
+                with counting_padded_chunks(Path(out_dir) / f"padded_chunks_{name}_rank{rank}.json"):
                     trainer.run()
             else:
                 trainer.run()

@@ -1,5 +1,5 @@
-"""SFT (full, LoRA, with gradient checkpointing, under DeepSpeed ZeRO-3) and KD with sequence parallelism: a
-packed row split over 2 gloo ranks trains exactly like whole rows.
+"""SFT (full, LoRA, with gradient checkpointing, under DeepSpeed ZeRO-3, with Ulysses attention) and KD with
+sequence parallelism: a packed row split over 2 gloo ranks trains exactly like whole rows.
 
 Two runs of the same data and seed on 2 ranks: ``engine.sequence_parallel_size`` 1 (each rank
 holds whole rows of half the batch) and 2 (both ranks share every row, one half each, with ring
@@ -47,6 +47,7 @@ COMPARED = {
     "lora": ("lora_sp1", "lora_sp2"),
     "checkpointed": ("sp1", "checkpointed_sp2"),  # recomputed in backward, against whole rows that are not
     "zero3": ("sp1", "zero3_sp2"),  # DeepSpeed ZeRO-3 splitting rows, against fsdp2 holding whole ones
+    "ulysses": ("sp1", "ulysses_sp2"),  # all-to-all attention in place of the ring
     "kd": ("kd_sp1", "kd_sp2"),
 }
 
@@ -55,7 +56,7 @@ COMPARED = {
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "command, metrics",
-    [(command, ["loss"]) for command in ("sft", "lora", "checkpointed", "zero3")]
+    [(command, ["loss"]) for command in ("sft", "lora", "checkpointed", "zero3", "ulysses")]
     + [("kd", ["loss", "divergence", "nll"])],
 )
 def test_rows_split_over_two_ranks_train_like_whole_rows(runs, command, metrics, tiny_model_dir):
