@@ -381,9 +381,9 @@ class RLConfig(Section):
                 raise ValueError(LORA_AUTOTP)
             if self.uses_critic and p.critic_workers % size:
                 raise ValueError(f"engine.{field} ({size}) must divide placement.critic_workers ({p.critic_workers})")
-        copies = self.engine.tensor_parallel_size * self.engine.sequence_parallel_size
+        copies = self.engine.tensor_parallel_size * self.engine.sequence_parallel_size  # ranks sharing a shard
         for role, workers in (("policy", p.policy_workers), ("critic", p.critic_workers if self.uses_critic else 0)):
-            if workers % copies:
+            if workers % copies:  # each size alone divides (above), their product may not
                 raise ValueError(
                     f"engine.tensor_parallel_size x engine.sequence_parallel_size ({copies}) must divide "
                     f"placement.{role}_workers ({workers})"

@@ -19,6 +19,10 @@ whole model, in the checkpoint's dtype or in fp32.
 
 Checkpoints are sharded (torch.distributed.checkpoint) and must be loaded on the same
 world size; :meth:`export_hf` gathers full weights to rank 0 for anything else.
+
+A 4-bit base (QLoRA) is left out of the sharding: every rank keeps bitsandbytes' packed weights
+whole, and shards the rest (the adapters, embeddings, norms); its checkpoints keep the trainable
+weights alone.
 """
 
 from __future__ import annotations
@@ -405,12 +409,11 @@ class FSDP2Engine(TrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, update
 
-    def _state_options(self, **options: bool) -> StateDictOptions:
+    def _state_options(self) -> StateDictOptions:
         """A 4-bit base is frozen and read again from its folder on resume: its checkpoints keep the
         trainable weights alone."""
-        if is_quantized(self.module):
-            options.update(ignore_frozen_params=True, strict=False)
-        return StateDictOptions(**options)
+        quantized = is_quantized(self.module)
+        return StateDictOptions(ignore_frozen_params=quantized, strict=not quantized)
 
     def _sharded_state(self) -> dict[str, dict]:
         model = get_model_state_dict(self.module, options=self._state_options())
@@ -439,12 +442,12 @@ class FSDP2Engine(TrainEngine):
         """Each parameter all-gathered on its own, on the device, and handed out before the next is
         gathered: rank 0 (with ``every_rank``, every rank: the all-gather gives each one the whole
         tensor) holds one full tensor at a time, never the whole model (a LoRA model: one layer's base
-        and adapter tensors, merged once all are there). CPU-offloaded shards on a GPU take the
-        whole-model gather instead."""
+        and adapter tensors, merged once all are there). CPU-offloaded shards on a GPU, and a 4-bit base
+        (dequantised on rank 0), take the whole-model gather instead."""
         if is_quantized(self.module) or (
             self.device.type != "cpu" and isinstance(self.offload_policy, CPUOffloadPolicy)
         ):
-            yield from super().iter_full_state(every_rank)  # a 4-bit base: dequantised whole on rank 0
+            yield from super().iter_full_state(every_rank)
             return
         tied = tied_output_key(self.hf_model)
         lora = hasattr(self.hf_model, "get_base_model")  # a tied head is known by its name after the merge

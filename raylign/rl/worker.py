@@ -477,19 +477,19 @@ class ModelWorker:
         return self.engine.load_checkpoint(Path(directory))
 
     def export_hf(self, directory: str) -> None:
-        from raylign.models import load_tokenizer
-
-        tokenizer = load_tokenizer(self.cfg.model.tokenizer_path or self.cfg.model.path)
-        self.engine.export_hf(Path(directory), tokenizer)
+        self.engine.export_hf(Path(directory), self._tokenizer())
 
     def write_engine_base(self, directory: str) -> None:
         """The base the rollout engines start from when it is not the model folder's: a 4-bit base
         (QLoRA), dequantised, so the engines compute what this policy computes
         (:meth:`TrainEngine.write_base_folder`)."""
+        self.engine.write_base_folder(Path(directory), self._tokenizer())
+
+    def _tokenizer(self) -> Any:
+        """The run's tokenizer, for the folders this worker writes."""
         from raylign.models import load_tokenizer
 
-        tokenizer = load_tokenizer(self.cfg.model.tokenizer_path or self.cfg.model.path)
-        self.engine.write_base_folder(Path(directory), tokenizer)
+        return load_tokenizer(self.cfg.model.tokenizer_path or self.cfg.model.path)
 
     def placement_info(self) -> dict[str, Any]:
         """Where Ray put this worker: node id, the cores this process may run on, the node's address, the
