@@ -69,6 +69,9 @@ def main() -> None:
         torch.save(adapters, out / f"{args.mode}_adapters.pt")
         result = {"ranks": ranks, "loss": loss.item(), "grad_norm": metrics["grad_norm"]}
         (out / f"{args.mode}.json").write_text(json.dumps(result))
+    # Every rank ends the group together: a rank that tore its gloo group down while rank 0 was still
+    # writing aborted at times ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -71,6 +71,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         result = {"ranks": ranks, "largest": max(sizes), "total": sum(sizes), "tensors": len(sizes)}
         (Path(args.out) / f"stream_memory_{args.backend}.json").write_text(json.dumps(result))
+    # Every rank ends the group together: a rank that tore its gloo group down while rank 0 was still
+    # writing aborted at times ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
