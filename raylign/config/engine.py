@@ -192,10 +192,10 @@ def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str, p
 
 
 def refuse_quantized_layout(engine: EngineConfig, model: Any, command: str) -> None:
-    """A 4-bit base (``model.lora.quantize_base``) trains on one process (local) or on data-parallel
-    fsdp2 ranks that each hold the packed base whole and shard the rest; not under ZeRO, which would
-    partition bitsandbytes' packed weights and their quantisation state, nor split by tensor or
-    sequence parallel."""
+    """A 4-bit base (``model.lora.quantize_base``) trains on one process (local) or on fsdp2 ranks that
+    each hold the packed base whole and shard the rest (data parallel, sequence parallel too); not
+    under ZeRO, which would partition bitsandbytes' packed weights and their quantisation state, nor
+    split by tensor parallel."""
     quantize = model.lora.quantize_base
     if quantize == "none":
         return
@@ -205,9 +205,8 @@ def refuse_quantized_layout(engine: EngineConfig, model: Any, command: str) -> N
             "fsdp2 (data-parallel ranks, each holding the 4-bit base whole); got 'deepspeed', whose ZeRO would "
             "partition bitsandbytes' packed weights"
         )
-    for field in ("tensor_parallel_size", "sequence_parallel_size"):
-        if getattr(engine, field) > 1:
-            raise ValueError(
-                f"model.lora.quantize_base {quantize!r}: {command} does not split a 4-bit base yet; set "
-                f"engine.{field} to 1 (got {getattr(engine, field)})"
-            )
+    if engine.tensor_parallel_size > 1:
+        raise ValueError(
+            f"model.lora.quantize_base {quantize!r}: {command} does not split a 4-bit base's matrices yet; set "
+            f"engine.tensor_parallel_size to 1 (got {engine.tensor_parallel_size})"
+        )

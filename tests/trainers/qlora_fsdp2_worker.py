@@ -1,6 +1,7 @@
 """Code run inside the 2 spawned gloo ranks of ``test_qlora_fsdp2.py``: SFT of LoRA adapters on a 4-bit
 base with fsdp2 over both ranks, to the end, and again stopped after step 2 and resumed from its
-checkpoint; and what each rank holds of the model."""
+checkpoint; with each packed row split over both ranks (sequence parallel 2); and what each rank
+holds of the model."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ WORLD_SIZE = 2
 STEPS = 3
 
 
-def sft_config(model_dir: str, train_file: str, out: Path, backend: str, steps: int = STEPS):
+def sft_config(model_dir: str, train_file: str, out: Path, backend: str, steps: int = STEPS, **engine):
     from raylign.config.base import parse_config
     from raylign.config.commands import SFTConfig
 
@@ -22,7 +23,7 @@ def sft_config(model_dir: str, train_file: str, out: Path, backend: str, steps: 
         {
             "model": {"path": model_dir, "dtype": "float32", "lora": {"rank": 4, "alpha": 8, "quantize_base": "nf4"}},
             "data": {"train": [train_file], "format": "chat", "max_length": 64, "min_response_tokens": 8},
-            "engine": {"backend": backend, "dist_timeout_s": 120},
+            "engine": {"backend": backend, "dist_timeout_s": 120, **engine},
             # A large AdamW epsilon keeps each update proportional to its gradient (sft_sequence_parallel_worker.py);
             # a constant rate after warm-up: a run resumed at step 3 sees the rates of one that did not stop.
             "optim": {
@@ -56,6 +57,7 @@ def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str
         record_holdings(trainer.engine.module, out / f"holdings_rank{rank}.json")
         SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2_resumed", "fsdp2", steps=2)).run()
         SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2_resumed", "fsdp2")).run()
+        SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2_sp2", "fsdp2", sequence_parallel_size=2)).run()
 
 
 def record_holdings(module, path: Path) -> None:

@@ -1,7 +1,8 @@
 """QLoRA on several processes: fsdp2 ranks each hold the 4-bit base whole (bitsandbytes computes with its
 packed weights) and shard the adapters and the rest, and train exactly as one process holding all the
 micro-batches; a run stopped after step 2 and resumed from its checkpoint (the adapters and optimizer
-alone: the frozen base is read again) ends where the unbroken one does."""
+alone: the frozen base is read again) ends where the unbroken one does; so does a run whose packed rows
+are split over the two ranks (sequence parallel)."""
 
 from __future__ import annotations
 
@@ -37,19 +38,20 @@ def test_qlora_on_two_fsdp2_ranks_trains_like_one_process_and_resumes(tmp_path):
         args = (free_port(), str(model_dir), str(train_file), str(tmp_path))
         spawn_and_join(worker.run_rank, args, worker.WORLD_SIZE, 900, "QLoRA fsdp2 ranks")
 
-    runs = {n: [r for r in read_metrics(tmp_path / n) if "train/loss" in r] for n in ("local", "fsdp2")}
-    assert [r["step"] for r in runs["local"]] == [r["step"] for r in runs["fsdp2"]] == [1, 2, 3]
+    runs = {n: [r for r in read_metrics(tmp_path / n) if "train/loss" in r] for n in ("local", "fsdp2", "fsdp2_sp2")}
     assert any(r["train/grad_norm"] > 0.5 for r in runs["local"])  # clipping is in play
-    for a, b in zip(runs["local"], runs["fsdp2"], strict=True):
-        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-5), (a, b)
-        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5, abs=1e-5), (a, b)
+    for run in ("fsdp2", "fsdp2_sp2"):
+        assert [r["step"] for r in runs["local"]] == [r["step"] for r in runs[run]] == [1, 2, 3]
+        for a, b in zip(runs["local"], runs[run], strict=True):
+            assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-5), (run, a, b)
+            assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5, abs=1e-5), (run, a, b)
     resumed = [r for r in read_metrics(tmp_path / "fsdp2_resumed") if "train/loss" in r]
     assert resumed[-1]["step"] == 3
     assert resumed[-1]["train/loss"] == pytest.approx(runs["fsdp2"][-1]["train/loss"], rel=1e-5, abs=1e-5)
     # The exports (the adapters merged into the full-precision base) agree, and training moved them.
     local = load_file(tmp_path / "local" / "final" / "model.safetensors")
     stored = load_file(model_dir / "model.safetensors")
-    for run in ("fsdp2", "fsdp2_resumed"):
+    for run in ("fsdp2", "fsdp2_resumed", "fsdp2_sp2"):
         weights = load_file(tmp_path / run / "final" / "model.safetensors")
         assert weights.keys() == local.keys()
         for name, value in local.items():
@@ -74,11 +76,10 @@ def test_qlora_on_two_fsdp2_ranks_trains_like_one_process_and_resumes(tmp_path):
     "engine, message",
     [
         ({"backend": "deepspeed"}, "trains a 4-bit base with engine.backend local or fsdp2"),
-        ({"backend": "fsdp2", "tensor_parallel_size": 2}, "does not split a 4-bit base yet; set engine.tensor"),
-        ({"backend": "fsdp2", "sequence_parallel_size": 2}, "set engine.sequence_parallel_size to 1"),
+        ({"backend": "fsdp2", "tensor_parallel_size": 2}, "does not split a 4-bit base's matrices yet; set engine"),
     ],
 )
-def test_a_4bit_base_under_zero_or_split_over_ranks_is_refused_by_name(engine, message):
+def test_a_4bit_base_under_zero_or_split_by_tensor_parallel_is_refused_by_name(engine, message):
     data = {"model": {"path": "m", "lora": {"rank": 4, "quantize_base": "nf4"}}, "data": {"train": ["t.jsonl"]}}
     with pytest.raises(ConfigError, match=message):
         parse_config(SFTConfig, {**data, "engine": engine})
