@@ -174,8 +174,8 @@ def test_waited_s_is_the_time_the_consumer_waited_for_buckets():
             time.sleep(delay_s)
             yield bucket
 
+    started = time.monotonic()  # before the receiver's thread starts its clock
     receiving = Receiving(receiver, version=1)
-    started = time.monotonic()
     send_buckets([sender], slow_buckets())
     receiving.join(30)
     elapsed = time.monotonic() - started
