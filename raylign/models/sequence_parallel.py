@@ -12,9 +12,9 @@ set the same model runs plain causal attention over its input, keeping packed sa
 their ``position_ids``, so evaluation and single-rank use need nothing special.
 
 ``engine.sequence_parallel_mode: ulysses`` registers the other way to reach the other chunks,
-``"raylign_ulysses"`` (:func:`ulysses_attention`, DeepSpeed-Ulysses): an all-to-all gives each rank
-the whole row of 1/n of the heads, which it attends over alone, and a second one hands the chunks
-back. Everything else here (the chunks, targets and sums) is the same for both.
+``"raylign_ulysses"`` (:mod:`raylign.models.ulysses_attention`, DeepSpeed-Ulysses): an all-to-all
+gives each rank the whole row of 1/n of the heads, which it attends over alone, and a second one
+hands the chunks back. Everything else here (the chunks, targets and sums) is the same for both.
 
 Next-token targets cross chunk boundaries (the last token of chunk r predicts the first of chunk
 r + 1), so they are taken from the whole row before it is cut: each chunk carries
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -54,6 +54,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from raylign.models.logprobs import _place, entropy_from_logits, logits_only_at, logprobs_from_logits
 from raylign.models.ring_attention import DEFAULT_TIMEOUT, ring_attention, sample_ids_from_position_ids
+from raylign.models.ulysses_attention import ulysses_attention
 
 RING_ATTENTION = "raylign_ring"
 ULYSSES_ATTENTION = "raylign_ulysses"
@@ -131,118 +132,38 @@ def _active_shard(
     return SequenceShard(None, token_index, sample_ids)
 
 
-def hf_ring_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Transformers' attention-function signature around :func:`ring_attention`; output ``[B, S, H, D]``."""
-    shard = _active_shard(query, attention_mask, dropout, sliding_window, softcap, kwargs.get("position_ids"))
-    token_index, sample_ids = _labels_with_padding(shard, query.shape[2])
-    out = ring_attention(
-        query,
-        key,
-        value,
-        token_index.to(query.device),
-        sample_ids.to(query.device),
-        scale=scaling,
-        group=shard.group,
-        timeout=shard.timeout,
+def _in_ring(query, key, value, token_index, sample_ids, scale, shard: SequenceShard) -> torch.Tensor:
+    return ring_attention(
+        query, key, value, token_index, sample_ids, scale=scale, group=shard.group, timeout=shard.timeout
     )
-    return out.transpose(1, 2).contiguous(), None
 
 
-def hf_ulysses_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Transformers' attention-function signature around :func:`ulysses_attention`; output ``[B, S, H, D]``."""
-    shard = _active_shard(query, attention_mask, dropout, sliding_window, softcap, kwargs.get("position_ids"))
-    token_index, sample_ids = _labels_with_padding(shard, query.shape[2])
-    out = ulysses_attention(
-        query, key, value, token_index.to(query.device), sample_ids.to(query.device), scaling, shard.group
-    )
-    return out.transpose(1, 2).contiguous(), None
+def _in_ulysses(query, key, value, token_index, sample_ids, scale, shard: SequenceShard) -> torch.Tensor:
+    return ulysses_attention(query, key, value, token_index, sample_ids, scale, shard.group)
 
 
-def ulysses_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    token_index: torch.Tensor,
-    sample_ids: torch.Tensor,
-    scale: float | None = None,
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """Causal attention of this rank's chunk over the whole row, DeepSpeed-Ulysses style (Jacobs et al.
-    2023, arXiv:2309.14509): an all-to-all trades the chunk of every head for the whole row of 1/n of
-    the heads, each rank attends over the whole row with its heads, and a second all-to-all trades
-    back. Arguments and result as :func:`ring_attention`'s (``[B, H, S, D]`` per rank, equal ``S`` on
-    every rank, chunks in rank order). The query heads must divide by the group's size; key/value
-    heads that do not are repeated to one per query head first. Two all-to-alls of the activations per
-    call instead of ``n - 1`` hops of the keys and values, but each rank holds the whole row's scores
-    for its heads."""
-    size = 1 if group is None else dist.get_world_size(group)
-    if size == 1:
-        return ring_attention(query, key, value, token_index, sample_ids, scale=scale)
-    heads, kv_heads = query.shape[1], key.shape[1]
-    if heads % size:
-        raise ValueError(
-            f"engine.sequence_parallel_mode ulysses: {heads} attention heads (per tensor-parallel rank) cannot be "
-            f"split over the {size} ranks of a row; use sequence_parallel_mode ring"
-        )
-    if kv_heads % size:  # each rank needs the key/value heads of its query heads: one per query head then
-        key = key.repeat_interleave(heads // kv_heads, dim=1)
-        value = value.repeat_interleave(heads // kv_heads, dim=1)
-    whole_index, whole_samples = (
-        torch.cat(_all_gathered(t.contiguous(), group, size), dim=1) for t in (token_index, sample_ids)
-    )
-    q, k, v = (_sequence_to_heads(t, group, size) for t in (query, key, value))
-    out = ring_attention(q, k, v, whole_index, whole_samples, scale=scale)
-    return _heads_to_sequence(out, group, size)
+def _hf_attention(kernel: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Tensor, None]]:
+    """Transformers' attention-function signature around a sequence-parallel ``kernel`` (ring or Ulysses)."""
 
+    def attention(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """Output ``[B, S, H, D]``, as transformers' attention functions return it."""
+        shard = _active_shard(query, attention_mask, dropout, sliding_window, softcap, kwargs.get("position_ids"))
+        token_index, sample_ids = _labels_with_padding(shard, query.shape[2])
+        out = kernel(query, key, value, token_index.to(query.device), sample_ids.to(query.device), scaling, shard)
+        return out.transpose(1, 2).contiguous(), None
 
-def _all_gathered(tensor: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> list[torch.Tensor]:
-    parts = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(parts, tensor, group=group)
-    return parts
-
-
-def _sequence_to_heads(part: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
-    """``[B, H, S, D]`` (this rank's chunk, every head) -> ``[B, H/n, n*S, D]`` (the whole row, this rank's
-    n-th of the heads), by an all-to-all that autograd differentiates."""
-    from torch.distributed.nn.functional import all_to_all_single
-
-    batch, heads, length, dim = part.shape
-    send = part.reshape(batch, size, heads // size, length, dim).transpose(0, 1).contiguous()  # [n, B, H/n, S, D]
-    received = all_to_all_single(torch.empty_like(send), send, group=group)  # dim 0: the sender, its chunk
-    return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * length, dim)
-
-
-def _heads_to_sequence(whole: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
-    """The inverse of :func:`_sequence_to_heads`: ``[B, H/n, n*S, D]`` -> ``[B, H, S, D]``."""
-    from torch.distributed.nn.functional import all_to_all_single
-
-    batch, local_heads, total, dim = whole.shape
-    length = total // size
-    send = whole.reshape(batch, local_heads, size, length, dim).permute(2, 0, 1, 3, 4).contiguous()  # by chunk
-    received = all_to_all_single(torch.empty_like(send), send, group=group)  # dim 0: the sender, its heads
-    return received.transpose(0, 1).reshape(batch, size * local_heads, length, dim)
+    return attention
 
 
 def _labels_with_padding(shard: SequenceShard, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,10 +193,9 @@ def _refuse_padding(*, attention_mask: torch.Tensor | None = None, **_: Any) -> 
     return None
 
 
-AttentionInterface.register(RING_ATTENTION, hf_ring_attention)
-AttentionMaskInterface.register(RING_ATTENTION, _refuse_padding)
-AttentionInterface.register(ULYSSES_ATTENTION, hf_ulysses_attention)
-AttentionMaskInterface.register(ULYSSES_ATTENTION, _refuse_padding)
+for _name, _kernel in ((RING_ATTENTION, _in_ring), (ULYSSES_ATTENTION, _in_ulysses)):
+    AttentionInterface.register(_name, _hf_attention(_kernel))
+    AttentionMaskInterface.register(_name, _refuse_padding)
 
 
 def _pad_right(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:

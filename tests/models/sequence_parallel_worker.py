@@ -101,7 +101,7 @@ def _chunk(tensor: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
 
 def run_attention_case(name: str, rank: int, mode: str) -> dict[str, torch.Tensor]:
     from raylign.models.ring_attention import ring_attention, sample_ids_from_position_ids
-    from raylign.models.sequence_parallel import ulysses_attention
+    from raylign.models.ulysses_attention import ulysses_attention
 
     full = attention_inputs(name)
     _, _, lengths = ATTENTION_CASES[name]
