@@ -15,35 +15,12 @@ STEPS = 3
 
 
 def sft_config(model_dir: str, train_file: str, out: Path, backend: str, steps: int = STEPS, **engine):
-    from raylign.config.base import parse_config
-    from raylign.config.commands import SFTConfig
+    """The tensor-parallel test's SFT run with a 4-bit base under LoRA, on ``backend``."""
+    from tests.trainers.sft_tensor_parallel_worker import sft_config as tensor_parallel_sft_config
 
-    return parse_config(
-        SFTConfig,
-        {
-            "model": {"path": model_dir, "dtype": "float32", "lora": {"rank": 4, "alpha": 8, "quantize_base": "nf4"}},
-            "data": {"train": [train_file], "format": "chat", "max_length": 64, "min_response_tokens": 8},
-            "engine": {"backend": backend, "dist_timeout_s": 120, **engine},
-            # A large AdamW epsilon keeps each update proportional to its gradient (sft_sequence_parallel_worker.py);
-            # a constant rate after warm-up: a run resumed at step 3 sees the rates of one that did not stop.
-            "optim": {
-                "lr": 3e-3,
-                "warmup_steps": 1,
-                "scheduler": "constant",
-                "weight_decay": 0.0,
-                "eps": 1e-3,
-                "max_grad_norm": 0.5,
-            },
-            "train": {
-                "output_dir": str(out),
-                "max_steps": steps,
-                "save_every": 1,
-                "global_batch_size": 4,
-                "micro_batch_size": 1,
-                "seed": 0,
-                "logging": {"progress_bar": False, "tensorboard": False},
-            },
-        },
+    lora = {"rank": 4, "alpha": 8, "quantize_base": "nf4"}
+    return tensor_parallel_sft_config(
+        model_dir, train_file, out, {"model": {"lora": lora}, "backend": backend, **engine}, steps
     )
 
 
