@@ -124,8 +124,8 @@ class RLTrainer:
         self.model_path = str(resolve_model_path(cfg.model.path))
         # A 4-bit policy base (QLoRA): the engines start from its values dequantised, which the policy
         # writes once loaded, so they compute what it computes (the folder's weights would not).
-        self.engines_start_on_policy_base = cfg.model.lora.quantize_base != "none"
-        self.engine_model_path = str(self.out / ENGINE_BASE) if self.engines_start_on_policy_base else self.model_path
+        quantized_base = cfg.model.lora.quantize_base != "none"
+        self.engine_model_path = str(self.out / ENGINE_BASE) if quantized_base else self.model_path
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path, padding_side="left")
         self.train_prompts = load_prompts(cfg.data.train, cfg.data, self.tokenizer)
         self.eval_prompts = load_prompts(cfg.data.eval, cfg.data, self.tokenizer) if cfg.data.eval else []
@@ -205,14 +205,14 @@ class RLTrainer:
                 startup_timeout_s=timeout,
                 lora_rank=self._engine_lora_rank(),
             )
-            if not self.engines_start_on_policy_base:
+            if not quantized_base:
                 starts[ENGINES] = start_engines
         started, failed = start_together(starts)
         self.engines = started.pop(ENGINES, [])
         self.groups.update(started)
         if failed is not None:
             raise failed  # run() stops what did start
-        if self.engines_start_on_policy_base:
+        if quantized_base:
             self.groups["policy"].call("write_engine_base", self.engine_model_path)
             if not p.colocate:
                 self.engines = start_engines()
