@@ -59,8 +59,8 @@ class EngineConfig(Section):
         description="Ranks that share one packed row, each running a contiguous chunk of it, with ring attention "
         "across them (attention never crosses packed samples). Data-parallel ranks = ranks / (this x "
         "tensor_parallel_size). Every offline command (with data.packing; engine.backend fsdp2 or deepspeed) "
-        "and rl (the policy and critic; fsdp2); with tensor_parallel_size T > 1 too (fsdp2: a 3-D layout, each "
-        "rank of a row's group running its chunk split over T ranks); 1 turns it off.",
+        "and rl (the policy and critic); with tensor_parallel_size T > 1 too (a 3-D layout, each rank of a row's "
+        "group running its chunk split over T ranks: fsdp2's plan or deepspeed's AutoTP); 1 turns it off.",
     )
 
     sequence_parallel_mode: Literal["ring", "ulysses"] = Field(
@@ -113,11 +113,6 @@ class EngineConfig(Section):
                 f"engine.tensor_parallel_size ({tp}) must divide engine.num_processes ({self.num_processes})"
             )
         sp = self.sequence_parallel_size
-        if sp > 1 and self.backend == "deepspeed":
-            raise ValueError(
-                f"engine.tensor_parallel_size {tp} with engine.sequence_parallel_size {sp} needs engine.backend "
-                "'fsdp2' (DeepSpeed's AutoTP does not combine with ring attention here)"
-            )
         if sp > 1 and self.num_processes > 1 and self.num_processes % (tp * sp):
             raise ValueError(
                 f"engine.tensor_parallel_size x engine.sequence_parallel_size ({tp} x {sp}) must divide "

@@ -20,6 +20,7 @@ from tests.spawned_ranks import as_gloo_rank
 
 WORLD_SIZE = 4
 STEPS = 3
+AUTOTP2 = {"backend": "deepspeed", "zero_stage": 1, "tensor_parallel_size": 2}  # DeepSpeed AutoTP beside ZeRO-1
 # name -> engine fields, and "model" fields / "stop_after" (steps of a first run the second resumes from)
 RUNS: dict[str, dict] = {
     "tp1": {},
@@ -30,7 +31,9 @@ RUNS: dict[str, dict] = {
     "tp2_replicated": {"tensor_parallel_size": 2, "data_parallel_shard_size": 1},
     "tp2_checkpointing": {"tensor_parallel_size": 2, "model": {"gradient_checkpointing": True}},
     "tp2_resumed": {"tensor_parallel_size": 2, "stop_after": 2},
-    "deepspeed_tp2": {"backend": "deepspeed", "zero_stage": 1, "tensor_parallel_size": 2},
+    "deepspeed_tp2": AUTOTP2,
+    "deepspeed_tp2_sp2": {**AUTOTP2, "sequence_parallel_size": 2},
+    "deepspeed_tp2_sp2_ulysses": {**AUTOTP2, "sequence_parallel_size": 2, "sequence_parallel_mode": "ulysses"},
     "tp2_sp2": {"tensor_parallel_size": 2, "sequence_parallel_size": 2},
     "tp2_sp2_ulysses": {"tensor_parallel_size": 2, "sequence_parallel_size": 2, "sequence_parallel_mode": "ulysses"},
     "lora_tp1": {"model": {"lora": {"rank": 4}}},

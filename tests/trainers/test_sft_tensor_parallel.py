@@ -3,7 +3,7 @@ composed with fsdp2 as a 2 x 2 mesh, and with sequence parallel 2: each packed r
 2 ranks each) trains exactly like 4 data-parallel ranks holding whole layers;
 so does hybrid sharding (HSDP: groups of ranks that shard, replicating each other), alone and beside
 tensor parallel, tensor parallel with gradient checkpointing or resumed from a checkpoint, and the
-deepspeed backend's AutoTP (2, with ZeRO-1).
+deepspeed backend's AutoTP (2, with ZeRO-1), alone and with sequence parallel 2 (ring and Ulysses).
 
 Runs of the same data and seed on 4 ranks (``sft_tensor_parallel_worker.RUNS``). The loss and
 gradient norm (clipped at 0.5, so the norm over every mesh matters) of every step and the exported
@@ -112,8 +112,15 @@ def test_sft_with_matrices_split_over_ranks_trains_like_whole_layers(tmp_path):
             r"engine.tensor_parallel_size x engine.sequence_parallel_size \(2 x 2\) must divide engine.num_processes",
         ),
         (
-            {"engine": {"backend": "deepspeed", "tensor_parallel_size": 2, "sequence_parallel_size": 2}},
-            "with engine.sequence_parallel_size 2 needs engine.backend 'fsdp2'",
+            {
+                "engine": {
+                    "backend": "deepspeed",
+                    "tensor_parallel_size": 2,
+                    "sequence_parallel_size": 2,
+                    "num_processes": 6,
+                }
+            },
+            r"engine.tensor_parallel_size x engine.sequence_parallel_size \(2 x 2\) must divide engine.num_processes",
         ),
         (
             {
