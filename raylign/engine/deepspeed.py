@@ -176,6 +176,22 @@ def _require_caller_owned_accumulation(engine: Any, version: str) -> None:
         )
 
 
+def _refuse_another_tensor_parallel_layout(tensor_parallel: int) -> None:
+    """DeepSpeed sets its AutoTP groups up once per process and keeps them: a later engine of another
+    tensor-parallel size in the same process would train on the first one's groups (or fail deep inside
+    DeepSpeed without any), so it is refused here, naming both sizes."""
+    from deepspeed.utils import groups
+
+    existing = groups._TENSOR_MODEL_PARALLEL_GROUP  # None until an AutoTP engine was built in this process
+    earlier = 1 if existing is None else torch.distributed.get_world_size(existing)
+    if existing is not None and earlier != tensor_parallel:
+        raise RuntimeError(
+            f"engine.tensor_parallel_size {tensor_parallel} with engine.backend deepspeed: this process built a "
+            f"DeepSpeed AutoTP engine of tensor_parallel_size {earlier} already, and DeepSpeed keeps its "
+            "tensor-parallel groups for the life of a process; run the second training in a new process"
+        )
+
+
 class DeepSpeedZeroEngine(TrainEngine):
     backend_name = "deepspeed"
 
@@ -193,6 +209,7 @@ class DeepSpeedZeroEngine(TrainEngine):
             dist_backend="nccl" if self.device.type == "cuda" else "gloo",
             timeout=datetime.timedelta(seconds=engine_cfg.dist_timeout_s),
         )
+        _refuse_another_tensor_parallel_layout(engine_cfg.tensor_parallel_size)
         self.model_dtype = floating_dtype(model)
         self.max_grad_norm = optim_cfg.max_grad_norm
         self.zero_stage = engine_cfg.zero_stage

@@ -100,6 +100,18 @@ def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str
             if name.startswith("tp2"):
                 record_residual_shapes(trainer.engine.module, Path(out_dir) / f"residual_{name}_rank{rank}.json")
         record_autotp_shapes(model_dir, Path(out_dir) / f"autotp_rank{rank}.json")
+        # DeepSpeed keeps the AutoTP groups of the runs above: a deepspeed run without AutoTP is refused.
+        try:
+            SFTTrainer(
+                sft_config(
+                    model_dir,
+                    train_file,
+                    Path(out_dir) / "deepspeed_after_autotp",
+                    AUTOTP2 | {"tensor_parallel_size": 1},
+                )
+            ).run()
+        except RuntimeError as err:
+            (Path(out_dir) / f"after_autotp_rank{rank}.txt").write_text(str(err))
 
 
 @contextmanager

@@ -73,6 +73,10 @@ def test_sft_with_matrices_split_over_ranks_trains_like_whole_layers(tmp_path):
         for run in ("tp2_sp2", "tp2_sp2_ulysses"):
             counts = json.loads((tmp_path / f"padded_chunks_{run}_rank{rank}.json").read_text())
             assert counts["calls"] > counts["padded"] > 0, (run, rank, counts)
+    # A deepspeed run without AutoTP after runs with it, in the same processes, is refused by name.
+    for rank in range(worker.WORLD_SIZE):
+        message = (tmp_path / f"after_autotp_rank{rank}.txt").read_text()
+        assert "built a DeepSpeed AutoTP engine of tensor_parallel_size 2 already" in message, (rank, message)
     # The adapters split with the layers they wrap: B by output rows beside a column-split layer, A by input
     # columns beside a row-split one.
     split = {
