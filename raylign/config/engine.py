@@ -187,18 +187,19 @@ def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str, p
 
 
 def refuse_quantized_layout(engine: EngineConfig, model: Any, command: str) -> None:
-    """A 4-bit base (``model.lora.quantize_base``) trains on one process (local) or on fsdp2 ranks that
-    each hold the packed base whole and shard the rest (data parallel, sequence parallel too); not
-    under ZeRO, which would partition bitsandbytes' packed weights and their quantisation state, nor
-    split by tensor parallel."""
+    """A 4-bit base (``model.lora.quantize_base``) trains on one process (local), on fsdp2 ranks that
+    each hold the packed base whole and shard the rest, or on deepspeed ranks under ZeRO-1/2, which
+    partition the adapters' optimizer state only (data parallel, sequence parallel too); not under
+    ZeRO-3, which would partition bitsandbytes' packed weights and their quantisation state, nor split
+    by tensor parallel."""
     quantize = model.lora.quantize_base
     if quantize == "none":
         return
-    if engine.backend == "deepspeed":
+    if engine.backend == "deepspeed" and engine.zero_stage == 3:
         raise ValueError(
-            f"model.lora.quantize_base {quantize!r}: {command} trains a 4-bit base with engine.backend local or "
-            "fsdp2 (data-parallel ranks, each holding the 4-bit base whole); got 'deepspeed', whose ZeRO would "
-            "partition bitsandbytes' packed weights"
+            f"model.lora.quantize_base {quantize!r}: {command} trains a 4-bit base with engine.backend local, "
+            "fsdp2, or deepspeed with engine.zero_stage 1 or 2 (each rank holding the 4-bit base whole); got "
+            "zero_stage 3, which would partition bitsandbytes' packed weights"
         )
     if engine.tensor_parallel_size > 1:
         raise ValueError(

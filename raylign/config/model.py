@@ -21,8 +21,8 @@ class LoraConfig(Section):
         "none",
         description="QLoRA: hold the frozen base model's linear layers in 4 bits (bitsandbytes, on CUDA or the CPU) "
         "while the adapters train in model.dtype. nf4: the QLoRA paper's NormalFloat, with its scales quantised "
-        "too; none: the base in model.dtype. Needs rank > 0 and engine.backend local, or fsdp2 without tensor "
-        "parallel (each rank holds the 4-bit base whole and shards the rest).",
+        "too; none: the base in model.dtype. Needs rank > 0 and engine.backend local, fsdp2 (each rank holds the "
+        "4-bit base whole and shards the rest) or deepspeed with zero_stage 1 or 2; not with tensor parallel.",
     )
 
 

@@ -43,6 +43,7 @@ from raylign.engine.distributed import ensure_process_group
 from raylign.engine.export import is_adapter_weight, stream_hf_tensors, tied_output_key
 from raylign.engine.optim import build_param_groups, build_scheduler
 from raylign.errors import MissingPackageError
+from raylign.models.loading import dequantized_state_dict, is_quantized
 
 CHECKPOINT_TAG = "zero"
 
@@ -192,6 +193,19 @@ def _refuse_another_tensor_parallel_layout(tensor_parallel: int) -> None:
         )
 
 
+def _load_trainable(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    """DeepSpeed's ``custom_load_fn`` for a model with a frozen 4-bit base: a checkpoint saved without its
+    frozen weights restores every trainable one, and a trainable weight it lacks is an error naming it
+    (the 4-bit layers' own entries, bitsandbytes' quantisation state, are left as loaded from the folder)."""
+    trainable = {name for name, param in dst.named_parameters() if param.requires_grad}
+    missing = sorted(trainable - src.keys())
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint lacks {len(missing)} trainable weight(s) of the model, e.g. {missing[0]!r}"
+        )
+    dst.load_state_dict({name: src[name] for name in trainable}, strict=False)
+
+
 class DeepSpeedZeroEngine(TrainEngine):
     backend_name = "deepspeed"
 
@@ -241,17 +255,32 @@ class DeepSpeedZeroEngine(TrainEngine):
         return (float("nan") if norm is None else float(norm)), True
 
     def _save_engine_state(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state={}, save_latest=False)
+        # A 4-bit base is frozen and read again from the model folder on resume: its packed weights stay out.
+        self.engine.save_checkpoint(
+            str(directory),
+            tag=CHECKPOINT_TAG,
+            client_state={},
+            save_latest=False,
+            exclude_frozen_parameters=is_quantized(self.hf_model),
+        )
 
     def _load_engine_state(self, directory: Path) -> None:
         path, _ = self.engine.load_checkpoint(
-            str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+            str(directory),
+            tag=CHECKPOINT_TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+            custom_load_fn=_load_trainable if is_quantized(self.hf_model) else None,
         )
         if path is None:
             raise CheckpointError(f"DeepSpeed found no '{CHECKPOINT_TAG}' checkpoint in {directory}")
 
     def _gather_state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self._iter_gathered(self.engine.module))
+        """The whole model on rank 0's CPU; a 4-bit base's as the values it computes with."""
+        state = dict(self._iter_gathered(self.engine.module))
+        if is_quantized(self.hf_model) and state:
+            state = dequantized_state_dict(self.hf_model, state)
+        return state
 
     def iter_full_state(self, every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """What a weight sync sends, one tensor at a time, on rank 0 (with ``every_rank``, on every
@@ -259,6 +288,9 @@ class DeepSpeedZeroEngine(TrainEngine):
         the next is gathered; under ZeRO-1/2 the rank's own (whole) weights copied out one at a time.
         No rank holds the whole model a second time (a LoRA model: one layer's base and adapter
         tensors, merged once all are there). Collective: every rank iterates it to the end."""
+        if is_quantized(self.hf_model):  # dequantised as a whole (a 4-bit base trains under ZeRO-1/2 only)
+            yield from super().iter_full_state(every_rank)
+            return
         tied = tied_output_key(self.hf_model)
         raw = self._iter_gathered(self.engine.module, every_rank)
         for name, tensor in stream_hf_tensors(raw, self.hf_model, self.model_dtype):

@@ -112,8 +112,8 @@ def test_a_4bit_base_without_adapters_or_on_a_sharding_backend_is_refused(tiny_q
     with pytest.raises(ValidationError, match="only LoRA adapters can train on it; set model.lora.rank > 0"):
         qlora_config(tiny_qwen2, rank=0)
     sft = {"model": {"path": str(tiny_qwen2), "lora": {"rank": 4, "quantize_base": "nf4"}}, "data": {"train": ["x"]}}
-    with pytest.raises(Exception, match="sft trains a 4-bit base with engine.backend local or fsdp2"):
-        parse_config(SFTConfig, {**sft, "engine": {"backend": "deepspeed"}})
+    with pytest.raises(Exception, match="sft trains a 4-bit base with engine.backend local, fsdp2, or deepspeed"):
+        parse_config(SFTConfig, {**sft, "engine": {"backend": "deepspeed", "zero_stage": 3}})
     from raylign.config.prm import PRMConfig
 
     with pytest.raises(Exception, match="prm grows the embedding by its step separator"):

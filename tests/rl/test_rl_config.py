@@ -403,12 +403,14 @@ def test_an_agent_run_takes_env_or_client_and_room_for_a_whole_episode(base, tmp
         resolve(tmp_path, data)
 
 
-def test_a_4bit_policy_base_trains_on_local_or_fsdp2_and_is_refused_under_zero(base, tmp_path):
+def test_a_4bit_policy_base_trains_on_local_fsdp2_or_zero2_and_is_refused_under_zero3(base, tmp_path):
     base["model"]["lora"] = {"rank": 4, "quantize_base": "nf4"}
     assert resolve(tmp_path, base).model.lora.quantize_base == "nf4"  # the local backend, one policy rank
     base["engine"] = {**base.get("engine", {}), "backend": "fsdp2"}
     base["placement"] = {**base.get("placement", {}), "policy_workers": 2}
     assert resolve(tmp_path, base).engine.backend == "fsdp2"  # data-parallel ranks, each with the 4-bit base
-    base["engine"]["backend"] = "deepspeed"
+    base["engine"]["backend"] = "deepspeed"  # ZeRO-2, the default: each rank holds the whole model
+    assert resolve(tmp_path, base).engine.zero_stage == 2
+    base["engine"]["zero_stage"] = 3
     message = _error(tmp_path, base)
-    assert "model.lora.quantize_base 'nf4': rl trains a 4-bit base with engine.backend local or fsdp2" in message
+    assert "model.lora.quantize_base 'nf4': rl trains a 4-bit base with engine.backend local, fsdp2, or" in message

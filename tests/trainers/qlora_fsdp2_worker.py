@@ -1,7 +1,7 @@
 """Code run inside the 2 spawned gloo ranks of ``test_qlora_fsdp2.py``: SFT of LoRA adapters on a 4-bit
 base with fsdp2 over both ranks, to the end, and again stopped after step 2 and resumed from its
-checkpoint; with each packed row split over both ranks (sequence parallel 2); and what each rank
-holds of the model."""
+checkpoint; with each packed row split over both ranks (sequence parallel 2); on deepspeed ZeRO-2, to the
+end and resumed; and what each rank holds of the model."""
 
 from __future__ import annotations
 
@@ -35,6 +35,11 @@ def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str
         SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2_resumed", "fsdp2", steps=2)).run()
         SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2_resumed", "fsdp2")).run()
         SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2_sp2", "fsdp2", sequence_parallel_size=2)).run()
+        SFTTrainer(sft_config(model_dir, train_file, out / "deepspeed", "deepspeed", zero_stage=2)).run()
+        SFTTrainer(
+            sft_config(model_dir, train_file, out / "deepspeed_resumed", "deepspeed", steps=2, zero_stage=2)
+        ).run()
+        SFTTrainer(sft_config(model_dir, train_file, out / "deepspeed_resumed", "deepspeed", zero_stage=2)).run()
 
 
 def record_holdings(module, path: Path) -> None:

@@ -2,7 +2,8 @@
 packed weights) and shard the adapters and the rest, and train exactly as one process holding all the
 micro-batches; a run stopped after step 2 and resumed from its checkpoint (the adapters and optimizer
 alone: the frozen base is read again) ends where the unbroken one does; so does a run whose packed rows
-are split over the two ranks (sequence parallel)."""
+are split over the two ranks (sequence parallel); and so do deepspeed ranks under ZeRO-2 (each holding
+the whole model, the adapters' optimizer state partitioned), unbroken and resumed."""
 
 from __future__ import annotations
 
@@ -38,20 +39,22 @@ def test_qlora_on_two_fsdp2_ranks_trains_like_one_process_and_resumes(tmp_path):
         args = (free_port(), str(model_dir), str(train_file), str(tmp_path))
         spawn_and_join(worker.run_rank, args, worker.WORLD_SIZE, 900, "QLoRA fsdp2 ranks")
 
-    runs = {n: [r for r in read_metrics(tmp_path / n) if "train/loss" in r] for n in ("local", "fsdp2", "fsdp2_sp2")}
+    names = ("local", "fsdp2", "fsdp2_sp2", "deepspeed")
+    runs = {n: [r for r in read_metrics(tmp_path / n) if "train/loss" in r] for n in names}
     assert any(r["train/grad_norm"] > 0.5 for r in runs["local"])  # clipping is in play
-    for run in ("fsdp2", "fsdp2_sp2"):
+    for run in names[1:]:
         assert [r["step"] for r in runs["local"]] == [r["step"] for r in runs[run]] == [1, 2, 3]
         for a, b in zip(runs["local"], runs[run], strict=True):
             assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-5), (run, a, b)
             assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5, abs=1e-5), (run, a, b)
-    resumed = [r for r in read_metrics(tmp_path / "fsdp2_resumed") if "train/loss" in r]
-    assert resumed[-1]["step"] == 3
-    assert resumed[-1]["train/loss"] == pytest.approx(runs["fsdp2"][-1]["train/loss"], rel=1e-5, abs=1e-5)
+    for run in ("fsdp2", "deepspeed"):
+        resumed = [r for r in read_metrics(tmp_path / f"{run}_resumed") if "train/loss" in r]
+        assert resumed[-1]["step"] == 3
+        assert resumed[-1]["train/loss"] == pytest.approx(runs[run][-1]["train/loss"], rel=1e-5, abs=1e-5)
     # The exports (the adapters merged into the full-precision base) agree, and training moved them.
     local = load_file(tmp_path / "local" / "final" / "model.safetensors")
     stored = load_file(model_dir / "model.safetensors")
-    for run in ("fsdp2", "fsdp2_resumed", "fsdp2_sp2"):
+    for run in ("fsdp2", "fsdp2_resumed", "fsdp2_sp2", "deepspeed", "deepspeed_resumed"):
         weights = load_file(tmp_path / run / "final" / "model.safetensors")
         assert weights.keys() == local.keys()
         for name, value in local.items():
@@ -65,6 +68,14 @@ def test_qlora_on_two_fsdp2_ranks_trains_like_one_process_and_resumes(tmp_path):
     model_keys = [k for k in stored_keys.state_dict_metadata if k.startswith("model.")]
     assert len(model_keys) == 2 * 7 * 2  # lora_A and lora_B of the 7 projections of both layers
     assert all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys
+    # DeepSpeed's checkpoint leaves the frozen weights out too: the adapters, and bitsandbytes' small
+    # quantisation-state entries (.weight.absmax, .weight.quant_map, ...) that its layers' state dicts add.
+    # The tied output head stays: DeepSpeed drops frozen parameters by name, and the tie has one, the embedding's.
+    (states,) = (tmp_path / "deepspeed" / "checkpoints" / "step_3").rglob("mp_rank_00_model_states.pt")
+    saved = torch.load(states, weights_only=False)["module"]
+    assert sum(".lora_A." in k or ".lora_B." in k for k in saved) == 2 * 7 * 2
+    others = [k for k in saved if ".lora_" not in k and ".base_layer.weight." not in k]
+    assert others == ["base_model.model.lm_head.weight"], others
     # Each rank holds q_proj's 4-bit weight whole (64 x 64 weights, two to a byte) and half of its lora_A rows.
     for rank in range(worker.WORLD_SIZE):
         holdings = json.loads((tmp_path / f"holdings_rank{rank}.json").read_text())
@@ -75,7 +86,7 @@ def test_qlora_on_two_fsdp2_ranks_trains_like_one_process_and_resumes(tmp_path):
 @pytest.mark.parametrize(
     "engine, message",
     [
-        ({"backend": "deepspeed"}, "trains a 4-bit base with engine.backend local or fsdp2"),
+        ({"backend": "deepspeed", "zero_stage": 3}, "or deepspeed with engine.zero_stage 1 or 2 .* got zero_stage 3"),
         ({"backend": "fsdp2", "tensor_parallel_size": 2}, "does not split a 4-bit base's matrices yet; set engine"),
     ],
 )
