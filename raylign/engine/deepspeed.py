@@ -184,8 +184,10 @@ def _refuse_another_tensor_parallel_layout(tensor_parallel: int) -> None:
     from deepspeed.utils import groups
 
     existing = groups._TENSOR_MODEL_PARALLEL_GROUP  # None until an AutoTP engine was built in this process
-    earlier = 1 if existing is None else torch.distributed.get_world_size(existing)
-    if existing is not None and earlier != tensor_parallel:
+    if existing is None:
+        return
+    earlier = torch.distributed.get_world_size(existing)
+    if earlier != tensor_parallel:
         raise RuntimeError(
             f"engine.tensor_parallel_size {tensor_parallel} with engine.backend deepspeed: this process built a "
             f"DeepSpeed AutoTP engine of tensor_parallel_size {earlier} already, and DeepSpeed keeps its "
