@@ -41,7 +41,7 @@ from raylign.engine.base import TrainEngine, floating_dtype
 from raylign.engine.checkpoint import CheckpointError
 from raylign.engine.distributed import ensure_process_group
 from raylign.engine.export import is_adapter_weight, stream_hf_tensors, tied_output_key
-from raylign.engine.optim import build_param_groups, build_scheduler
+from raylign.engine.optim import build_param_groups, build_scheduler, torch_adamw
 from raylign.errors import MissingPackageError
 from raylign.models.loading import dequantized_state_dict, is_quantized
 
@@ -157,13 +157,14 @@ def deepspeed_config(
 
 
 def client_optimizer(groups: list[dict[str, Any]], optim_cfg: OptimConfig, offload: bool) -> torch.optim.Optimizer:
-    """torch AdamW; DeepSpeedCPUAdam (same AdamW math, JIT-compiled) when the optimizer is offloaded."""
-    kwargs = {"lr": optim_cfg.lr, "betas": optim_cfg.betas, "eps": optim_cfg.eps}
+    """torch AdamW (:func:`torch_adamw`); DeepSpeedCPUAdam (same AdamW math, JIT-compiled) when the
+    optimizer is offloaded."""
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        kwargs = {"lr": optim_cfg.lr, "betas": optim_cfg.betas, "eps": optim_cfg.eps}
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    return torch_adamw(groups, optim_cfg)
 
 
 def _require_caller_owned_accumulation(engine: Any, version: str) -> None:
