@@ -7,7 +7,8 @@ template: the prompt ends with a newline and the response is followed by the tok
 Matched: the model and its dtype (float32 by default), rows and their order (no shuffling on
 either side, so step k trains the same samples on both), samples per optimizer step (one
 micro-batch, no gradient accumulation), number of steps, loss on the response tokens only, AdamW
-(torch's) with the same learning rate, betas (0.9, 0.95), eps 1e-8 and no weight decay, gradient
+(torch's fused kernel: transformers' default, and raylign's wherever it exists) with the same
+learning rate, betas (0.9, 0.95), eps 1e-8 and no weight decay, gradient
 clipping at 1.0, a constant learning rate without warm-up, no gradient checkpointing, no dropout
 (the models have none), the same number of compute threads per process (``--threads``), and for
 DPO the sigmoid loss with the same beta and the starting model as the frozen reference, live
@@ -252,7 +253,7 @@ def trl_common(w: Workload) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "train_sampling_strategy": "sequential",
         "dataloader_num_workers": 0,
-        "optim": "adamw_torch",
+        "optim": "adamw_torch_fused",
         "learning_rate": w.lr,
         "lr_scheduler_type": "constant",
         "warmup_steps": 0,
