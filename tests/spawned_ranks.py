@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from raylign.engine.distributed import exit_process
+
 
 def import_worker(test_file: str, name: str) -> ModuleType:
     """The module ``name`` from the folder of ``test_file``, importable by the spawned ranks."""
@@ -41,13 +43,20 @@ def free_port() -> int:
 def spawn_and_join(fn: Callable[..., Any], args: tuple, nprocs: int, timeout_s: float, what: str) -> None:
     """Run ``fn(rank, *args)`` in ``nprocs`` processes; a rank's error is raised here, and ranks still
     running after ``timeout_s`` are killed and reported as ``what``."""
-    context = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    context = mp.spawn(_run_rank, args=(fn, *args), nprocs=nprocs, join=False)
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):
         if time.monotonic() >= deadline:
             for process in context.processes:
                 process.kill()
             raise TimeoutError(f"the {nprocs} {what} did not finish within {timeout_s} s")
+
+
+def _run_rank(rank: int, fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(rank, *args)``; a rank that finished then ends through :func:`exit_process` (no interpreter
+    shutdown to abort in). An error propagates to ``mp.spawn``, which reports it to the parent."""
+    fn(rank, *args)
+    exit_process(0)
 
 
 @contextmanager

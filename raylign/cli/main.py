@@ -236,7 +236,23 @@ def _launch_ranks(name: str, argv: list[str], num_processes: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The ``raylign`` command on ``argv``; returns its exit status.
+
+    Without ``argv`` it is this process's command (its own arguments), and a process that joined a
+    process group (a rank torchrun started) ends here through
+    :func:`raylign.engine.distributed.exit_process`, so that a finished rank cannot abort in the
+    interpreter's shutdown.
+    """
+    code = _run(list(sys.argv[1:] if argv is None else argv))
+    distributed = sys.modules.get("torch.distributed")
+    if argv is None and distributed is not None and distributed.is_initialized():
+        from raylign.engine.distributed import exit_process
+
+        exit_process(code)
+    return code
+
+
+def _run(argv: list[str]) -> int:
     reuse_freed_memory()
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())

@@ -14,11 +14,14 @@ for the CPU tensors that CPU-offloaded optimizers and small metric reductions us
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import os
 import socket
+import sys
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Literal, TypeVar
+from typing import Literal, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -79,6 +82,23 @@ def init_distributed(timeout_s: int = 1800, store: dist.Store | None = None) -> 
         store=store,
     )
     return rank, world_size, device
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process now with exit status ``code``, without the interpreter's shutdown.
+
+    For a rank whose work is done and whose outputs are written and closed. During the
+    interpreter's shutdown a gloo worker thread of torch.distributed can still drop the last
+    reference to a tensor that Python created; taking the GIL for it then ends the thread through
+    ``pthread_exit``, which aborts the whole process ("terminate called without an active
+    exception") and turns a finished run into a failed one. ``os._exit`` runs no shutdown: the logs
+    and standard streams are flushed here, and the operating system closes the group's sockets.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(ValueError, OSError):  # closed or gone: nothing left to flush
+            stream.flush()
+    os._exit(code)
 
 
 def host_rendezvous_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 from pathlib import Path
 
@@ -33,7 +32,14 @@ from raylign.config.engine import EngineConfig
 from raylign.config.optim import OptimConfig
 from raylign.engine import create_engine
 from raylign.engine.checkpoint import resume_latest, save_step_checkpoint, step_directory, temp_directory
-from raylign.engine.distributed import all_reduce_scalars, barrier, get_rank, get_world_size, init_distributed
+from raylign.engine.distributed import (
+    all_reduce_scalars,
+    barrier,
+    exit_process,
+    get_rank,
+    get_world_size,
+    init_distributed,
+)
 
 GLOBAL_BATCH = 4  # sequences per micro-batch, split evenly across ranks
 SEQ_LEN = 16
@@ -196,8 +202,7 @@ def main() -> None:
             crash_while_saving(args, run, out, vocab_size)
         else:
             reference_then_resume(args, run, out, vocab_size)
-    if args.mode == "crash":
-        os._exit(CRASH_EXIT_CODE)
+    exit_process(CRASH_EXIT_CODE if args.mode == "crash" else 0)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from raylign.config.engine import EngineConfig
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.engine import create_engine, init_distributed
+from raylign.engine.distributed import exit_process
 from raylign.models import load_causal_lm
 from tests.engine.memory_probe import resident
 
@@ -71,10 +72,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         result = {"ranks": ranks, "largest": max(sizes), "total": sum(sizes), "tensors": len(sizes)}
         (Path(args.out) / f"stream_memory_{args.backend}.json").write_text(json.dumps(result))
-    # Every rank ends the group together: a rank that tore its gloo group down while rank 0 was still
-    # writing aborted at times ("terminate called without an active exception").
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.barrier()  # every rank ends once rank 0 has written
+    exit_process(0)
 
 
 if __name__ == "__main__":
