@@ -32,27 +32,44 @@ CHILD_ENV = {
 }
 
 MATMUL_SIZES = (128, 256, 512)
+ALL_CORE_SIZES = (256, 512, 1024)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "sve", "bf16")
 
 
 def machine(dtype: str) -> dict[str, Any]:
     """What this machine can do, measured now: CPU model, instruction set, cores this process may use,
-    one-thread matmul GFLOP/s at ``dtype`` (the best of square sizes 128, 256 and 512: which size runs
-    fastest depends on the instruction set, e.g. bf16 without native support is fastest at 128), memory-copy
-    and TCP-loopback GB/s."""
+    matmul GFLOP/s at ``dtype`` on one thread (the best of square sizes 128, 256 and 512: which size runs
+    fastest depends on the instruction set, e.g. bf16 without native support is fastest at 128) and on
+    every core (the best of 256, 512 and 1024: threads pay off on larger products), memory-copy and
+    TCP-loopback GB/s."""
     import torch
 
     from raylign.hardware import cpu_flags, cpu_model, matmul_gflops
 
+    cores = len(os.sched_getaffinity(0))
+    dt = getattr(torch, dtype)
     return {
         "cpu": cpu_model(),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "flags": [f for f in ISA_FLAGS if f in cpu_flags()],
-        "cores": len(os.sched_getaffinity(0)),
-        "matmul_gflops_1thread": max(matmul_gflops(getattr(torch, dtype), size=n, repeats=5) for n in MATMUL_SIZES),
+        "cores": cores,
+        "matmul_gflops_1thread": max(matmul_gflops(dt, size=n, repeats=5) for n in MATMUL_SIZES),
+        "matmul_gflops_all_cores": max(matmul_gflops(dt, size=n, repeats=5, threads=cores) for n in ALL_CORE_SIZES),
         "copy_gb_s": copy_gb_s(),
         "loopback_gb_s": loopback_gb_s(),
     }
+
+
+def matmul_rate(hw: dict[str, Any], threads: int) -> float:
+    """GFLOP/s of matmul on ``threads`` threads as measured by :func:`machine`: the one-thread rate for 1,
+    the every-core rate for all cores (measured, not the one-thread rate times the cores: cores that
+    work together share caches, memory bandwidth and clock headroom), in between the one-thread rate
+    times ``threads``."""
+    if threads == 1:
+        return hw["matmul_gflops_1thread"]
+    if threads >= hw["cores"]:
+        return hw["matmul_gflops_all_cores"]
+    return hw["matmul_gflops_1thread"] * threads
 
 
 def copy_gb_s(megabytes: int = 256, repeats: int = 3) -> float:

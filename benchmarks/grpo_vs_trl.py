@@ -73,7 +73,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from child_runs import REPO, fmt, launch, machine, median_after_warmup, run_benchmark, write_steps
+from child_runs import REPO, fmt, launch, machine, matmul_rate, median_after_warmup, run_benchmark, write_steps
 
 REWARD_FILE = REPO / "examples" / "rewards" / "letter_match.py"
 GSM_PROMPTS = REPO / "examples" / "data" / "gsm_eval.jsonl"
@@ -489,7 +489,8 @@ def phase_floors(
 
     - one forward pass over the step's samples is ``F = 2 (trunk x (prompt + response tokens) + head x
       response tokens)`` FLOP (the output layer is needed at response positions only);
-    - train = 3F (forward and backward) at ``threads`` x the one-thread matmul rate; experience = F,
+    - train = 3F (forward and backward) at the matmul rate measured on ``threads`` threads
+      (:func:`child_runs.matmul_rate`: on every core, the rate measured with every core); experience = F,
       the reference forward, when there is a KL term (one optimizer step per generation needs no
       separate behaviour forward), and no floor (NaN) with ``reference_early``, where the reference
       passes run while other groups generate and the phase holds only what is left of them;
@@ -497,7 +498,7 @@ def phase_floors(
       response at the memory-copy rate; sync = the bytes sent at the TCP-loopback
       rate (raylign's engines are separate processes); reward has no floor here.
     """
-    rate = hw["matmul_gflops_1thread"] * 1e9 * threads
+    rate = matmul_rate(hw, threads) * 1e9
     response = side["response_length"] * samples
     forward = 2 * (sizes["trunk"] * (prompt_tokens * samples + response) + sizes["head"] * response)
     decode = side["response_length_max"] * sizes["total"] * bytes_per_weight / (hw["copy_gb_s"] * 1e9)
@@ -580,7 +581,8 @@ def print_floors(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
         f"\nWhere the time goes, against this machine's limits measured in this run: {hw['cpu']} "
         f"({hw['capability']}, {' '.join(hw['flags'])}), {hw['cores']} cores; matmul at {args.dtype} on one "
-        f"thread {hw['matmul_gflops_1thread']:.1f} GFLOP/s, memory copy {hw['copy_gb_s']:.1f} GB/s, TCP "
+        f"thread {hw['matmul_gflops_1thread']:.1f} GFLOP/s and on all {hw['cores']} cores "
+        f"{hw['matmul_gflops_all_cores']:.1f}, memory copy {hw['copy_gb_s']:.1f} GB/s, TCP "
         f"loopback {hw['loopback_gb_s']:.2f} GB/s. Floors at {rows[0]['threads_used']} thread(s) per phase "
         "(benchmarks/grpo_vs_trl.py: phase_floors); floor/measured is the share of the machine a phase used."
         + (

@@ -76,7 +76,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from child_runs import fmt, launch, machine, median_after_warmup, run_benchmark, write_steps
+from child_runs import fmt, launch, machine, matmul_rate, median_after_warmup, run_benchmark, write_steps
 
 TRAINERS = ("sft", "dpo")
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
@@ -353,7 +353,8 @@ def floor_flop(trainer: str, params: int, tokens: float, precompute_reference: b
 
 
 def summarize(trainer: str, results: dict[str, dict[str, Any]], args: argparse.Namespace, gflops: float) -> dict:
-    """One table row: each side's median step time and tokens/s, and both against the floor."""
+    """One table row: each side's median step time and tokens/s, and both against the floor at ``gflops``
+    (the matmul rate on the threads of a process)."""
     row: dict[str, Any] = {"trainer": trainer, "errors": {}}
     for side, result in results.items():
         records = result.get("records", [])
@@ -375,7 +376,7 @@ def summarize(trainer: str, results: dict[str, dict[str, Any]], args: argparse.N
     row["gflop_per_step"] = (
         floor_flop(trainer, basis["params"], basis["tokens_per_step"], args.precompute_reference) / 1e9
     )
-    row["floor_s"] = row["gflop_per_step"] / (gflops * args.threads)
+    row["floor_s"] = row["gflop_per_step"] / gflops
     row["same_tokens"] = args.skip_trl or ray["tokens_per_step"] == trl["tokens_per_step"]
     return row
 
@@ -389,9 +390,9 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace, hw: dict[
     )
     print(f"CPU: {hw['cpu']}; torch capability {hw['capability']}; flags: {' '.join(hw['flags']) or 'none of note'}")
     print(
-        f"Matmul on one thread at {args.dtype}: {hw['matmul_gflops_1thread']:.1f} GFLOP/s (best of 5 at 128^3, 256^3 "
-        "and 512^3, this run); "
-        f"floor = GFLOP per step / ({args.threads} x that)."
+        f"Matmul at {args.dtype} in this run: {hw['matmul_gflops_1thread']:.1f} GFLOP/s on one thread (best of 5 at "
+        f"128^3, 256^3 and 512^3), {hw['matmul_gflops_all_cores']:.1f} on all {hw['cores']} cores (256^3 to 1024^3); "
+        f"floor = GFLOP per step / the rate on {args.threads} thread(s)."
     )
     who = "raylign only (--skip-trl)" if args.skip_trl else "Both sides ran back to back in this invocation"
     print(f"{who}; load average before: {', '.join(f'{x:.1f}' for x in load)}.\n")
@@ -511,7 +512,7 @@ def compare(args: argparse.Namespace, workdir: Path, load_before: tuple[float, .
     rows = []
     for trainer in args.trainers:
         results = run_trainer(trainer, args, model, files[trainer], workdir)
-        rows.append(summarize(trainer, results, args, hw["matmul_gflops_1thread"]))
+        rows.append(summarize(trainer, results, args, matmul_rate(hw, args.threads)))
     print_report(rows, args, hw, load_before)
     if args.json is not None:
         report = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": hw, "rows": rows}

@@ -120,10 +120,10 @@ def measure_bf16_slowdown(size: int = 256, repeats: int = 3) -> float:
     return matmul_gflops(torch.float32, size, repeats) / matmul_gflops(torch.bfloat16, size, repeats)
 
 
-def matmul_gflops(dtype: torch.dtype, size: int = 256, repeats: int = 3) -> float:
-    """Best-of-``repeats`` GFLOP/s of one ``size``x``size`` matmul on the CPU, on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def matmul_gflops(dtype: torch.dtype, size: int = 256, repeats: int = 3, threads: int = 1) -> float:
+    """Best-of-``repeats`` GFLOP/s of one ``size``x``size`` matmul on the CPU, on ``threads`` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         a = torch.randn(size, size).to(dtype)
         b = torch.randn(size, size).to(dtype)
@@ -134,5 +134,5 @@ def matmul_gflops(dtype: torch.dtype, size: int = 256, repeats: int = 3) -> floa
             a @ b
             best = min(best, time.perf_counter() - start)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     return 2 * size**3 / best / 1e9

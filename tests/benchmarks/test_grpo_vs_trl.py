@@ -25,17 +25,21 @@ import grpo_vs_trl  # noqa: E402
 
 def test_phase_floors_by_hand():
     """trunk 1000, head 200, 1400 weights in all at 4 bytes; 4 samples of 5 prompt and 10 response
-    tokens (longest 16); 1 GFLOP/s a thread x 2 threads, copy 1 GB/s, loopback 2 GB/s.
-    One forward: 2 (1000 x 60 + 200 x 40) = 136000 FLOP = 68 us at 2 GFLOP/s; decoding reads
-    16 x 5600 bytes = 89.6 us at 1 GB/s, which is the larger; sync 5600 bytes / 2 GB/s = 2.8 us."""
+    tokens (longest 16); matmul 1 GFLOP/s on one thread and 1.6 (not 2) on both cores, copy 1 GB/s,
+    loopback 2 GB/s. One forward: 2 (1000 x 60 + 200 x 40) = 136000 FLOP = 85 us at 1.6 GFLOP/s;
+    decoding reads 16 x 5600 bytes = 89.6 us at 1 GB/s, which is the larger; sync 5600 bytes / 2 GB/s
+    = 2.8 us. On one thread the forward takes 136 us."""
     sizes = {"trunk": 1000, "head": 200, "total": 1400}
     side = {"response_length": 10.0, "response_length_max": 16.0, "sync_bytes": 5600.0}
-    hw = {"matmul_gflops_1thread": 1.0, "copy_gb_s": 1.0, "loopback_gb_s": 2.0}
+    hw = {"cores": 2, "matmul_gflops_1thread": 1.0, "matmul_gflops_all_cores": 1.6, "copy_gb_s": 1.0}
+    hw["loopback_gb_s"] = 2.0
     floors = grpo_vs_trl.phase_floors(sizes, side, 5.0, 4, True, hw, 2, 4)
     assert floors["generate"] == pytest.approx(89.6e-6)
-    assert floors["experience"] == pytest.approx(68e-6)
-    assert floors["train"] == pytest.approx(3 * 68e-6)
+    assert floors["experience"] == pytest.approx(85e-6)
+    assert floors["train"] == pytest.approx(3 * 85e-6)
     assert floors["sync"] == pytest.approx(2.8e-6)
+    one_thread = grpo_vs_trl.phase_floors(sizes, side, 5.0, 4, True, hw, 1, 4)
+    assert one_thread["experience"] == pytest.approx(136e-6) and one_thread["generate"] == pytest.approx(136e-6)
     without_kl = grpo_vs_trl.phase_floors(sizes, side, 5.0, 4, False, hw, 2, 4)
     assert without_kl["experience"] == 0.0
     early = grpo_vs_trl.phase_floors(sizes, side, 5.0, 4, True, hw, 2, 4, reference_early=True)

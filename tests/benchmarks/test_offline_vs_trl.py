@@ -53,3 +53,7 @@ def test_sft_flop_per_step_is_six_x_parameters_x_tokens_of_the_timed_step(tiny_r
     (sft,) = [row for row in report["rows"] if row["trainer"] == "sft"]
     assert sft["gflop_per_step"] * 1e9 == pytest.approx(6 * params * tokens, rel=1e-9)
     assert sft["same_tokens"]
+    # One thread per process (the default): the floor is at the one-thread rate measured in the run.
+    machine = report["machine"]
+    assert sft["floor_s"] == pytest.approx(sft["gflop_per_step"] / machine["matmul_gflops_1thread"], rel=1e-9)
+    assert machine["matmul_gflops_all_cores"] > 0
