@@ -23,8 +23,8 @@ backward, clipping and the optimizer step); TRL's is the time between one step's
 the next one's, which also covers fetching and collating the batch (TRL's step-begin callback
 comes after the batch is fetched).
 
-Beside each pair of figures stands the physical floor: this machine's matmul GFLOP/s on one
-thread at the run's dtype, measured in the same run, times the thread count, against the
+Beside each pair of figures stands the physical floor: this machine's matmul GFLOP/s at the run's
+dtype on the run's threads, measured in the same run (``child_runs.matmul_rate``), against the
 arithmetic of a step: 6 x parameters x tokens for SFT (forward and backward through every
 non-padding token), and for DPO 6 x parameters x tokens for the policy on chosen and rejected
 sequences plus 2 x parameters x tokens for the reference forward (none when precomputed).
