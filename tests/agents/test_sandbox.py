@@ -24,6 +24,7 @@ from raylign.agents.sandbox import (
 pytestmark = pytest.mark.slow  # about 12 s of sandboxed runs
 
 SMALL = SandboxLimits(cpu_time_s=1, wall_time_s=3, memory_mb=256)
+ROOMY = SandboxLimits(cpu_time_s=1, wall_time_s=10, memory_mb=256)  # room for a 3 s sleep
 BACKEND = sandbox_backend()
 hides_filesystem = pytest.mark.skipif(BACKEND != "bwrap", reason=f"backend {BACKEND!r} does not hide the filesystem")
 cuts_network = pytest.mark.skipif(BACKEND == "rlimit", reason="the 'rlimit' backend has no network namespace")
@@ -160,16 +161,16 @@ def test_async_calls_run_concurrently_without_blocking_the_loop():
 
         ticker = asyncio.ensure_future(tick())
         started = time.monotonic()
-        code = "import time\ntime.sleep(1.5)\nprint({})"
-        results = await asyncio.gather(*(run_python_async(code.format(i), SMALL) for i in range(2)))
+        code = "import time\ntime.sleep(3)\nprint({})"
+        results = await asyncio.gather(*(run_python_async(code.format(i), ROOMY) for i in range(2)))
         elapsed = time.monotonic() - started
         ticker.cancel()
         return results, elapsed, ticks
 
     results, elapsed, ticks = asyncio.run(main())
     assert [(r.ok, r.stdout) for r in results] == [(True, "0\n"), (True, "1\n")]
-    assert elapsed < 2.9  # one after the other, the two sleeps alone would take 3 s
-    assert ticks >= 15  # the loop kept running: about 30 ticks of 50 ms in 1.5 s
+    assert elapsed < 5  # one after the other, the two sleeps alone would take 6 s
+    assert ticks >= 30  # the loop kept running: about 60 ticks of 50 ms in 3 s
 
 
 def test_the_blocking_call_also_works_inside_a_running_event_loop():

@@ -334,7 +334,7 @@ def test_sigterm_finishes_the_requests_in_flight_refuses_new_ones_and_exits_0(tm
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_requests_past_the_shutdown_grace_are_cut_logged_and_not_scored(tmp_path):
-    reward_file = write_sleeping_reward_file(tmp_path, sleep_s=4.0)
+    reward_file = write_sleeping_reward_file(tmp_path, sleep_s=8.0)
     port = free_port()
     process = start_serve_rm(tmp_path, reward_file, port, grace_s=1)
     try:
@@ -353,10 +353,10 @@ def test_requests_past_the_shutdown_grace_are_cut_logged_and_not_scored(tmp_path
         kill_if_running(process)
     log = (tmp_path / "serve_rm.log").read_text()
     assert [r[0] if isinstance(r, tuple) else r for r in requests.results.values()] == [500, 500], log
-    assert answered_s < 3.0  # cut after the 1 s grace, not when the 4 s call ends
+    assert answered_s < 5.0  # cut after the 1 s grace, not when the 8 s call ends
     assert "2 request(s) still in flight after shutdown_grace_s=1 s were cut" in log
     assert exit_code == 0, log
-    assert stop_s < 12  # the grace, then the call in progress ends before the scorer closes
+    assert stop_s < 16  # the grace, then the call in progress ends before the scorer closes
     assert len((tmp_path / "calls.txt").read_text().splitlines()) == 1  # the cut request waiting was not scored
 
 
