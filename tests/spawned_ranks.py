@@ -43,7 +43,8 @@ def free_port() -> int:
 def spawn_and_join(fn: Callable[..., Any], args: tuple, nprocs: int, timeout_s: float, what: str) -> None:
     """Run ``fn(rank, *args)`` in ``nprocs`` processes; a rank's error is raised here, and ranks still
     running after ``timeout_s`` are killed and reported as ``what``."""
-    context = mp.spawn(_run_rank, args=(fn, *args), nprocs=nprocs, join=False)
+    finished = mp.get_context("spawn").Barrier(nprocs)
+    context = mp.spawn(_run_rank, args=(finished, fn, *args), nprocs=nprocs, join=False)
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):
         if time.monotonic() >= deadline:
@@ -52,10 +53,12 @@ def spawn_and_join(fn: Callable[..., Any], args: tuple, nprocs: int, timeout_s: 
             raise TimeoutError(f"the {nprocs} {what} did not finish within {timeout_s} s")
 
 
-def _run_rank(rank: int, fn: Callable[..., Any], *args: Any) -> None:
-    """``fn(rank, *args)``; a rank that finished then ends through :func:`exit_process` (no interpreter
-    shutdown to abort in). An error propagates to ``mp.spawn``, which reports it to the parent."""
+def _run_rank(rank: int, finished: Any, fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(rank, *args)``, then, once every rank has finished (rank 0 may host the group's store,
+    which the others use until they are done), the end through :func:`exit_process`: no interpreter
+    shutdown, where gloo's threads can abort a finished rank. An error propagates to ``mp.spawn``."""
     fn(rank, *args)
+    finished.wait(timeout=120)
     exit_process(0)
 
 

@@ -93,6 +93,8 @@ def exit_process(code: int) -> NoReturn:
     ``pthread_exit``, which aborts the whole process ("terminate called without an active
     exception") and turns a finished run into a failed one. ``os._exit`` runs no shutdown: the logs
     and standard streams are flushed here, and the operating system closes the group's sockets.
+    The group's rendezvous store must live elsewhere (torchrun's agent holds it): a rank that hosts
+    the store and leaves at once can strand peers still talking to it.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
