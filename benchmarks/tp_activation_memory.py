@@ -55,6 +55,7 @@ def child(model: str, tp: int, split: bool, checkpointing: bool, tokens: int) ->
     from raylign.config.model import ModelConfig
     from raylign.config.optim import OptimConfig
     from raylign.engine import create_engine, init_distributed
+    from raylign.engine.distributed import exit_process
     from raylign.models import load_causal_lm
 
     init_distributed(600)
@@ -84,7 +85,8 @@ def child(model: str, tp: int, split: bool, checkpointing: bool, tokens: int) ->
     seconds = time.perf_counter() - start
     if dist.get_rank() == 0:
         print(json.dumps({"saved_bytes": saved, "seconds": seconds}), flush=True)
-    dist.destroy_process_group()
+    # The group stays alive until the process ends: destroying it can hang (see exit_process).
+    exit_process(0)
 
 
 def estimate(hidden: int, layers: int, tokens: int, tp: int, split: bool, checkpointing: bool) -> float:

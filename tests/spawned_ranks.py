@@ -12,8 +12,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -62,11 +61,16 @@ def _run_rank(rank: int, finished: Any, fn: Callable[..., Any], *args: Any) -> N
     exit_process(0)
 
 
-@contextmanager
-def as_gloo_rank(rank: int, world_size: int, port: int) -> Iterator[None]:
-    """Within the block this spawned process is rank ``rank`` of ``world_size`` on this machine (the
-    environment torch.distributed and the engines read, one torch thread); the process group the
-    block started is destroyed on the way out, whatever happened."""
+def as_gloo_rank(rank: int, world_size: int, port: int) -> None:
+    """Make this spawned process rank ``rank`` of ``world_size`` on this machine: the environment
+    torch.distributed and the engines read, one torch thread.
+
+    The group the rank then starts is never destroyed: the process ends through :func:`_run_rank`'s
+    :func:`exit_process`, after every rank has finished. Destroying a gloo group can deadlock: the
+    last reference to it may go (``destroy_process_group``, or a DDP reducer that held it) while the
+    main thread holds the GIL and joins the group's worker threads, and a worker thread still
+    releasing a finished collective's tensors waits for the GIL to drop their Python objects.
+    """
     os.environ.update(
         {
             "RANK": str(rank),
@@ -78,10 +82,3 @@ def as_gloo_rank(rank: int, world_size: int, port: int) -> Iterator[None]:
         }
     )
     torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -95,6 +95,10 @@ def exit_process(code: int) -> NoReturn:
     and standard streams are flushed here, and the operating system closes the group's sockets.
     The group's rendezvous store must live elsewhere (torchrun's agent holds it): a rank that hosts
     the store and leaves at once can strand peers still talking to it.
+
+    Leave the group alive: destroying it (``destroy_process_group``, or its last reference going)
+    joins gloo's worker threads while holding the GIL, and a worker still releasing a finished
+    collective's Python tensors waits for the GIL: the rank hangs.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -53,46 +53,44 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
     )
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    # The group is never destroyed: the rank ends through exit_process (see spawned_ranks.as_gloo_rank).
     group = dist.group.WORLD
-    try:
-        mine = [micro_batch(rank * MICRO_BATCHES_PER_RANK + k) for k in range(MICRO_BATCHES_PER_RANK)]
-        results: dict[str, object] = {}
-        for mode in MODES:
-            policy = make_policy()
-            ddp = torch.nn.parallel.DistributedDataParallel(policy)
-            scale = compute_loss_scale([b["mask"] for b in mine], process_group=group, max_response_length=SEQ)
-            for k, batch in enumerate(mine):
-                # gradients are summed locally over micro-batches and averaged by DDP on the last one
-                sync = contextlib.nullcontext() if k == len(mine) - 1 else ddp.no_sync()
-                with sync:
-                    logprobs = token_logprobs(ddp, batch)
-                    loss, _ = compute_ppo_policy_loss(
-                        logprobs,
-                        batch["old_logprobs"],
-                        batch["advantages"],
-                        batch["mask"],
-                        aggregation=mode,
-                        scale=scale,
-                    )
-                    loss.backward()
-            results[mode] = [p.grad.clone() for p in policy.parameters()]
-        results["scale"] = scale
-        local_advantages = torch.cat([b["advantages"] for b in mine])
-        local_mask = torch.cat([b["mask"] for b in mine])
-        results["whitened"] = masked_whiten(local_advantages, local_mask, process_group=group)
-        rewards = torch.cat([b["advantages"][:, 0] for b in mine])  # any per-sample numbers will do
-        normalizer = RunningRewardNormalizer()
-        normalizer.update(rewards, process_group=group)
-        results["normalizer"] = normalizer.state_dict()
-        _, kto_metrics = kto_loss(
-            rewards,
-            rewards * 0.5,
-            rewards > 0,
-            policy_kl_logps=rewards,
-            ref_kl_logps=rewards - 0.1 * rank - 0.05,
-            process_group=group,
-        )
-        results["kto_kl"] = kto_metrics["kl"]
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    mine = [micro_batch(rank * MICRO_BATCHES_PER_RANK + k) for k in range(MICRO_BATCHES_PER_RANK)]
+    results: dict[str, object] = {}
+    for mode in MODES:
+        policy = make_policy()
+        ddp = torch.nn.parallel.DistributedDataParallel(policy)
+        scale = compute_loss_scale([b["mask"] for b in mine], process_group=group, max_response_length=SEQ)
+        for k, batch in enumerate(mine):
+            # gradients are summed locally over micro-batches and averaged by DDP on the last one
+            sync = contextlib.nullcontext() if k == len(mine) - 1 else ddp.no_sync()
+            with sync:
+                logprobs = token_logprobs(ddp, batch)
+                loss, _ = compute_ppo_policy_loss(
+                    logprobs,
+                    batch["old_logprobs"],
+                    batch["advantages"],
+                    batch["mask"],
+                    aggregation=mode,
+                    scale=scale,
+                )
+                loss.backward()
+        results[mode] = [p.grad.clone() for p in policy.parameters()]
+    results["scale"] = scale
+    local_advantages = torch.cat([b["advantages"] for b in mine])
+    local_mask = torch.cat([b["mask"] for b in mine])
+    results["whitened"] = masked_whiten(local_advantages, local_mask, process_group=group)
+    rewards = torch.cat([b["advantages"][:, 0] for b in mine])  # any per-sample numbers will do
+    normalizer = RunningRewardNormalizer()
+    normalizer.update(rewards, process_group=group)
+    results["normalizer"] = normalizer.state_dict()
+    _, kto_metrics = kto_loss(
+        rewards,
+        rewards * 0.5,
+        rewards > 0,
+        policy_kl_logps=rewards,
+        ref_kl_logps=rewards - 0.1 * rank - 0.05,
+        process_group=group,
+    )
+    results["kto_kl"] = kto_metrics["kl"]
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")

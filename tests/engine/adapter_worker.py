@@ -44,23 +44,21 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
     from raylign.config.optim import OptimConfig
     from raylign.engine import create_engine
 
-    with as_gloo_rank(rank, WORLD_SIZE, port):
-        for name, fields in BACKENDS.items():
-            engine = create_engine(lora_model(), EngineConfig(**fields, dist_timeout_s=120), OptimConfig(lr=1e-2), 2)
-            weights, config = engine.adapter_state_dict()
-            # What a merged-weight sync sends, as it streams: each tensor copied and dropped on arrival.
-            streamed = {key: tensor.clone() for key, tensor in engine.iter_full_state()}
-            if rank == 0:
-                save_file(weights, Path(out_dir) / f"{name}.safetensors", metadata={"r": str(config["r"])})
-                torch.save({"names": list(streamed), "tensors": streamed}, Path(out_dir) / f"{name}_merged.pt")
-            else:
-                assert weights == {} and streamed == {}, f"{name}: rank {rank} got weights"
-            # What colocated engines load: the same on every rank.
-            weights, _ = engine.adapter_state_dict(every_rank=True)
-            streamed = {key: tensor.clone() for key, tensor in engine.iter_full_state(every_rank=True)}
-            if rank == WORLD_SIZE - 1:
-                save_file(weights, Path(out_dir) / f"{name}_every_rank.safetensors")
-                torch.save(
-                    {"names": list(streamed), "tensors": streamed}, Path(out_dir) / f"{name}_merged_every_rank.pt"
-                )
-            dist.barrier()
+    as_gloo_rank(rank, WORLD_SIZE, port)
+    for name, fields in BACKENDS.items():
+        engine = create_engine(lora_model(), EngineConfig(**fields, dist_timeout_s=120), OptimConfig(lr=1e-2), 2)
+        weights, config = engine.adapter_state_dict()
+        # What a merged-weight sync sends, as it streams: each tensor copied and dropped on arrival.
+        streamed = {key: tensor.clone() for key, tensor in engine.iter_full_state()}
+        if rank == 0:
+            save_file(weights, Path(out_dir) / f"{name}.safetensors", metadata={"r": str(config["r"])})
+            torch.save({"names": list(streamed), "tensors": streamed}, Path(out_dir) / f"{name}_merged.pt")
+        else:
+            assert weights == {} and streamed == {}, f"{name}: rank {rank} got weights"
+        # What colocated engines load: the same on every rank.
+        weights, _ = engine.adapter_state_dict(every_rank=True)
+        streamed = {key: tensor.clone() for key, tensor in engine.iter_full_state(every_rank=True)}
+        if rank == WORLD_SIZE - 1:
+            save_file(weights, Path(out_dir) / f"{name}_every_rank.safetensors")
+            torch.save({"names": list(streamed), "tensors": streamed}, Path(out_dir) / f"{name}_merged_every_rank.pt")
+        dist.barrier()

@@ -21,19 +21,19 @@ def run_rank(rank: int, port: int, folders: dict[str, str], out_dir: str) -> Non
     from raylign.models import load_score_model
 
     results = {}
-    with as_gloo_rank(rank, WORLD_SIZE, port):
-        for kind, folder in folders.items():
-            for sharded in (False, True):
-                torch.manual_seed(0)
-                cfg = ModelConfig(path=folder, dtype="float32")
-                model = load_score_model(cfg, num_labels=1, empty=sharded)
-                engine_cfg = EngineConfig(backend="fsdp2", load_sharded=sharded, dist_timeout_s=120)
-                engine = create_engine(model, engine_cfg, OptimConfig(lr=1e-3), total_steps=1)
-                weights = engine.full_state_dict()
-                ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-                loss = engine.module(input_ids=ids).logits.float().pow(2).mean()
-                engine.backward(loss)
-                step = engine.step()
-                results[(kind, sharded)] = {"weights": weights, "loss": float(loss), "grad_norm": step["grad_norm"]}
-        if rank == 0:
-            torch.save(results, Path(out_dir) / "results.pt")
+    as_gloo_rank(rank, WORLD_SIZE, port)
+    for kind, folder in folders.items():
+        for sharded in (False, True):
+            torch.manual_seed(0)
+            cfg = ModelConfig(path=folder, dtype="float32")
+            model = load_score_model(cfg, num_labels=1, empty=sharded)
+            engine_cfg = EngineConfig(backend="fsdp2", load_sharded=sharded, dist_timeout_s=120)
+            engine = create_engine(model, engine_cfg, OptimConfig(lr=1e-3), total_steps=1)
+            weights = engine.full_state_dict()
+            ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+            loss = engine.module(input_ids=ids).logits.float().pow(2).mean()
+            engine.backward(loss)
+            step = engine.step()
+            results[(kind, sharded)] = {"weights": weights, "loss": float(loss), "grad_norm": step["grad_norm"]}
+    if rank == 0:
+        torch.save(results, Path(out_dir) / "results.pt")

@@ -230,15 +230,13 @@ def run_rank(rank: int, port: int, out_dir: str, model_dirs: dict[str, str]) -> 
         world_size=WORLD_SIZE,
         timeout=datetime.timedelta(seconds=120),
     )
-    try:
-        results: dict[str, object] = {
-            f"{name}_{mode}": run_attention_case(name, rank, mode) for name in ATTENTION_CASES for mode in MODES
-        }
-        for arch, model_dir in model_dirs.items():
-            results[arch] = run_model_case(model_dir, rank)
-            results[f"{arch}_ulysses"] = run_model_case(model_dir, rank, "ulysses")
-            results[f"{arch}_rl"] = run_rl_case(model_dir, rank)
-            results[f"{arch}_critic"] = run_critic_case(model_dir, rank)
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    # The group is never destroyed: the rank ends through exit_process (see spawned_ranks.as_gloo_rank).
+    results: dict[str, object] = {
+        f"{name}_{mode}": run_attention_case(name, rank, mode) for name in ATTENTION_CASES for mode in MODES
+    }
+    for arch, model_dir in model_dirs.items():
+        results[arch] = run_model_case(model_dir, rank)
+        results[f"{arch}_ulysses"] = run_model_case(model_dir, rank, "ulysses")
+        results[f"{arch}_rl"] = run_rl_case(model_dir, rank)
+        results[f"{arch}_critic"] = run_critic_case(model_dir, rank)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")

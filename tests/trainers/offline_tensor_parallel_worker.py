@@ -56,12 +56,12 @@ def run_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     os.chdir(REPO)  # the examples name their data files relative to the repository
     engine = {"backend": "fsdp2", "num_processes": WORLD_SIZE, "tensor_parallel_size": 2, "dist_timeout_s": 120}
     shapes = {}
-    with as_gloo_rank(rank, WORLD_SIZE, port):
-        for command in COMMANDS:
-            trainer = trainer_class(command)(command_config(command, model_dir, Path(out_dir) / command, engine))
-            trainer.run()
-            q_proj = next(m for name, m in trainer.engine.module.named_modules() if name.endswith("q_proj"))
-            shapes[command] = list(q_proj.weight.to_local().shape)
-        autotp = {**engine, "backend": "deepspeed", "zero_stage": 1}
-        trainer_class("dpo")(command_config("dpo", model_dir, Path(out_dir) / "dpo_deepspeed", autotp)).run()
+    as_gloo_rank(rank, WORLD_SIZE, port)
+    for command in COMMANDS:
+        trainer = trainer_class(command)(command_config(command, model_dir, Path(out_dir) / command, engine))
+        trainer.run()
+        q_proj = next(m for name, m in trainer.engine.module.named_modules() if name.endswith("q_proj"))
+        shapes[command] = list(q_proj.weight.to_local().shape)
+    autotp = {**engine, "backend": "deepspeed", "zero_stage": 1}
+    trainer_class("dpo")(command_config("dpo", model_dir, Path(out_dir) / "dpo_deepspeed", autotp)).run()
     (Path(out_dir) / f"shapes_rank{rank}.json").write_text(json.dumps(shapes))

@@ -107,9 +107,9 @@ def run_rank(
     from raylign.trainers.prm import PRMTrainer
     from raylign.trainers.rm import RMTrainer
 
-    with as_gloo_rank(rank, WORLD_SIZE, port):
-        for size in (1, 2):
-            DPOTrainer(dpo_config(model_dir, pairs, Path(out_dir) / f"dpo_sp{size}", size)).run()
-            RMTrainer(rm_config(model_dir, pairs, Path(out_dir) / f"rm_sp{size}", size)).run()
-            PRMTrainer(prm_config(model_dir, chains, Path(out_dir) / f"prm_sp{size}", size, separator)).run()
-        KTOTrainer(kto_config(model_dir, kto_rows, Path(out_dir) / "kto_sp2", 2)).run()
+    as_gloo_rank(rank, WORLD_SIZE, port)
+    for size in (1, 2):
+        DPOTrainer(dpo_config(model_dir, pairs, Path(out_dir) / f"dpo_sp{size}", size)).run()
+        RMTrainer(rm_config(model_dir, pairs, Path(out_dir) / f"rm_sp{size}", size)).run()
+        PRMTrainer(prm_config(model_dir, chains, Path(out_dir) / f"prm_sp{size}", size, separator)).run()
+    KTOTrainer(kto_config(model_dir, kto_rows, Path(out_dir) / "kto_sp2", 2)).run()

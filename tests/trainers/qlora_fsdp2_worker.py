@@ -28,18 +28,16 @@ def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str
     from raylign.trainers.sft import SFTTrainer
 
     out = Path(out_dir)
-    with as_gloo_rank(rank, WORLD_SIZE, port):
-        trainer = SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2", "fsdp2"))
-        trainer.run()
-        record_holdings(trainer.engine.module, out / f"holdings_rank{rank}.json")
-        SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2_resumed", "fsdp2", steps=2)).run()
-        SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2_resumed", "fsdp2")).run()
-        SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2_sp2", "fsdp2", sequence_parallel_size=2)).run()
-        SFTTrainer(sft_config(model_dir, train_file, out / "deepspeed", "deepspeed", zero_stage=2)).run()
-        SFTTrainer(
-            sft_config(model_dir, train_file, out / "deepspeed_resumed", "deepspeed", steps=2, zero_stage=2)
-        ).run()
-        SFTTrainer(sft_config(model_dir, train_file, out / "deepspeed_resumed", "deepspeed", zero_stage=2)).run()
+    as_gloo_rank(rank, WORLD_SIZE, port)
+    trainer = SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2", "fsdp2"))
+    trainer.run()
+    record_holdings(trainer.engine.module, out / f"holdings_rank{rank}.json")
+    SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2_resumed", "fsdp2", steps=2)).run()
+    SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2_resumed", "fsdp2")).run()
+    SFTTrainer(sft_config(model_dir, train_file, out / "fsdp2_sp2", "fsdp2", sequence_parallel_size=2)).run()
+    SFTTrainer(sft_config(model_dir, train_file, out / "deepspeed", "deepspeed", zero_stage=2)).run()
+    SFTTrainer(sft_config(model_dir, train_file, out / "deepspeed_resumed", "deepspeed", steps=2, zero_stage=2)).run()
+    SFTTrainer(sft_config(model_dir, train_file, out / "deepspeed_resumed", "deepspeed", zero_stage=2)).run()
 
 
 def record_holdings(module, path: Path) -> None:

@@ -72,16 +72,14 @@ def run_rank(rank: int, port: int, model_dir: str, student_dir: str, train_file:
     from raylign.trainers.kd import KDTrainer
     from raylign.trainers.sft import SFTTrainer
 
-    with as_gloo_rank(rank, WORLD_SIZE, port):
-        for size in (1, 2):
-            SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / f"sp{size}", size)).run()
-            SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / f"lora_sp{size}", size, lora_rank=4)).run()
-            KDTrainer(kd_config(student_dir, model_dir, train_file, Path(out_dir) / f"kd_sp{size}", size)).run()
-        checkpointed = sft_config(
-            model_dir, train_file, Path(out_dir) / "checkpointed_sp2", 2, gradient_checkpointing=True
-        )
-        SFTTrainer(checkpointed).run()
-        zero3 = sft_config(model_dir, train_file, Path(out_dir) / "zero3_sp2", 2, backend="deepspeed", zero_stage=3)
-        SFTTrainer(zero3).run()
-        ulysses = sft_config(model_dir, train_file, Path(out_dir) / "ulysses_sp2", 2, sequence_parallel_mode="ulysses")
-        SFTTrainer(ulysses).run()
+    as_gloo_rank(rank, WORLD_SIZE, port)
+    for size in (1, 2):
+        SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / f"sp{size}", size)).run()
+        SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / f"lora_sp{size}", size, lora_rank=4)).run()
+        KDTrainer(kd_config(student_dir, model_dir, train_file, Path(out_dir) / f"kd_sp{size}", size)).run()
+    checkpointed = sft_config(model_dir, train_file, Path(out_dir) / "checkpointed_sp2", 2, gradient_checkpointing=True)
+    SFTTrainer(checkpointed).run()
+    zero3 = sft_config(model_dir, train_file, Path(out_dir) / "zero3_sp2", 2, backend="deepspeed", zero_stage=3)
+    SFTTrainer(zero3).run()
+    ulysses = sft_config(model_dir, train_file, Path(out_dir) / "ulysses_sp2", 2, sequence_parallel_mode="ulysses")
+    SFTTrainer(ulysses).run()

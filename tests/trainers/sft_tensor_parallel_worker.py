@@ -85,33 +85,33 @@ def run_rank(rank: int, port: int, model_dir: str, train_file: str, out_dir: str
 
     from raylign.trainers.sft import SFTTrainer
 
-    with as_gloo_rank(rank, WORLD_SIZE, port):
-        for name, run in RUNS.items():
-            if "stop_after" in run:
-                SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run, run["stop_after"])).run()
-            trainer = SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run))
-            if name.startswith("tp2_sp2"):
-                with counting_padded_chunks(Path(out_dir) / f"padded_chunks_{name}_rank{rank}.json"):
-                    trainer.run()
-            else:
+    as_gloo_rank(rank, WORLD_SIZE, port)
+    for name, run in RUNS.items():
+        if "stop_after" in run:
+            SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run, run["stop_after"])).run()
+        trainer = SFTTrainer(sft_config(model_dir, train_file, Path(out_dir) / name, run))
+        if name.startswith("tp2_sp2"):
+            with counting_padded_chunks(Path(out_dir) / f"padded_chunks_{name}_rank{rank}.json"):
                 trainer.run()
-            if name == "lora_tp2":
-                record_lora_blocks(trainer.engine.module, Path(out_dir) / f"lora_blocks_rank{rank}.json")
-            if name.startswith("tp2"):
-                record_residual_shapes(trainer.engine.module, Path(out_dir) / f"residual_{name}_rank{rank}.json")
-        record_autotp_shapes(model_dir, Path(out_dir) / f"autotp_rank{rank}.json")
-        # DeepSpeed keeps the AutoTP groups of the runs above: a deepspeed run without AutoTP is refused.
-        try:
-            SFTTrainer(
-                sft_config(
-                    model_dir,
-                    train_file,
-                    Path(out_dir) / "deepspeed_after_autotp",
-                    AUTOTP2 | {"tensor_parallel_size": 1},
-                )
-            ).run()
-        except RuntimeError as err:
-            (Path(out_dir) / f"after_autotp_rank{rank}.txt").write_text(str(err))
+        else:
+            trainer.run()
+        if name == "lora_tp2":
+            record_lora_blocks(trainer.engine.module, Path(out_dir) / f"lora_blocks_rank{rank}.json")
+        if name.startswith("tp2"):
+            record_residual_shapes(trainer.engine.module, Path(out_dir) / f"residual_{name}_rank{rank}.json")
+    record_autotp_shapes(model_dir, Path(out_dir) / f"autotp_rank{rank}.json")
+    # DeepSpeed keeps the AutoTP groups of the runs above: a deepspeed run without AutoTP is refused.
+    try:
+        SFTTrainer(
+            sft_config(
+                model_dir,
+                train_file,
+                Path(out_dir) / "deepspeed_after_autotp",
+                AUTOTP2 | {"tensor_parallel_size": 1},
+            )
+        ).run()
+    except RuntimeError as err:
+        (Path(out_dir) / f"after_autotp_rank{rank}.txt").write_text(str(err))
 
 
 @contextmanager
