@@ -28,6 +28,7 @@ import statistics
 import time
 
 import torch
+from child_runs import ALL_CORE_SIZES, MATMUL_SIZES
 
 from raylign.config.model import ModelConfig
 from raylign.hardware import cpu_flags, cpu_model, matmul_gflops
@@ -80,7 +81,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     # Measured on the threads the update runs on (several cores share caches and memory bandwidth, so
     # their rate is not the one-thread rate times the cores); threads pay off on larger products.
-    sizes = (128, 256, 512) if args.threads == 1 else (256, 512, 1024)
+    sizes = MATMUL_SIZES if args.threads == 1 else ALL_CORE_SIZES
     rate = max(matmul_gflops(dtype, size=n, repeats=5, threads=args.threads) for n in sizes) * 1e9
     model = load_causal_lm(ModelConfig(path=args.model, dtype=args.dtype))
     model.train()
