@@ -41,6 +41,7 @@ from raylign.rollout.weight_sync import (
     SyncReceipt,
     join_group_as_receiver,
     load_and_drain,
+    retire_group,
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -322,6 +323,7 @@ class HFEngine(RolloutEngine):
     async def join_weight_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
         if world_size != 2:
             raise ValueError(f"sync group of size {world_size} for an hf engine (one worker: size 2)")
+        retire_group(self._sync_group)
         self._sync_group = join_group_as_receiver(host, port, 1, world_size, timeout_s)
         self._sync_buffers = BufferPool()  # the buckets' buffers, kept from sync to sync
 
@@ -352,6 +354,7 @@ class HFEngine(RolloutEngine):
         return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1).cpu().tolist()
 
     async def leave_weight_sync_group(self) -> None:
+        retire_group(self._sync_group)
         self._sync_group = None
 
     async def num_sync_ranks(self) -> int:

@@ -47,7 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 from raylign.rollout.buckets import BufferPool, group_into_buckets
 from raylign.rollout.sync_wire import IncomingSync, load_and_drain
 from raylign.rollout.vllm_engine import TRANSFER_BACKEND as BACKEND
-from raylign.rollout.weight_sync import join_group_as_receiver, with_tied_lm_head
+from raylign.rollout.weight_sync import join_group_as_receiver, retire_group, with_tied_lm_head
 
 
 def register() -> None:
@@ -94,6 +94,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         parallel = self.parallel_config
         worker = parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.rank = init_info.rank_offset + worker
+        retire_group(self.group)
         _, self.group = join_group_as_receiver(
             init_info.host, init_info.port, self.rank, init_info.world_size, init_info.timeout_s
         )
@@ -143,6 +144,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.model.load_weights(with_tied_lm_head(named_tensors, tied))
 
     def shutdown(self) -> None:
+        retire_group(self.group)
         self.group = None
 
 

@@ -71,6 +71,25 @@ def make_gloo_group(store: dist.Store, rank: int, world_size: int, timeout_s: fl
     return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
 
 
+_retired: list[Any] = []
+
+
+def retire_group(group: Any) -> None:
+    """Keep a sync group this process no longer uses (its store with it) referenced until the process ends.
+
+    Dropping a gloo group's last reference joins its worker threads while holding the GIL, and a
+    worker still releasing the Python tensors of a finished or aborted broadcast waits for the GIL:
+    the process hangs (:func:`raylign.engine.distributed.exit_process`). Groups are retired only
+    when an engine leaves or is replaced, so the idle threads and sockets kept are few."""
+    if group is not None:
+        _retired.append(group)
+
+
+def retired_groups() -> int:
+    """How many groups this process has retired."""
+    return len(_retired)
+
+
 def join_group_as_receiver(
     host: str, port: int, rank: int, world_size: int, timeout_s: float
 ) -> tuple[dist.TCPStore, dist.ProcessGroupGloo]:
@@ -238,6 +257,7 @@ class WeightSyncSender:
     def replace(self, index: int, engine: Any) -> None:
         """A new engine took the place of engine ``index`` (which died): its own new group replaces the old."""
         self.engines[index] = engine
+        retire_group((self._stores[index], self._groups[index]))
         self._stores[index], self._groups[index] = self._open(index, engine, self.host or local_host_address())
         logger.info("weight sync: reconnected engine %d", index)
 
@@ -340,5 +360,7 @@ class WeightSyncSender:
     def close(self) -> None:
         if self._groups:
             self._results([engine.leave_weight_sync_group.remote() for engine in self.engines], "leaving the group")
+        for pair in zip(self._stores, self._groups):
+            retire_group(pair)
         self._groups.clear()
         self._stores.clear()

@@ -8,6 +8,7 @@ import torch
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 from raylign.rollout.base import Completion
 from raylign.rollout.pool import RolloutPool, launch_engines, order_completions, split_by_token_load, stop_engines
+from raylign.rollout.weight_sync import retired_groups
 
 from .rollout_helpers import load_fp32, perturb_, reference_logprobs
 
@@ -83,7 +84,9 @@ def test_pool_of_two_engines_splits_by_load_and_returns_in_order(ray_session, ti
         with pytest.raises(ValueError, match="trainer failed"):  # a failing trainer aborts the engines' receive
             pool.sync_weights(_fail_after(model.named_parameters(), 3))
         stats = pool.sync_weights(model.named_parameters())  # and the groups stay usable
+        retired = retired_groups()
         pool.close_weight_sync()
+        assert retired_groups() == retired + 2  # both groups stay referenced: dropping one can hang the process
         assert stats.num_tensors == len(list(model.named_parameters()))
         after = pool.generate_blocking(prompts, SamplingConfig(temperature=0.0, max_new_tokens=4))
         assert {c.weight_version for c in after} == {1, 2}
