@@ -7,16 +7,18 @@ or why it was skipped, and the whole run stays under 8 minutes on a current GPU:
 1. ``peak``: the device's bf16 matmul rate and copy bandwidth, measured here (the floors below);
 2. ``sft``: raylign's ``local`` training engine, SFT steps of a Qwen2-0.5B-shaped model in bf16 on
    packed rows: tokens/s and model FLOP utilisation (6 x parameters x tokens against ``peak``);
-3. ``rl``: an RL update of the same model (reference pass, response-only log-probs, PPO-clip loss,
+3. ``fsdp2``: the same SFT step on raylign's ``fsdp2`` engine in a one-rank process group (nccl on
+   the GPU), the model built on the meta device and read from its safetensors shard by shard;
+4. ``rl``: an RL update of the same model (reference pass, response-only log-probs, PPO-clip loss,
    backward, step): tokens/s and utilisation;
-4. ``hf_rollout``: the ``hf`` rollout engine generating on the device: tokens/s against the
+5. ``hf_rollout``: the ``hf`` rollout engine generating on the device: tokens/s against the
    bandwidth floor of decoding (every step reads every weight once);
-5. ``ipc_handover``: the full bf16 weights handed to a second process on the same device through
+6. ``ipc_handover``: the full bf16 weights handed to a second process on the same device through
    CUDA IPC (torch.multiprocessing), in size-bounded buckets: seconds per sync against bytes / copy
    bandwidth;
-6. ``colocated``: trainer and rollout engine in one process, in the colocated order (offload the
+7. ``colocated``: trainer and rollout engine in one process, in the colocated order (offload the
    trainer, hand the weights over, generate, onload, train): peak device memory per phase;
-7. ``raylign_rl``: where Ray and vLLM import, the quickstart's RL run on the vLLM engine.
+8. ``raylign_rl``: where Ray and vLLM import, the quickstart's RL run on the vLLM engine.
 
     python benchmarks/gpu_check.py                              # on the GPU machine
     python benchmarks/gpu_check.py --device cpu --size tiny     # the same checks on a CPU, seconds
@@ -140,12 +142,12 @@ def packed_batch(vocab: int, rows: int, row_len: int, sample_len: int, device: t
     return {"input_ids": ids.to(device), "position_ids": positions.to(device)}
 
 
-def train_engine(model: torch.nn.Module, steps: int) -> Any:
+def train_engine(model: torch.nn.Module, steps: int, backend: str = "local") -> Any:
     from raylign.config.engine import EngineConfig
     from raylign.config.optim import OptimConfig
     from raylign.engine import create_engine
 
-    return create_engine(model, EngineConfig(backend="local"), OptimConfig(lr=1e-6, max_grad_norm=1.0), steps)
+    return create_engine(model, EngineConfig(backend=backend), OptimConfig(lr=1e-6, max_grad_norm=1.0), steps)
 
 
 def n_params(model: torch.nn.Module) -> int:
@@ -153,10 +155,33 @@ def n_params(model: torch.nn.Module) -> int:
 
 
 def check_sft(device: torch.device, folder: Path, size: str, peak: dict[str, Any]) -> dict[str, Any]:
+    return sft_figures(train_engine(load_model(folder, device), steps=100), device, size, peak)
+
+
+def check_fsdp2(device: torch.device, folder: Path, size: str, peak: dict[str, Any]) -> dict[str, Any]:
+    """The same SFT step on raylign's ``fsdp2`` engine in a one-rank process group (nccl for the device's
+    tensors on a GPU), the model built on the meta device and read from its safetensors shard by shard."""
+    from raylign.config.engine import EngineConfig
+    from raylign.config.model import ModelConfig
+    from raylign.engine.distributed import ensure_process_group
+    from raylign.models import load_causal_lm, loads_sharded
+
+    ensure_process_group(timeout_s=300)
+    model_cfg = ModelConfig(path=str(folder), dtype="bfloat16")
+    empty = loads_sharded(model_cfg, EngineConfig(backend="fsdp2"))  # as the training workers decide it
+    figures: dict[str, Any] = {"loaded": "shard by shard" if empty else "whole"}
+    with peak_memory(device, figures, "load_gib"):
+        engine = train_engine(load_causal_lm(model_cfg, empty=empty), steps=100, backend="fsdp2")
+    if engine.device.type != device.type:
+        raise RuntimeError(f"the fsdp2 engine placed the model on {engine.device}, not on {device}")
+    return {**figures, **sft_figures(engine, device, size, peak)}
+
+
+def sft_figures(engine: Any, device: torch.device, size: str, peak: dict[str, Any]) -> dict[str, Any]:
+    """Seconds, utilisation and tokens/s of an SFT step of ``engine`` on packed rows, and its peak memory."""
     from raylign.models import token_logprobs
 
-    model = load_model(folder, device)
-    engine = train_engine(model, steps=100)
+    model = engine.module
     rows, row_len = (4, 2048) if size == "0.5b" else (2, 128)
     batch = packed_batch(model.config.vocab_size, rows, row_len, row_len // 4, device)
     valid = (batch["position_ids"] > 0).float()
@@ -353,6 +378,7 @@ def check_raylign_rl(device: torch.device, folder: Path, size: str, peak: dict[s
 
 CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
     "sft": check_sft,
+    "fsdp2": check_fsdp2,
     "rl": check_rl,
     "hf_rollout": check_hf_rollout,
     "ipc_handover": check_ipc_handover,
@@ -396,4 +422,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    from raylign.engine.distributed import exit_process
+
     main()
+    exit_process(0)  # the fsdp2 check's process group stays alive: no interpreter shutdown under it

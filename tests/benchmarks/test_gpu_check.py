@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py, run on the CPU at its tiny size as a GPU machine would run it at full size:
-every check reports, and each figure is what its definition gives from the model and the measured times.
+every check reports (the fsdp2 one in a one-rank gloo group), and each figure is what its definition gives
+from the model and the measured times.
 A GPU session is short; this keeps the script from breaking between sessions."""
 
 from __future__ import annotations
@@ -35,10 +36,20 @@ def report(tmp_path_factory):
 
 def test_every_check_reports_a_figure_or_why_it_was_skipped(report):
     results, _, stdout = report
-    assert set(results) == {"size", "peak", "sft", "rl", "hf_rollout", "ipc_handover", "colocated", "raylign_rl"}
+    assert set(results) == {
+        "size",
+        "peak",
+        "sft",
+        "fsdp2",
+        "rl",
+        "hf_rollout",
+        "ipc_handover",
+        "colocated",
+        "raylign_rl",
+    }
     assert not [name for name, value in results.items() if isinstance(value, dict) and "failed" in value], stdout
     assert results["raylign_rl"] == {"skipped": "the CPU path of raylign rl is covered by the test suite"}
-    for name in ("sft", "rl", "hf_rollout", "ipc_handover", "colocated"):
+    for name in ("sft", "fsdp2", "rl", "hf_rollout", "ipc_handover", "colocated"):
         assert f"{name}: {results[name]}" in stdout  # printed as it finished, not only written at the end
 
 
@@ -47,12 +58,13 @@ def test_training_figures_are_model_flop_over_the_measured_step(report):
     params = sum(p.numel() for p in model.parameters())  # the tied embedding counted once
     peak = results["peak"]["bf16_tflops"]
     # SFT: forward and backward, 6 x parameters x tokens; RL adds the reference's forward, 2 x more.
-    for name, flop_per_token in (("sft", 6), ("rl", 8)):
+    for name, flop_per_token in (("sft", 6), ("fsdp2", 6), ("rl", 8)):
         figures = results[name]
         # The report rounds each figure to three significant digits (up to 0.5% apart): rel=1e-2.
         assert figures["tflops"] == pytest.approx(flop_per_token * params * TOKENS / figures["step_s"] / 1e12, rel=1e-2)
         assert figures["mfu"] == pytest.approx(figures["tflops"] / peak, rel=1e-2)
         assert figures["tokens_per_s"] == pytest.approx(TOKENS / figures["step_s"], rel=1e-2)
+    assert results["fsdp2"]["loaded"] == "shard by shard"  # built on the meta device, as training workers do
 
 
 def test_the_handover_moves_every_weight_byte_once_against_the_copy_floor(report):
