@@ -17,7 +17,10 @@ One update:
 * ``update_weights({"version": v})``: take in the buckets, check each one's checksum, load its
   tensors. ``update_weights({"version": v, "packed": [...]})`` loads tensors handed over inline
   instead, one bucket a call (an engine in the trainer's own process has no group).
-* ``finish_weight_update``: the reload ends; layers that received nothing keep their tensors.
+* ``finish_weight_update``: the reload ends; layers that received nothing keep their tensors. vLLM
+  warns "<layer>: Failed to load weights" for each such layer; for a rotary embedding, whose cos/sin
+  cache is computed and in no checkpoint, that is expected at every update, so :func:`register`
+  drops that one warning (any other layer's still shows).
 
 vLLM's ``update_weights`` answers nothing, so the outcome is kept as :attr:`GlooWeightTransferEngine.receipt`
 (the checksum and bucket count of what arrived, or the error) and read back by the worker
@@ -33,6 +36,7 @@ imported, which vLLM does in every worker process before it loads the model.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +60,24 @@ def register() -> None:
 
     with contextlib.suppress(ValueError):  # registered already
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, GlooWeightTransferEngine.__name__)
+    logging.getLogger(RELOAD_LOGGER).addFilter(ROTARY_RELOAD_FILTER)  # a filter already there is not added twice
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" warning where the layer is a rotary embedding
+    (``RotaryEmbedding``, ``Llama3RotaryEmbedding``, ...): it has no weights to send, and vLLM keeps its
+    computed cos/sin cache. The engine's log-probs after each sync are checked by the probe instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        rotary = bool(args) and str(args[0]).endswith("RotaryEmbedding")
+        return not (record.msg == "%s: Failed to load weights" and rotary)
+
+
+ROTARY_RELOAD_FILTER = RotaryReloadFilter()
 
 
 @dataclass
