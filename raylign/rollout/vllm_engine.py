@@ -289,7 +289,7 @@ class VLLMEngine(RolloutEngine):
         self._adapter_root: str | None = None
 
     async def _group(self, prompt: list[int], sampling: SamplingConfig, index: int) -> list[Completion]:
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         params = build_sampling_params(sampling, request_seed(sampling, index))
@@ -301,7 +301,7 @@ class VLLMEngine(RolloutEngine):
         if adapter is not None:
             self._adapter_users[adapter.lora_int_id] += 1
         try:
-            request = TokensPrompt(prompt_token_ids=prompt)
+            request = tokens_input(list(prompt))  # the engine's own input: no renderer pass
             async for output in self.llm.generate(request, params, request_id=request_id, lora_request=adapter):
                 for delta in output.outputs:
                     _append_delta(samples, delta)
@@ -474,12 +474,12 @@ class VLLMEngine(RolloutEngine):
         computes them from the raw logits and reads no prefix cache for such a request. With a LoRA
         adapter served, under it unless ``base``."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import tokens_input
 
         check_probe(token_ids, self.vocab_size)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         version, final = self.weight_version, None
-        request = TokensPrompt(prompt_token_ids=list(token_ids))
+        request = tokens_input(list(token_ids))
         adapter = None if base else self._adapter
         request_id = f"probe-{next(self._request_ids)}"
         async for output in self.llm.generate(request, params, request_id=request_id, lora_request=adapter):
