@@ -117,7 +117,7 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, dict[str, float]]:
             {
                 "model": {"path": str(model), "dtype": "float32"},
                 "data": {"train": [str(sft_file)], "max_length": 64, "min_response_tokens": 8, "seed": cfg.seed},
-                "optim": {"lr": 3e-3, "warmup_steps": 5},
+                "optim": {"lr": 3e-3, "warmup_steps": min(5, cfg.sft_steps)},  # no longer than the run
                 "train": {
                     "output_dir": str(out / "sft"),
                     "max_steps": cfg.sft_steps,
@@ -157,7 +157,8 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, dict[str, float]]:
             "sampling": {"n": cfg.samples_per_prompt, "max_new_tokens": max_new_tokens, "temperature": 1.0},
             "data": {"train": [str(prompts)], "eval": [str(held_out)], "seed": cfg.seed},
             # A short warm-up of the learning rate: Adam's first steps move every weight by about lr at once.
-            "optim": {"lr": cfg.rl_lr, "scheduler": "constant", "warmup_steps": 10},
+            # At most one warm-up step per RL step, so that a shorter run still starts.
+            "optim": {"lr": cfg.rl_lr, "scheduler": "constant", "warmup_steps": min(10, cfg.rl_steps)},
             # The phases take turns, so each worker computes on every core, but on at most 4: a model this
             # small has too little work per matrix product to keep more threads busy.
             "placement": {"threads_per_worker": min(4, os.cpu_count() or 1)},
