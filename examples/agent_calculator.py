@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         "model": {"path": str(model), "dtype": "float32"},
         # Unpacked rows: short transcripts packed into one long row pay for attention across all of them.
         "data": {"train": [str(sft_file)], "max_length": 96, "seed": args.seed, "packing": False},
-        "optim": {"lr": 3e-3, "warmup_steps": 10},
+        "optim": {"lr": 3e-3, "warmup_steps": min(10, args.sft_steps)},
         "train": {
             "output_dir": str(out / "sft"),
             "max_steps": args.sft_steps,

@@ -415,6 +415,13 @@ class RLConfig(Section):
                 f"critic.path is set but algorithm.advantage '{a.advantage}' uses no critic "
                 "(only gae does); remove critic.path or use the ppo preset"
             )
+        updates = t.max_steps * t.mini_batches * t.ppo_epochs  # each model's optimizer steps in the run
+        for field, optim in (("optim", self.optim), ("critic.optim", self.critic.optim if self.uses_critic else None)):
+            if optim is not None and optim.warmup_steps > updates:
+                raise ValueError(
+                    f"{field}.warmup_steps ({optim.warmup_steps}) exceeds the run's optimizer steps, "
+                    f"train.max_steps x train.mini_batches x train.ppo_epochs = {updates}"
+                )
         samples = t.prompts_per_step * s.n
         if samples % t.mini_batches:
             raise ValueError(

@@ -174,6 +174,18 @@ def test_rollout_batch_must_divide_into_mini_batches(base, tmp_path):
         assert field in message
 
 
+@pytest.mark.parametrize("preset, field", [("grpo", "optim"), ("ppo", "critic.optim")])
+def test_a_warm_up_longer_than_the_run_is_refused_before_anything_starts(base, tmp_path, preset, field):
+    base["preset"] = preset
+    base["train"].update(max_steps=2, mini_batches=2, ppo_epochs=3)  # 2 x 2 x 3 = 12 optimizer steps
+    section = base.setdefault("critic", {}) if field == "critic.optim" else base
+    section.setdefault("optim", {})["warmup_steps"] = 12
+    resolve(tmp_path, base)  # a warm-up as long as the run is fine
+    section["optim"]["warmup_steps"] = 13
+    message = _error(tmp_path, base)
+    assert f"{field}.warmup_steps (13)" in message and "= 12" in message
+
+
 def test_mini_batch_must_divide_over_policy_workers(base, tmp_path):
     base["train"].update(prompts_per_step=3, mini_batches=2)  # mini-batches of 6 samples
     base["placement"] = {"policy_workers": 4}
