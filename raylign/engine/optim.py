@@ -163,12 +163,17 @@ def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: Any, cfg: OptimConfig, total_steps: int) -> LambdaLR:
-    """A ``LambdaLR`` of :func:`lr_multiplier`; step it once after each optimizer step."""
+def check_schedule(cfg: OptimConfig, total_steps: int) -> None:
+    """Refuse a schedule that cannot run ``total_steps`` optimizer steps (a warm-up longer than the run)."""
     if total_steps < 1:
         raise ValueError(f"total_steps must be at least 1 (got {total_steps})")
     if cfg.warmup_steps > total_steps:
         raise ValueError(f"optim.warmup_steps={cfg.warmup_steps} exceeds the run's total_steps={total_steps}")
+
+
+def build_scheduler(optimizer: Any, cfg: OptimConfig, total_steps: int) -> LambdaLR:
+    """A ``LambdaLR`` of :func:`lr_multiplier`; step it once after each optimizer step."""
+    check_schedule(cfg, total_steps)
     return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
 
 

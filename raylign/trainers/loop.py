@@ -43,6 +43,7 @@ from raylign.engine.distributed import (
     peak_memory_bytes,
     sequence_parallel_groups,
 )
+from raylign.engine.optim import check_schedule
 from raylign.models.packed_attention import packed_row_tokens, runs_samples_apart
 from raylign.models.sequence_parallel import SEQUENCE_ATTENTION, shard_packed_batch, sharded_sequence_logprobs
 from raylign.trainers.guard import SkippedSteps
@@ -156,6 +157,7 @@ class OfflineTrainer:
             raise ValueError("the training set is empty after filtering; see the data statistics above")
         self.micro_per_rank = self._micro_batches_per_rank()
         self.total_steps = self._total_steps()
+        check_schedule(self.cfg.optim, self.total_steps)  # before the model loads, which can take minutes
         model = self.build_model()
         # 0 (the default) packs a micro-batch into one row where the attention computes packed samples apart
         self.row_tokens = packed_row_tokens(self.cfg.data.pack_row_tokens, runs_samples_apart([self.cfg.model]))

@@ -222,6 +222,22 @@ def test_non_finite_steps_in_a_row_stop_the_run_naming_the_step_and_the_rows(tmp
         assert torch.equal(value, trainer.weights_after[1][name]), name
 
 
+class RecordsModelLoads(SFTTrainer):
+    loaded = 0
+
+    def build_model(self):
+        self.loaded += 1
+        return super().build_model()
+
+
+def test_a_warm_up_longer_than_the_run_is_refused_before_the_model_loads(tmp_path, tiny_model_dir):
+    train_file = write_jsonl(tmp_path / "train.jsonl", make_string_rows("reverse", 64, seed=0))
+    trainer = RecordsModelLoads(sft_config(tiny_model_dir, train_file, tmp_path / "run", max_steps=1))  # warm-up 2
+    with pytest.raises(ValueError, match=r"optim.warmup_steps=2 exceeds the run's total_steps=1"):
+        trainer.run()
+    assert trainer.loaded == 0  # a large model's load would have been wasted
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_loss_runs_the_output_layer_at_the_trained_tokens_only(tiny_model_dir, packed):
     """Two samples of 7 and 4 tokens whose last 3 and 2 tokens are trained: the output layer computes 5
