@@ -181,24 +181,25 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, dict[str, float]]:
         summary[name] = {"reward": row["eval/all/reward_mean"], "exact_match": row["eval/all/pass@1"]}
     summary["seconds"] = {"total": time.perf_counter() - start}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    _report(summary, held_out, out)
+    _report(summary, held_out, out, warmed_up=cfg.sft_steps > 0)
     return summary
 
 
-def _report(summary: dict[str, dict[str, float]], held_out: Path, out: Path) -> None:
+def _report(summary: dict[str, dict[str, float]], held_out: Path, out: Path, warmed_up: bool) -> None:
     base, warm, final = summary["base_model"], summary["after_warmup"], summary["after_rl"]
     log.info("held-out prompts (%s, greedy answers): mean reward / exact answers", held_out)
-    for label, row in (("random model", base), ("after the SFT warm-up", warm), ("after GRPO", final)):
+    start = "after the SFT warm-up" if warmed_up else "before GRPO (no SFT)"
+    for label, row in (("random model", base), (start, warm), ("after GRPO", final)):
         log.info("  %-22s %.3f / %5.1f%%", label, row["reward"], 100 * row["exact_match"])
+    moved = "raised" if final["reward"] > warm["reward"] else "did not raise"
     log.info(
-        "RL raised the held-out mean reward from %.2f to %.2f and exact answers from %.0f%% to %.0f%%; "
-        "the warm-up alone had brought the reward from %.2f to %.2f.",
+        "RL %s the held-out mean reward (%.2f to %.2f; exact answers %.0f%% to %.0f%%)%s",
+        moved,
         warm["reward"],
         final["reward"],
         100 * warm["exact_match"],
         100 * final["exact_match"],
-        base["reward"],
-        warm["reward"],
+        f"; the warm-up alone had brought it from {base['reward']:.2f} to {warm['reward']:.2f}." if warmed_up else ".",
     )
     log.info(
         "results: policy %s | reward curve %s | metrics %s | TensorBoard %s | summary %s",
