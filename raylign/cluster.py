@@ -297,14 +297,22 @@ def describe_actor(handle: Any) -> str:
     return text
 
 
-def ray_error_log_excerpt(since: float = 0.0, limit: int = 8) -> list[str]:
-    """The last ``limit`` distinct error lines in this machine's Ray session logs written after ``since``."""
+def ray_session_logs() -> str | None:
+    """The log folder of this machine's Ray session (each worker's output is ``worker-*.out`` and
+    ``worker-*.err`` there), or None without a session."""
     import ray
 
     try:
         node = ray._private.worker._global_node  # Ray has no public API for its session folder
-        logs = os.path.join(node.get_session_dir_path(), "logs")  # type: ignore[attr-defined]
+        return os.path.join(node.get_session_dir_path(), "logs")  # type: ignore[attr-defined]
     except Exception:
+        return None
+
+
+def ray_error_log_excerpt(since: float = 0.0, limit: int = 8) -> list[str]:
+    """The last ``limit`` distinct error lines in this machine's Ray session logs written after ``since``."""
+    logs = ray_session_logs()
+    if logs is None:
         return []
     words = ("Error", "error:", "Failed", "failed", "Unauthenticated", "Traceback", "Exception")
     lines: list[str] = []

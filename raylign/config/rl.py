@@ -305,6 +305,11 @@ class RLConfig(Section):
         return deep_merge(cls.preset_defaults(data), data)
 
     @property
+    def optimizer_steps(self) -> int:
+        """Each trained model's optimizer steps in the whole run (what its learning-rate schedule spans)."""
+        return self.train.max_steps * self.train.mini_batches * self.train.ppo_epochs
+
+    @property
     def uses_critic(self) -> bool:
         return self.algorithm.estimator_needs("needs_values")
 
@@ -415,12 +420,11 @@ class RLConfig(Section):
                 f"critic.path is set but algorithm.advantage '{a.advantage}' uses no critic "
                 "(only gae does); remove critic.path or use the ppo preset"
             )
-        updates = t.max_steps * t.mini_batches * t.ppo_epochs  # each model's optimizer steps in the run
         for field, optim in (("optim", self.optim), ("critic.optim", self.critic.optim if self.uses_critic else None)):
-            if optim is not None and optim.warmup_steps > updates:
+            if optim is not None and optim.warmup_steps > self.optimizer_steps:
                 raise ValueError(
                     f"{field}.warmup_steps ({optim.warmup_steps}) exceeds the run's optimizer steps, "
-                    f"train.max_steps x train.mini_batches x train.ppo_epochs = {updates}"
+                    f"train.max_steps x train.mini_batches x train.ppo_epochs = {self.optimizer_steps}"
                 )
         samples = t.prompts_per_step * s.n
         if samples % t.mini_batches:

@@ -161,7 +161,6 @@ class RLTrainer:
         self.reward = build_reward(cfg.reward, timeout) if cfg.reward is not None else None
         dump = cfg.model_dump(mode="json")
         dump["model"]["path"] = self.model_path
-        updates = cfg.train.max_steps * cfg.train.mini_batches * cfg.train.ppo_epochs
         p = cfg.placement
         roles = cfg.worker_roles
         self.placement_groups = placement_groups(cfg, has_gpus)
@@ -179,7 +178,7 @@ class RLTrainer:
                 role,
                 dump,
                 workers,
-                updates,
+                cfg.optimizer_steps,
                 group,
                 num_cpus=p.cpus_per_worker,
                 num_gpus=gpus,

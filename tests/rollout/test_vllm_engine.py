@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from raylign.cluster import ray_session_logs
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 from raylign.rollout.pool import launch_engines, stop_engines
 from raylign.rollout.weight_sync import WeightSyncSender
@@ -161,16 +162,17 @@ def _sync_and_check(ray, engine, model_dir, named_tensors_of):
     after = generate(ray, engine, [LONG_PROMPT, PROMPTS[0]], temperature=0.0, max_new_tokens=6)
     assert_logprobs_match(after, trainer)
     assert after[0].response_logprobs != pytest.approx(before[0].response_logprobs, abs=1e-3)
-    assert reload_warnings(ray) == []
+    assert reload_warnings() == []
     return before, after
 
 
-def reload_warnings(ray) -> list[str]:
+def reload_warnings() -> list[str]:
     """vLLM's "<layer>: Failed to load weights" lines in the logs of this Ray session's workers, which hold
     the engines' output (and their vLLM workers'). vLLM writes it for a layer whose weights a reload did
     not receive; a rotary embedding never gets any (its cos/sin cache is computed, and vLLM keeps it), so
     the engines leave that one out: otherwise every sync would warn of a failure that is not one."""
-    logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    logs = ray_session_logs()
+    assert logs is not None, "no Ray session logs to read"
     lines = []
     for path in glob.glob(os.path.join(logs, "worker-*.out")) + glob.glob(os.path.join(logs, "worker-*.err")):
         with open(path, errors="replace") as f:
