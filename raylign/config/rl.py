@@ -145,6 +145,15 @@ class PlacementConfig(Section):
         "as it runs, like the policy (no optimizer, no fp32 copy). false: every reference worker holds a whole "
         "replica (the only mode with the local and deepspeed backends).",
     )
+    reference_with_policy: bool | Literal["auto"] = Field(
+        "auto",
+        description="The reference model lives in the policy's worker processes, one replica per policy rank "
+        "(with engine.backend fsdp2 and placement.shard_reference, sharded over the policy's ranks), and no "
+        "reference workers start: a run then starts one process fewer per reference rank. auto: so when the "
+        "reference would compute in the experience phase anyway (no early reference: train.early_reference), "
+        "with one reference worker, no placement.colocate and no tensor or sequence parallel policy; "
+        "otherwise reference workers of its own.",
+    )
     colocate: bool = Field(
         False,
         description="Hybrid engine: each policy rank runs its rollout engine in its own "
@@ -334,10 +343,38 @@ class RLConfig(Section):
         return self.train.early_reference
 
     @property
-    def reference_in_policy(self) -> bool:
+    def reference_is_base(self) -> bool:
         """A LoRA policy without a reference of its own is its own reference, with its adapters turned
-        off: the frozen base it trains adapters on is exactly its initial policy, so no reference workers."""
+        off: the frozen base it trains adapters on is exactly its initial policy."""
         return self.uses_reference and self.model.lora.rank > 0 and self.reference is None
+
+    @property
+    def hosts_reference(self) -> bool:
+        """The policy's workers hold a reference model of their own (placement.reference_with_policy,
+        ``auto`` resolved by :meth:`with_reference_placed`)."""
+        return self.uses_reference and not self.reference_is_base and self.placement.reference_with_policy is True
+
+    @property
+    def reference_in_policy(self) -> bool:
+        """The policy's workers compute the reference log-probs (its base, or a reference they host): the
+        run has no reference workers."""
+        return self.reference_is_base or self.hosts_reference
+
+    def with_reference_placed(self, has_gpus: bool) -> RLConfig:
+        """This config with placement.reference_with_policy ``auto`` decided: in the policy's processes when
+        the reference would compute in the experience phase anyway, beside the policy's own passes."""
+        p, e = self.placement, self.engine
+        if p.reference_with_policy != "auto":
+            return self
+        hosted = (
+            self.uses_reference
+            and not self.reference_is_base
+            and p.reference_workers == 1
+            and not p.colocate
+            and e.tensor_parallel_size == e.sequence_parallel_size == 1
+            and not self.reference_early(has_gpus)
+        )
+        return self.model_copy(update={"placement": p.model_copy(update={"reference_with_policy": hosted})})
 
     @property
     def syncs_adapters(self) -> bool:
@@ -514,6 +551,23 @@ class RLConfig(Section):
             raise ValueError(
                 "rollout.partial_rollouts continues sequences under newer weights: it needs rollout.max_staleness >= 1"
             )
+        if p.reference_with_policy is True:
+            e = self.engine
+            conflicts = {
+                "placement.colocate": p.colocate,
+                "engine.tensor_parallel_size or engine.sequence_parallel_size above 1": (
+                    e.tensor_parallel_size * e.sequence_parallel_size > 1
+                ),
+                "train.early_reference: true (the reference computes beside the engines)": (
+                    self.train.early_reference is True
+                ),
+            }
+            for why, present in conflicts.items():
+                if present:
+                    raise ValueError(
+                        f"placement.reference_with_policy: true cannot host the reference with the policy "
+                        f"under {why}; use false or auto"
+                    )
         if p.colocate and max(self.worker_roles.values()) > p.policy_workers:
             raise ValueError(
                 "placement.colocate puts rank r of every model beside policy rank r: "

@@ -157,6 +157,9 @@ class RLTrainer:
         timeout = cfg.placement.startup_timeout_s
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
         has_gpus = cluster_gpus > 0
+        cfg = self.cfg = cfg.with_reference_placed(has_gpus)
+        if cfg.hosts_reference:
+            log.info("reference model: in the policy's workers (placement.reference_with_policy)")
         check_gpu_count(cfg, cluster_gpus)  # before the reward models take theirs
         self.reward = build_reward(cfg.reward, timeout) if cfg.reward is not None else None
         dump = cfg.model_dump(mode="json")

@@ -75,6 +75,7 @@ class ModelWorker:
         self._store: Any = None
         self.rendezvous: tuple[str, int] | None = None
         self.engine: Any = None
+        self.reference: torch.nn.Module | None = None  # a reference model hosted by a policy rank
         # Sequence parallelism: the ranks of this rank's group run one chunk each of the same rows.
         self.sequence_group: Any = None
         # How many ranks take each data shard (a tensor- or sequence-parallel group) and give one answer.
@@ -108,18 +109,9 @@ class ModelWorker:
         from raylign.models import load_causal_lm, load_score_model, loads_sharded
 
         if self.role == "reference":
-            model_cfg = self.cfg.reference or self.cfg.model.model_copy(
-                update={"lora": self.cfg.model.lora.model_copy(update={"rank": 0})}
-            )
-            if not self.cfg.shards_reference:
-                self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-                self.module = load_causal_lm(model_cfg, device=self.device).eval().requires_grad_(False)
-                return
-            from raylign.engine.fsdp2 import shard_frozen
-
-            init_distributed(self.cfg.engine.dist_timeout_s, store=self._rendezvous_store(rendezvous))
-            model = load_causal_lm(model_cfg, empty=loads_sharded(model_cfg, self.cfg.engine))
-            self.module, self.device = shard_frozen(model, self.cfg.engine)
+            if self.cfg.shards_reference:
+                init_distributed(self.cfg.engine.dist_timeout_s, store=self._rendezvous_store(rendezvous))
+            self.module, self.device = self._load_reference(sharded=self.cfg.shards_reference)
             return
         init_distributed(self.cfg.engine.dist_timeout_s, store=self._rendezvous_store(rendezvous))
         from raylign.engine.distributed import sequence_parallel_groups
@@ -144,6 +136,26 @@ class ModelWorker:
         self.engine = create_engine(model, self.cfg.engine, optim, self.total_steps)
         self.module = self.engine.module
         self.device = self.engine.device
+        if self.role == "policy" and self.cfg.hosts_reference:
+            p = self.cfg.placement
+            sharded = p.shard_reference and e.backend == "fsdp2" and self.world_size > 1
+            self.reference, _ = self._load_reference(sharded)
+
+    def _load_reference(self, sharded: bool) -> tuple[torch.nn.Module, torch.device]:
+        """The frozen reference model (``reference``, else the policy's model without adapters) and its
+        device: a whole replica, or (``sharded``) a shard of it on each rank of this process's group,
+        in its stored dtype and gathered a layer at a time as it runs."""
+        from raylign.models import load_causal_lm, loads_sharded
+
+        model_cfg = self.cfg.reference or self.cfg.model.model_copy(
+            update={"lora": self.cfg.model.lora.model_copy(update={"rank": 0})}
+        )
+        if not sharded:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return load_causal_lm(model_cfg, device=device).eval().requires_grad_(False), device
+        from raylign.engine.fsdp2 import shard_frozen
+
+        return shard_frozen(load_causal_lm(model_cfg, empty=loads_sharded(model_cfg, self.cfg.engine)), self.cfg.engine)
 
     def _rendezvous_store(self, rendezvous: tuple[str, int] | None) -> Any:
         """Rank 0's own store, or a connection to it."""
@@ -190,8 +202,14 @@ class ModelWorker:
 
     @torch.no_grad()
     def compute_reference_logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
-        """:meth:`compute_logprobs` of a LoRA policy's base model, its adapters turned off: the
-        reference of a LoRA policy (``RLConfig.reference_in_policy``)."""
+        """A policy rank's reference log-probs (``RLConfig.reference_in_policy``): those of the reference
+        model it hosts (``RLConfig.hosts_reference``), or of a LoRA policy's base model, its adapters
+        turned off."""
+        if self.reference is not None:
+            return [
+                response_logprobs(self.reference, batch.to(self.device), self.temperature).cpu()
+                for batch in micro_batches
+            ]
         with self.engine.hf_model.disable_adapter():
             return self.compute_logprobs(micro_batches)
 
@@ -495,11 +513,13 @@ class ModelWorker:
         """Where Ray put this worker: node id, the cores this process may run on, the node's address, the
         GPU ids it was given (empty on CPU), the rendezvous it used (``host:port``, hosted by rank 0;
         None for a reference of whole replicas) and the bytes of model weights this rank holds (its
-        shards, when sharded)."""
+        shards, when sharded), and of the reference model it hosts (0 for none)."""
         import ray
         from torch.distributed.tensor import DTensor
 
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.module.parameters()]
+        def held(module: torch.nn.Module | None) -> int:
+            local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()] if module else []
+            return sum(p.numel() * p.element_size() for p in local)
 
         return {
             "node": ray.get_runtime_context().get_node_id(),
@@ -507,7 +527,8 @@ class ModelWorker:
             "ip": ray.util.get_node_ip_address(),
             "gpus": [str(g) for g in ray.get_gpu_ids()],
             "rendezvous": None if self.rendezvous is None else f"{self.rendezvous[0]}:{self.rendezvous[1]}",
-            "weight_bytes": sum(p.numel() * p.element_size() for p in local),
+            "weight_bytes": held(self.module),
+            "reference_weight_bytes": held(self.reference),
         }
 
     def offload(self, keep_weights: bool = False) -> None:

@@ -55,6 +55,7 @@ class PresetRuns:
     second_records: list[dict]  # records the rerun with max_steps 3 added
     checkpoints_after_first: list[str]
     resumed_at: int | None
+    roles: list[str]  # the model-worker groups the first run started
 
 
 def _checkpoint_names(out: Path) -> list[str]:
@@ -67,12 +68,15 @@ def runs(request, ray_session, rl_model_dir, prompt_file, tmp_path_factory) -> P
     tmp = tmp_path_factory.mktemp(f"rl_{preset}")
     out = tmp / "run"
     data = set_dotted(rl_config_data(rl_model_dir, prompt_file, out, preset), "train.save_every", 1)
-    RLTrainer(resolve(tmp, data)).run()
+    trainer = RLTrainer(resolve(tmp, data))
+    trainer.run()
+    roles = sorted(trainer.groups)
     first = read_metrics(out)
     checkpoints = _checkpoint_names(out)
     rerun = ResumeRecordingTrainer(resolve(tmp, set_dotted(data, "train.max_steps", 3)))
     rerun.run()
-    return PresetRuns(preset, out, rl_model_dir, first, read_metrics(out)[len(first) :], checkpoints, rerun.resumed_at)
+    second = read_metrics(out)[len(first) :]
+    return PresetRuns(preset, out, rl_model_dir, first, second, checkpoints, rerun.resumed_at, roles)
 
 
 def test_each_step_logs_finite_training_metrics(runs):
@@ -107,13 +111,15 @@ def test_while_a_phase_runs_alone_its_workers_compute_on_every_core(runs):
     with all the cores this machine lets the run use. Presets without a KL term have no forward pass
     before training (on-policy: the training forward's own log-probs are the behaviour's). The engine
     generates with every core too (rollout.threads_per_engine auto), so the reference's pass does not
-    run beside it (train.early_reference auto) but in the experience phase, on every core."""
+    run beside it (train.early_reference auto) but in the experience phase, on every core; and then the
+    policy's workers host the reference model (placement.reference_with_policy auto): no reference workers."""
     cores = len(os.sched_getaffinity(0))
+    assert runs.roles == (["critic", "policy"] if runs.preset == "ppo" else ["policy"])
     for record in runs.first_records + runs.second_records:
         assert record["threads/train"] == cores
         assert "threads/reference_early" not in record
         if runs.preset in USES_REFERENCE:
-            assert record["threads/experience"] == cores and record["experience/reference_early"] == 0.0
+            assert record["threads/experience"] == cores and "experience/reference_early" not in record
         else:
             assert record.get("threads/experience", cores) == cores  # only the critic's pass (ppo) is left there
 

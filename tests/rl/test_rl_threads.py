@@ -9,15 +9,17 @@ meanwhile (the rollout engines, when they generate beside training), unless
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
+from raylign.config.base import ConfigError
 from raylign.config.rollout import RolloutConfig
 from raylign.rl.placement import engine_threads, phase_threads, probes_at_once, threads_per_worker
 from raylign.rl.trainer import RLTrainer
 from raylign.trainers.metrics import read_metrics
 
-from .rl_helpers import resolve, rl_config_data
+from .rl_helpers import resolve, rl_config_data, set_dotted
 
 
 @pytest.mark.parametrize(
@@ -181,3 +183,52 @@ def test_a_pinned_thread_count_is_what_each_phase_computes_with(ray_session, rl_
         peaks = {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("peak_memory_gb/")}
         assert set(peaks) == {"reference_early", "train"}
         assert all(0.1 < v < total_gb for v in peaks.values()), peaks
+
+
+@pytest.mark.parametrize(
+    ("changes", "gpus", "hosted"),
+    [
+        ({}, False, True),  # CPU, synchronous: the reference computes in the experience phase anyway
+        ({}, True, False),  # on GPUs it computes early, on devices of its own
+        ({"rollout.max_staleness": 1}, False, False),  # streaming: early, beside the engines
+        ({"rollout.threads_per_engine": 1}, False, False),  # engines pinned: early, on the cores left
+        ({"train.early_reference": False}, True, True),  # early turned off: nothing to gain apart
+        ({"placement.reference_workers": 2}, False, False),  # asked for reference ranks of its own
+        ({"placement.colocate": True}, False, False),  # each rank's reference beside its policy rank
+        ({"engine.backend": "fsdp2", "engine.tensor_parallel_size": 2, "placement.policy_workers": 2}, False, False),
+        ({"algorithm.kl_coef": 0.0}, False, False),  # no KL term: no reference at all
+        ({"placement.reference_with_policy": False}, False, False),
+    ],
+)
+def test_reference_with_policy_auto_hosts_it_where_it_would_compute_in_the_experience_phase(
+    base, tmp_path, changes, gpus, hosted
+):
+    for dotted, value in changes.items():
+        set_dotted(base, dotted, value)
+    cfg = resolve(tmp_path, base)
+    assert "reference" in cfg.worker_roles or not cfg.uses_reference  # auto is undecided until GPUs are known
+    placed = cfg.with_reference_placed(gpus)
+    assert placed.hosts_reference is hosted
+    assert ("reference" in placed.worker_roles) is (placed.uses_reference and not hosted)
+
+
+def test_a_lora_policy_is_its_own_reference_without_hosting_another(base, tmp_path):
+    base["model"]["lora"] = {"rank": 4}
+    placed = resolve(tmp_path, base).with_reference_placed(False)
+    assert placed.reference_is_base and not placed.hosts_reference and placed.reference_in_policy
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"placement.colocate": True}, "placement.colocate"),
+        ({"engine.backend": "fsdp2", "engine.sequence_parallel_size": 2, "placement.policy_workers": 2}, "above 1"),
+        ({"train.early_reference": True}, "train.early_reference: true"),
+    ],
+)
+def test_reference_with_policy_true_is_refused_where_the_policy_cannot_host_it(base, tmp_path, changes, named):
+    set_dotted(base, "placement.reference_with_policy", True)
+    for dotted, value in changes.items():
+        set_dotted(base, dotted, value)
+    with pytest.raises((ConfigError, ValueError), match=f"reference_with_policy: true cannot host.*{re.escape(named)}"):
+        resolve(tmp_path, base)
