@@ -328,10 +328,12 @@ class RLConfig(Section):
 
     @property
     def shards_reference(self) -> bool:
-        """The reference ranks shard one frozen model between them (placement.shard_reference)."""
+        """The ranks that hold the reference, its own workers' or the policy's that host it, shard one
+        frozen model between them (placement.shard_reference)."""
         p = self.placement
-        sharded = p.shard_reference and self.engine.backend == "fsdp2" and p.reference_workers > 1
-        return self.uses_reference and not self.reference_in_policy and sharded
+        ranks = p.policy_workers if self.hosts_reference else p.reference_workers
+        sharded = p.shard_reference and self.engine.backend == "fsdp2" and ranks > 1
+        return self.uses_reference and not self.reference_is_base and sharded
 
     def reference_early(self, has_gpus: bool) -> bool:
         """Reference log-probs are computed per group as groups finish (train.early_reference; ``auto``

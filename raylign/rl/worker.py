@@ -137,9 +137,7 @@ class ModelWorker:
         self.module = self.engine.module
         self.device = self.engine.device
         if self.role == "policy" and self.cfg.hosts_reference:
-            p = self.cfg.placement
-            sharded = p.shard_reference and e.backend == "fsdp2" and self.world_size > 1
-            self.reference, _ = self._load_reference(sharded)
+            self.reference, _ = self._load_reference(sharded=self.cfg.shards_reference)
 
     def _load_reference(self, sharded: bool) -> tuple[torch.nn.Module, torch.device]:
         """The frozen reference model (``reference``, else the policy's model without adapters) and its
