@@ -13,22 +13,23 @@ being broadcast. Reuse matters: the first write to new memory costs a page fault
 (measured on one core: 32 MiB copied into a new buffer 14 ms, 2.3 GB/s; into a used one 1.6 ms,
 21 GB/s; glibc returns buffers this large to the kernel when they are freed).
 
-Each bucket carries the CRC-32 of its bytes (header, then payload) as packed; the receiver
-computes it again on what arrived (:func:`bucket_checksum`), and a sync's checksum is the CRC-32
-of its buckets' checksums in order (:func:`combine_checksums`). CRC-32 rather than a sum: it
-catches every error burst up to 32 bits and words that trade places, which a sum of int64 words
-misses. Measured on a 32 MiB bucket (one core, zlib 1.2.13): CRC-32 5.5 ms, Adler-32 10 ms, an
-int64 sum 0.9 ms, against 15 ms to pack the bucket.
+Each bucket carries the XXH3-64 hash of its bytes (header, then payload) as packed; the receiver
+computes it again on what arrived (:func:`bucket_checksum`), and a sync's checksum is the XXH3-64
+of its buckets' checksums in order (:func:`combine_checksums`). A hash rather than a sum: a sum of
+int64 words misses words that trade places; any change to a bucket's bytes changes its 64-bit
+hash but for a 2^-64 chance. XXH3 rather than CRC-32: both sides hash every byte of every sync, and
+on one core (2-core AMD EPYC, AVX2, zlib 1.2.13, 32 MiB) XXH3-64 ran at 15.9 GB/s and CRC-32 at
+3.9 GB/s, against 6.6 GB/s to pack the bucket.
 """
 
 from __future__ import annotations
 
 import pickle
-import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from raylign.buffers import storage_users
 
@@ -48,7 +49,7 @@ class TensorMeta:
 class Bucket:
     metas: list[TensorMeta]
     buffer: torch.Tensor  # 1-D uint8, on the CPU
-    checksum: int = 0  # bucket_checksum(header_bytes(), buffer) when packed
+    checksum: int = 0  # bucket_checksum(header_bytes(), buffer) when packed: unsigned, 64 bits
 
     def header_bytes(self) -> bytes:
         return pickle.dumps([(m.name, m.dtype, m.shape, m.offset, m.nbytes) for m in self.metas])
@@ -87,13 +88,25 @@ class BufferPool:
 
 
 def bucket_checksum(header: bytes, payload: torch.Tensor) -> int:
-    """CRC-32 of a bucket's header bytes followed by its flat uint8 payload (no copy of the payload)."""
-    return zlib.crc32(payload.numpy(), zlib.crc32(header))
+    """XXH3-64 of a bucket's header bytes followed by its flat uint8 payload (no copy of the payload)."""
+    digest = xxhash.xxh3_64(header)
+    digest.update(payload.numpy())
+    return digest.intdigest()
 
 
 def combine_checksums(checksums: Iterable[int]) -> int:
-    """The checksum of a whole sync: CRC-32 of its buckets' checksums (4 bytes each, little-endian), in order."""
-    return zlib.crc32(b"".join(int(c).to_bytes(4, "little") for c in checksums))
+    """The checksum of a whole sync: XXH3-64 of its buckets' checksums (8 bytes each, little-endian), in order."""
+    return xxhash.xxh3_64_intdigest(b"".join(int(c).to_bytes(8, "little") for c in checksums))
+
+
+def checksum_to_int64(checksum: int) -> int:
+    """An unsigned 64-bit checksum as the signed int64 with the same bits (it travels in an int64 tensor)."""
+    return checksum - (1 << 64) if checksum >= 1 << 63 else checksum
+
+
+def checksum_from_int64(value: int) -> int:
+    """The unsigned checksum whose bits the int64 ``value`` carries (inverse of :func:`checksum_to_int64`)."""
+    return value & ((1 << 64) - 1)
 
 
 def _aligned(nbytes: int) -> int:

@@ -3,7 +3,7 @@
 A sync is, per bucket, three broadcasts from rank 0: ``[header_len, payload_len, checksum]``
 (int64), the pickled metadata, the flat uint8 payload; a header length of 0 ends the sync, -1
 aborts it (the sender failed part-way; the receiver raises, and holds partly updated weights until
-the next full sync). ``checksum`` is the bucket's CRC-32 as packed
+the next full sync). ``checksum`` is the bucket's XXH3-64 as packed (its bits as an int64)
 (:func:`~raylign.rollout.buckets.bucket_checksum`); the receiver computes it again on what
 arrived and stops at the first bucket that differs (:class:`WeightSyncCorrupted`, naming the
 sync and the bucket), after taking in the rest of the sync so that the sender finishes at once
@@ -27,6 +27,8 @@ from raylign.rollout.buckets import (
     Bucket,
     BufferPool,
     bucket_checksum,
+    checksum_from_int64,
+    checksum_to_int64,
     combine_checksums,
     metas_from_header,
     unpack_bucket,
@@ -153,7 +155,9 @@ class _Broadcasts:
     def start(self, bucket: Bucket) -> _Posted:
         """Post one bucket's three broadcasts; gloo's threads send them while the caller packs the next."""
         header = torch.frombuffer(bytearray(bucket.header_bytes()), dtype=torch.uint8)
-        sizes = torch.tensor([header.numel(), bucket.buffer.numel(), bucket.checksum], dtype=torch.int64)
+        sizes = torch.tensor(
+            [header.numel(), bucket.buffer.numel(), checksum_to_int64(bucket.checksum)], dtype=torch.int64
+        )
         return _Posted(bucket, [self._post(tensor) for tensor in (sizes, header, bucket.buffer)])
 
     def finish(self, posted: _Posted) -> None:
@@ -283,8 +287,8 @@ class IncomingSync:
             found = bucket_checksum(header, payload)
             if found != sent:
                 self.corruption = (
-                    f"{self.label}: bucket {index} reached {self.receiver} damaged (CRC-32 {found:#010x}, "
-                    f"sent {sent:#010x}); {CORRUPTION_ADVICE}"
+                    f"{self.label}: bucket {index} reached {self.receiver} damaged (checksum "
+                    f"{found:#018x}, sent {sent:#018x}); {CORRUPTION_ADVICE}"
                 )
                 self._discard_rest(index + 1)
                 raise WeightSyncCorrupted(self.corruption)
@@ -304,7 +308,7 @@ class IncomingSync:
             )
         header = self._take(torch.empty(header_len, dtype=torch.uint8), index, "header").numpy().tobytes()
         payload = self._take(pool.take(payload_len), index, "payload")
-        return header, payload, sent
+        return header, payload, checksum_from_int64(sent)
 
     def _take(self, tensor: torch.Tensor, index: int, what: str) -> torch.Tensor:
         """Receive one broadcast; a failure (the sender died, the group timed out) names the sync and the bucket."""

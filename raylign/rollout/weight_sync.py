@@ -148,7 +148,7 @@ def check_receipts(
         if (receipt.checksum, receipt.num_buckets) != (sent.checksum, sent.num_buckets):
             raise WeightSyncCorrupted(
                 f"{label}: engine {index} received {receipt.num_buckets} bucket(s) with checksum "
-                f"{receipt.checksum:#010x}, the trainer sent {sent.num_buckets} with {sent.checksum:#010x}; "
+                f"{receipt.checksum:#018x}, the trainer sent {sent.num_buckets} with {sent.checksum:#018x}; "
                 f"{CORRUPTION_ADVICE}"
             )
 

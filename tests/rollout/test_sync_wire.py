@@ -1,17 +1,24 @@
 """The weight-sync wire protocol between two real gloo ranks of one process (a thread each): every
-bucket carries the CRC-32 of its bytes, the receiver checks it on arrival, and a damaged bucket or
+bucket carries the XXH3-64 hash of its bytes, the receiver checks it on arrival, and a damaged bucket or
 a sender that stops mid-sync ends the receiving side with an error naming the sync and the bucket."""
 
 from __future__ import annotations
 
 import threading
 import time
-import zlib
 
 import pytest
 import torch
+import xxhash
 
-from raylign.rollout.buckets import BufferPool, combine_checksums, iter_packed_buckets, pack_bucket
+from raylign.rollout.buckets import (
+    BufferPool,
+    checksum_from_int64,
+    checksum_to_int64,
+    combine_checksums,
+    iter_packed_buckets,
+    pack_bucket,
+)
 from raylign.rollout.sync_wire import IncomingSync, WeightSyncCorrupted, _Broadcasts, send_buckets
 from raylign.rollout.weight_sync import join_group_as_receiver, make_gloo_group, open_group_as_sender
 
@@ -59,15 +66,26 @@ class Receiving:
         assert not self.thread.is_alive(), f"the receiver did not finish within {timeout_s} s"
 
 
-def test_a_packed_bucket_carries_the_crc32_of_its_header_then_its_payload():
+def test_a_packed_bucket_carries_the_xxh3_64_of_its_header_then_its_payload():
     bucket = pack_bucket(_weights()[:2])
-    expected = zlib.crc32(bucket.header_bytes() + bytes(bucket.buffer.numpy()))
+    expected = xxhash.xxh3_64_intdigest(bucket.header_bytes() + bytes(bucket.buffer.numpy()))
     assert bucket.checksum == expected
 
 
-def test_a_syncs_checksum_is_the_crc32_of_its_bucket_checksums_in_order():
-    assert combine_checksums([1, 0xDEADBEEF]) == zlib.crc32(b"\x01\x00\x00\x00\xef\xbe\xad\xde")
+def test_a_syncs_checksum_is_the_xxh3_64_of_its_bucket_checksums_in_order():
+    high = 0xFEDCBA9876543210
+    assert combine_checksums([1, high]) == xxhash.xxh3_64_intdigest(
+        b"\x01\x00\x00\x00\x00\x00\x00\x00\x10\x32\x54\x76\x98\xba\xdc\xfe"
+    )
     assert combine_checksums([1, 2]) != combine_checksums([2, 1])
+
+
+def test_a_checksum_travels_as_the_int64_with_the_same_bits():
+    for checksum in (0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 0xFEDCBA9876543210):
+        value = checksum_to_int64(checksum)
+        assert -(1 << 63) <= value < 1 << 63
+        assert torch.tensor([value], dtype=torch.int64).numpy().view("uint64")[0] == checksum
+        assert checksum_from_int64(value) == checksum
 
 
 def test_a_clean_sync_arrives_whole_and_both_sides_agree_on_its_checksum():
@@ -79,9 +97,13 @@ def test_a_clean_sync_arrives_whole_and_both_sides_agree_on_its_checksum():
     assert receiving.error is None
     assert receiving.names == [name for name, _ in weights]
     assert all(torch.equal(got, tensor) for got, (_, tensor) in zip(receiving.tensors, weights))
-    # Computed here from the raw bytes: CRC-32 of header + payload per bucket, then of the four CRCs.
-    crcs = [zlib.crc32(b.header_bytes() + bytes(b.buffer.numpy())) for b in iter_packed_buckets(weights, BUCKET_BYTES)]
-    expected = zlib.crc32(b"".join(c.to_bytes(4, "little") for c in crcs))
+    # Computed here from the raw bytes: XXH3-64 of header + payload per bucket, then of the four hashes.
+    hashes = [
+        xxhash.xxh3_64_intdigest(b.header_bytes() + bytes(b.buffer.numpy()))
+        for b in iter_packed_buckets(weights, BUCKET_BYTES)
+    ]
+    assert any(h >= 1 << 63 for h in hashes)  # one crossed the wire as a negative int64
+    expected = xxhash.xxh3_64_intdigest(b"".join(h.to_bytes(8, "little") for h in hashes))
     assert (sent.num_buckets, sent.checksum) == (4, expected)
     assert (receiving.incoming.num_buckets, receiving.incoming.checksum) == (4, expected)
 

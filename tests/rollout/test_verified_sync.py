@@ -10,9 +10,9 @@ import importlib.util
 import os
 import signal
 import time
-import zlib
 
 import pytest
+import xxhash
 
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 from raylign.rollout.buckets import iter_packed_buckets
@@ -94,7 +94,7 @@ def test_a_bucket_damaged_on_the_way_is_named_and_the_next_sync_repairs_the_engi
         assert time.monotonic() - started < 30  # the engine took in the rest: no wait for the 60 s timeout
         message = str(raised.value)
         assert message.startswith("engine 0: weight sync 5: bucket 1 reached ")
-        assert "damaged (CRC-32" in message and "resume from the last checkpoint" in message
+        assert "damaged (checksum 0x" in message and "resume from the last checkpoint" in message
         assert ray_session.get(engine.weight_version_now.remote(), timeout=60) != 5  # it does not claim the version
 
         sender.damage = None
@@ -114,13 +114,13 @@ def test_the_engine_reports_its_version_and_the_checksum_of_what_it_received(ray
         receipt = ray_session.get(receipt_ref, timeout=60)
     finally:
         sender.close()
-    crcs = [
-        zlib.crc32(b.header_bytes() + bytes(b.buffer.numpy()))
+    hashes = [
+        xxhash.xxh3_64_intdigest(b.header_bytes() + bytes(b.buffer.numpy()))
         for b in iter_packed_buckets(trainer.named_parameters(), sender.bucket_bytes)
     ]
     assert receipt.version == 8
-    assert receipt.num_buckets == len(crcs) == sent.num_buckets
-    assert receipt.checksum == zlib.crc32(b"".join(c.to_bytes(4, "little") for c in crcs))
+    assert receipt.num_buckets == len(hashes) == sent.num_buckets
+    assert receipt.checksum == xxhash.xxh3_64_intdigest(b"".join(h.to_bytes(8, "little") for h in hashes))
 
 
 def test_score_is_the_log_prob_of_each_token_under_the_weights_held(ray_session, engine, trainer, tied_model_dir):
