@@ -19,7 +19,9 @@ phases, each phase using the cores nothing else keeps busy; TRL's torch uses eve
 
 Beside each phase's median the report prints its floor: the least time the phase's work can take
 on this machine, from FLOP or byte counts of the step and the machine's matmul, memory-copy and
-TCP-loopback rates measured at the start of the same invocation (see ``phase_floors``).
+TCP-loopback rates measured at the start of the same invocation (see ``phase_floors``). With TRL in
+the run it then prints the bound those floors set: raylign's step with every phase at its floor
+(``step_at_floors``) against TRL's measured step, the most raylign could be ahead on this machine.
 
 Each side runs in its own child process of this script, one after the other, and reports the
 time of every step; the first step is warm-up, the table shows the median of the rest.
@@ -67,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -602,6 +605,27 @@ def print_floors(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                     f"{row['model']:8s} {side:8s} {phase:10s} {fmt(measured[phase], 10)} {fmt(floors[phase], 9, 3)} "
                     f"{fmt(floors[phase] / measured[phase] if measured[phase] > 0 else float('nan'), 14)}"
                 )
+    if args.skip_trl:
+        return
+    print(
+        "\nThe most raylign could be ahead of TRL's measured step on this machine: raylign's step with every "
+        "phase at its floor\n(reward as measured; a phase without a floor counts 0), against TRL's step."
+    )
+    print(f"{'model':8s} {'raylign at floors s':>19s} {'TRL s/step':>10s} {'TRL / floors':>12s}")
+    for row in rows:
+        best, trl = step_at_floors(row["raylign"], row["floors"]["raylign"]), row["trl"]["step_s"]
+        print(f"{row['model']:8s} {fmt(best, 19)} {fmt(trl, 10)} {fmt(trl / best, 12)}")
+
+
+def step_at_floors(measured: dict[str, float], floors: dict[str, float]) -> float:
+    """Seconds of a step whose every phase took its floor: the phases run one after another, each on every
+    core it may use, so their floors add up. Reward has no floor and counts as measured; a phase whose floor
+    is undefined (NaN: experience with early reference passes) counts 0, which only lowers the bound."""
+    total = 0.0
+    for phase in PHASES:
+        floor = measured[phase] if phase == "reward" else floors[phase]
+        total += 0.0 if math.isnan(floor) else floor
+    return total
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -46,6 +46,24 @@ def test_phase_floors_by_hand():
     assert math.isnan(early["experience"]) and early["train"] == floors["train"]
 
 
+def test_the_bound_on_the_ratio_adds_up_raylign_s_floors_against_trl_s_measured_step(capsys):
+    """Floors 2 + 1.5 + 5 + 0.5 s, reward measured 0.25 s: 9.25 s at best against TRL's 18.5 s a step, so
+    raylign can be at most 2.00x ahead; with the experience floor undefined (early reference) it counts 0."""
+    measured = {"generate": 4.0, "reward": 0.25, "experience": 2.5, "train": 7.0, "sync": 1.5}
+    floors = {"generate": 2.0, "reward": float("nan"), "experience": 1.5, "train": 5.0, "sync": 0.5}
+    assert grpo_vs_trl.step_at_floors(measured, floors) == pytest.approx(9.25)
+    assert grpo_vs_trl.step_at_floors(measured, {**floors, "experience": float("nan")}) == pytest.approx(7.75)
+    hw = {"cpu": "test CPU", "capability": "AVX2", "flags": ["avx2"], "cores": 2, "copy_gb_s": 8.0}
+    hw |= {"matmul_gflops_1thread": 80.0, "matmul_gflops_all_cores": 150.0, "loopback_gb_s": 3.5}
+    row = {"model": "smollm2", "machine": hw, "threads_used": 2, "raylign": measured, "trl": {"step_s": 18.5}}
+    row["floors"] = {"raylign": floors, "trl": {**floors, "sync": float("nan")}}
+    row["trl"] |= {phase: 1.0 for phase in grpo_vs_trl.PHASES}
+    args = grpo_vs_trl.parse_args(["--threads", "default", "--dtype", "float32"])
+    grpo_vs_trl.print_floors([row], args)
+    last = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert last == ["smollm2", "9.25", "18.50", "2.00"]
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_sizes_split_the_weights_into_trunk_and_output_layer(tmp_path, tied):
     path = build_tiny_model(tmp_path / "m", hidden_size=64, num_heads=2, num_kv_heads=1, tie_word_embeddings=tied)
