@@ -34,6 +34,10 @@ CHILD_ENV = {
 MATMUL_SIZES = (128, 256, 512)
 ALL_CORE_SIZES = (256, 512, 1024)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "sve", "bf16")
+DTYPE_HELP = (
+    "auto (the default): bf16 where the CPU multiplies bf16 natively (AMX or AVX512-BF16), else float32, "
+    "as raylign's dtype: auto decides"
+)
 
 
 def machine(dtype: str) -> dict[str, Any]:

@@ -76,7 +76,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from child_runs import REPO, fmt, launch, machine, matmul_rate, median_after_warmup, run_benchmark, write_steps
+from child_runs import (
+    DTYPE_HELP,
+    REPO,
+    fmt,
+    launch,
+    machine,
+    matmul_rate,
+    median_after_warmup,
+    run_benchmark,
+    write_steps,
+)
+
+from raylign.hardware import resolve_dtype
 
 REWARD_FILE = REPO / "examples" / "rewards" / "letter_match.py"
 GSM_PROMPTS = REPO / "examples" / "data" / "gsm_eval.jsonl"
@@ -519,7 +531,8 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace, load_befo
     print(
         f"\nGRPO seconds per step (median of steps 2..{args.steps}; step 1 is warm-up). "
         f"{args.prompts_per_step} prompts x {args.group_size} samples = {samples} samples and one optimizer step "
-        f"per step, max {args.max_new_tokens} new tokens, lr {args.lr:g}, kl {args.kl_coef:g}, {args.dtype}."
+        f"per step, max {args.max_new_tokens} new tokens, lr {args.lr:g}, kl {args.kl_coef:g}, {args.dtype} "
+        f"({args.dtype_reason})."
     )
     who = "raylign only (--skip-trl)" if args.skip_trl else "Both sides ran back to back in this invocation"
     print(
@@ -665,9 +678,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--dtype",
-        choices=["bfloat16", "float32"],
-        default="bfloat16",
-        help="model dtype of both sides (bf16 matmuls are much faster on this CPU)",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help=f"model dtype of both sides; {DTYPE_HELP}",
     )
     parser.add_argument("--seed", type=int, default=42, help="seed of both sides")
     parser.add_argument(
@@ -715,6 +728,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--side", choices=["raylign", "trl", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.dtype, args.dtype_reason = resolve_dtype(args.dtype, "cpu")
     # Step 1 is warm-up, so a median needs a second step; GRPO compares samples of a prompt.
     minimums = {"steps": 2, "prompts_per_step": 1, "group_size": 2, "max_new_tokens": 1}
     for name, least in minimums.items():

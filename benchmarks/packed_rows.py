@@ -13,9 +13,9 @@ without a graph, as the policy's training pass), three ways, alternating, ``--re
 It prints, per layout, the tokens that go through the model (padding included) and the median
 seconds, beside the floor: 3 x 2 x (trunk weights x real tokens + output layer x response tokens)
 FLOP at the matmul rate measured in the same run on the threads used. About 2-4 minutes on
-SmolLM2-135M in bf16 on 2 cores.
+SmolLM2-135M in bf16 on 2 cores with native bf16.
 
-    python benchmarks/packed_rows.py                       # SmolLM2-135M-Instruct, bf16, all cores
+    python benchmarks/packed_rows.py                       # SmolLM2-135M-Instruct, dtype auto, all cores
     python benchmarks/packed_rows.py --dtype float32 --threads 1
 """
 
@@ -28,10 +28,10 @@ import statistics
 import time
 
 import torch
-from child_runs import ALL_CORE_SIZES, MATMUL_SIZES
+from child_runs import ALL_CORE_SIZES, DTYPE_HELP, MATMUL_SIZES
 
 from raylign.config.model import ModelConfig
-from raylign.hardware import cpu_flags, cpu_model, matmul_gflops
+from raylign.hardware import cpu_flags, cpu_model, matmul_gflops, resolve_dtype
 from raylign.models import load_causal_lm, selected_token_logprobs
 from raylign.models.packed_attention import ONE_ROW, PER_SAMPLE_SDPA
 from raylign.rl.experience import Sample, micro_batches_for_ranks, pack_samples
@@ -69,13 +69,15 @@ def update_seconds(model: torch.nn.Module, batches: list) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model folder or smollm2-135m-instruct")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help=DTYPE_HELP)
     parser.add_argument("--samples", type=int, default=16, help="samples in the step (4 prompts x 4)")
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    args.dtype, reason = resolve_dtype(args.dtype, "cpu")
+    print(f"dtype {args.dtype} ({reason})")
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

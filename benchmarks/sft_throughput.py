@@ -20,6 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from child_runs import DTYPE_HELP
+
+from raylign.hardware import resolve_dtype
 from raylign.models.tiny import build_tiny_model
 from raylign.trainers.metrics import read_metrics
 
@@ -119,8 +122,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="global batch size (samples)")
     parser.add_argument("--hidden", type=int, default=256, help="model width")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help=DTYPE_HELP)
     args = parser.parse_args()
+    args.dtype, reason = resolve_dtype(args.dtype, "cpu")
+    print(f"dtype {args.dtype} ({reason})")
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

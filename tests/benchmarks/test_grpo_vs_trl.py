@@ -64,6 +64,18 @@ def test_the_bound_on_the_ratio_adds_up_raylign_s_floors_against_trl_s_measured_
     assert last == ["smollm2", "9.25", "18.50", "2.00"]
 
 
+def test_the_dtype_defaults_to_bf16_only_where_the_cpu_multiplies_bf16_natively():
+    """x86: AMX or AVX512-BF16; ARM: the bf16 feature (the flags /proc/cpuinfo lists)."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.split(":")[0].strip() in ("flags", "Features"):
+            flags |= set(line.partition(":")[2].split())
+    native = bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+    assert grpo_vs_trl.parse_args([]).dtype == ("bfloat16" if native else "float32")
+    assert grpo_vs_trl.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert grpo_vs_trl.parse_args(["--dtype", "float32"]).dtype_reason == "set explicitly"
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_sizes_split_the_weights_into_trunk_and_output_layer(tmp_path, tied):
     path = build_tiny_model(tmp_path / "m", hidden_size=64, num_heads=2, num_kv_heads=1, tie_word_embeddings=tied)
