@@ -19,6 +19,7 @@ and their attention is plain causal attention that receives the ``position_ids``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -74,26 +75,50 @@ def per_sample_attention(
     if position_ids is None or not plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     grouped = query.shape[1] != key.shape[1]
-    rows = []
-    for b, spans in enumerate(sample_spans(position_ids.expand(query.shape[0], -1))):
-        rows.append(
-            torch.cat(
-                [
-                    F.scaled_dot_product_attention(
-                        query[b : b + 1, :, start:end],
-                        key[b : b + 1, :, start:end],
-                        value[b : b + 1, :, start:end],
-                        dropout_p=dropout,
-                        is_causal=True,
-                        scale=scaling,
-                        enable_gqa=grouped,
-                    )
-                    for start, end in spans
-                ],
-                dim=2,
-            )
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped
         )
-    return torch.cat(rows).transpose(1, 2).contiguous(), None
+
+    spans = sample_spans(position_ids.expand(query.shape[0], -1))
+    rows = [row_attention(query[b], key[b], value[b], row_spans, attend) for b, row_spans in enumerate(spans)]
+    return torch.stack(rows).transpose(1, 2).contiguous(), None
+
+
+def row_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spans: list[tuple[int, int]],
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """One packed row's attention, ``query`` ``[H, T, D]`` (``key`` / ``value`` ``[H_kv, T, D]``), each
+    sample causal over its own span; output ``[H, T, D]``.
+
+    Samples of equal length go through ``attend`` together, as one batch of their gathered tokens, and
+    the outputs are put back in row order: a micro-batch of many short answers (the quickstart packs
+    a hundred samples of a handful of lengths into a row) costs a few calls instead of one per
+    sample. Where every length occurs once each sample is attended on its own span, with no gathering."""
+    by_length: dict[int, list[int]] = {}
+    for start, end in spans:
+        by_length.setdefault(end - start, []).append(start)
+    if len(by_length) == len(spans):
+        return torch.cat([attend(query[:, s:e], key[:, s:e], value[:, s:e]) for s, e in spans], dim=1)
+    outputs, positions = [], []
+    for length, starts in by_length.items():
+        first = torch.tensor(starts, device=query.device)
+        index = (first[:, None] + torch.arange(length, device=query.device)).flatten()
+        gathered = (gather_samples(t, index, len(starts), length) for t in (query, key, value))
+        outputs.append(attend(*gathered).transpose(0, 1).flatten(1, 2))
+        positions.append(index)
+    return torch.cat(outputs, dim=1).index_select(1, torch.argsort(torch.cat(positions)))
+
+
+def gather_samples(t: torch.Tensor, index: torch.Tensor, count: int, length: int) -> torch.Tensor:
+    """``[heads, T, D]`` -> ``[count, heads, length, D]``: the tokens at ``index`` (``count`` samples of
+    ``length`` tokens each, one after another) as a batch of samples."""
+    return t.index_select(1, index).unflatten(1, (count, length)).transpose(0, 1)
 
 
 def per_sample_mask(

@@ -1,4 +1,5 @@
-"""raylign_sdpa: causal attention within each packed sample, computed sample by sample.
+"""raylign_sdpa: causal attention within each packed sample, computed sample by sample (samples of
+equal length together, as one batch).
 
 Expected values come from transformers' eager attention (a plain softmax over a masked score
 matrix) run on each sample alone, not from the kernel under test.
@@ -23,6 +24,7 @@ from raylign.models.packed_attention import (
 )
 
 LENGTHS = [6, 11, 3, 8]
+REPEATED = [6, 11, 3, 6, 8, 3, 6]  # three samples of 6 tokens, two of 3: batched by length
 
 
 def _model(folder, kernel: str):
@@ -30,9 +32,9 @@ def _model(folder, kernel: str):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=kernel)
 
 
-def _samples() -> list[torch.Tensor]:
+def _samples(lengths: list[int] = LENGTHS) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return [torch.randint(5, 500, (n,), generator=gen) for n in LENGTHS]
+    return [torch.randint(5, 500, (n,), generator=gen) for n in lengths]
 
 
 def test_sample_spans_start_wherever_the_position_does_not_grow_by_one():
@@ -40,10 +42,12 @@ def test_sample_spans_start_wherever_the_position_does_not_grow_by_one():
     assert sample_spans(positions) == [[(0, 3), (3, 5), (5, 9)], [(0, 6), (6, 7), (7, 9)]]
 
 
-def test_packed_row_logits_and_gradients_equal_each_sample_alone_under_eager_attention(tiny_model_dir):
-    """One row of four samples through raylign_sdpa: every sample's logits, and the weights' gradients
-    of a loss summed over all samples, equal eager attention's on each sample alone (1e-5, float32)."""
-    samples = _samples()
+@pytest.mark.parametrize("lengths", [LENGTHS, REPEATED], ids=["distinct", "repeated"])
+def test_packed_row_logits_and_gradients_equal_each_sample_alone_under_eager_attention(tiny_model_dir, lengths):
+    """One row of samples through raylign_sdpa: every sample's logits, and the weights' gradients of a
+    loss summed over all samples, equal eager attention's on each sample alone (1e-5, float32); with
+    lengths that repeat, the samples batched by length come back in their places in the row."""
+    samples = _samples(lengths)
     ours, eager = _model(tiny_model_dir, PER_SAMPLE_SDPA), _model(tiny_model_dir, "eager")
     ids = torch.cat(samples)[None]
     positions = torch.cat([torch.arange(len(s)) for s in samples])[None]
@@ -56,27 +60,38 @@ def test_packed_row_logits_and_gradients_equal_each_sample_alone_under_eager_att
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_attention_runs_each_sample_causally_on_its_own_tokens(tiny_qwen2, monkeypatch):
-    """The kernel is called once per sample and layer, on that sample's tokens only, causal: no query
-    meets another sample's keys (the work is the sum of the samples' own attention)."""
+@pytest.mark.parametrize(
+    ("lengths", "expected"),
+    [
+        (LENGTHS, [(1, 6), (1, 11), (1, 3), (1, 8)]),
+        (REPEATED, [(3, 6), (1, 11), (2, 3), (1, 8)]),
+    ],
+    ids=["distinct", "repeated"],
+)
+def test_attention_runs_each_sample_causally_on_its_own_tokens(tiny_qwen2, monkeypatch, lengths, expected):
+    """Per layer, one causal kernel call per distinct sample length, on a batch of the samples of that
+    length (in order of first appearance), each of them its own tokens only: no query meets another
+    sample's keys, and the work is the sum of the samples' own attention."""
     calls = []
     real = packed_attention.F.scaled_dot_product_attention
 
     def record(query, key, value, **kwargs):
-        calls.append((query.shape[2], key.shape[2], kwargs["is_causal"]))
+        batch = query.shape[0] if query.dim() == 4 else 1
+        assert query.shape[-2] == key.shape[-2] and kwargs["is_causal"]
+        calls.append((batch, query.shape[-2]))
         return real(query, key, value, **kwargs)
 
     monkeypatch.setattr(packed_attention.F, "scaled_dot_product_attention", record)
     model = _model(tiny_qwen2, PER_SAMPLE_SDPA)
-    samples = _samples()
+    samples = _samples(lengths)
     with torch.no_grad():
         model(
             input_ids=torch.cat(samples)[None],
             position_ids=torch.cat([torch.arange(len(s)) for s in samples])[None],
             use_cache=False,
         )
-    layers = model.config.num_hidden_layers
-    assert calls == [(n, n, True) for n in LENGTHS] * layers
+    assert calls == expected * model.config.num_hidden_layers
+    assert sum(b * n for b, n in expected) == sum(lengths)
 
 
 def test_generation_with_left_padding_equals_sdpa(tiny_qwen2):
