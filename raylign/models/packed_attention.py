@@ -104,7 +104,9 @@ def row_attention(
     for start, end in spans:
         by_length.setdefault(end - start, []).append(start)
     if len(by_length) == len(spans):
-        return torch.cat([attend(query[:, s:e], key[:, s:e], value[:, s:e]) for s, e in spans], dim=1)
+        # [1, heads, L, D]: GPU kernels take 4-D inputs only (others fall back to the math kernel)
+        spans_4d = ((query[None, :, s:e], key[None, :, s:e], value[None, :, s:e]) for s, e in spans)
+        return torch.cat([attend(*qkv)[0] for qkv in spans_4d], dim=1)
     outputs, positions = [], []
     for length, starts in by_length.items():
         first = torch.tensor(starts, device=query.device)

@@ -76,9 +76,8 @@ def test_attention_runs_each_sample_causally_on_its_own_tokens(tiny_qwen2, monke
     real = packed_attention.F.scaled_dot_product_attention
 
     def record(query, key, value, **kwargs):
-        batch = query.shape[0] if query.dim() == 4 else 1
-        assert query.shape[-2] == key.shape[-2] and kwargs["is_causal"]
-        calls.append((batch, query.shape[-2]))
+        assert query.dim() == 4 and query.shape[2] == key.shape[2] and kwargs["is_causal"]
+        calls.append((query.shape[0], query.shape[2]))
         return real(query, key, value, **kwargs)
 
     monkeypatch.setattr(packed_attention.F, "scaled_dot_product_attention", record)
