@@ -8,8 +8,9 @@ Rows were therefore cut about as long as the longest sample, and the padding tha
 quarter to a third of the tokens of a long-tailed RL batch) went through every matrix product.
 
 ``raylign_sdpa`` instead runs causal ``scaled_dot_product_attention`` on each sample's span of the
-row: the work is the sum of the samples' own causal attention, whatever the row's length, so a
-micro-batch packs into one row without padding. Everything else (a padding mask, a KV cache,
+row (samples of equal length in one batched call, :func:`row_attention`): the work is the sum of the
+samples' own causal attention, whatever the row's length, so a micro-batch packs into one row
+without padding. Everything else (a padding mask, a KV cache,
 decoding, a sliding window) goes to transformers' own ``sdpa`` unchanged.
 
 Models are switched to it at load time (:func:`keep_samples_apart`) when they ask for ``sdpa``
