@@ -19,6 +19,7 @@ from raylign.config.engine import EngineConfig
 from raylign.config.optim import OptimConfig
 from raylign.engine.base import TrainEngine, floating_dtype
 from raylign.engine.distributed import select_device
+from raylign.engine.host_stash import HostStash
 from raylign.engine.optim import build_adamw, build_scheduler, clip_grad_norm, move_optimizer_state
 from raylign.models.loading import dequantized_state_dict, is_quantized
 
@@ -45,9 +46,11 @@ class Fp32MasterWeights:
             for master, param in zip(self.masters, self.model_params, strict=True):
                 param.copy_(master)
 
-    def to(self, device: torch.device) -> None:
-        for master in self.masters:
-            master.data = master.data.to(device)
+    def to(self, device: torch.device, stash: HostStash | None = None) -> None:
+        """The masters to ``device``; to the CPU through ``stash``'s pinned buffers where one is given."""
+        for name, master in self.named_masters:
+            to_host = stash is not None and device.type == "cpu"
+            master.data = stash.put(f"master.{name}", master.data) if to_host else master.data.to(device)  # type: ignore[union-attr]
 
 
 class LocalEngine(TrainEngine):
@@ -68,6 +71,7 @@ class LocalEngine(TrainEngine):
         self.master = Fp32MasterWeights(trainable) if with_master else None
         self.optimizer = build_adamw(self.master.named_masters if self.master else trainable, optim_cfg)
         self.scheduler = build_scheduler(self.optimizer, optim_cfg, total_steps)
+        self.stash = HostStash()  # pinned host memory for offload(), on GPUs
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -129,11 +133,15 @@ class LocalEngine(TrainEngine):
     def _move_to(self, device: torch.device, weights: bool = True) -> None:
         if self.device.type == "cpu":
             return
+        to_host = device.type == "cpu"
         if weights:
-            self.module.to(device)
+            if to_host:
+                self.stash.offload_module(self.module, "model.")
+            else:
+                self.module.to(device)
         if self.master is not None:
-            self.master.to(device)
-        move_optimizer_state(self.optimizer, device)
+            self.master.to(device, self.stash)
+        move_optimizer_state(self.optimizer, device, self.stash)
         if device.type == "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -15,6 +15,7 @@ from torch.optim.adamw import adamw as adamw_update
 from torch.optim.lr_scheduler import LambdaLR
 
 from raylign.config.optim import OptimConfig
+from raylign.engine.host_stash import HostStash
 
 
 def is_no_decay_parameter(name: str, param: torch.Tensor) -> bool:
@@ -225,9 +226,13 @@ def current_lr(optimizer: Any) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Move AdamW moments to ``device`` (the ``step`` counters stay where torch keeps them)."""
-    for state in optimizer.state.values():
+def move_optimizer_state(
+    optimizer: torch.optim.Optimizer, device: torch.device | str, stash: HostStash | None = None
+) -> None:
+    """Move AdamW moments to ``device`` (the ``step`` counters stay where torch keeps them); to the
+    CPU through ``stash``'s pinned buffers where one is given."""
+    to_host = stash is not None and torch.device(device).type == "cpu"
+    for index, state in enumerate(optimizer.state.values()):
         for key, value in state.items():
             if key != "step" and isinstance(value, torch.Tensor):
-                state[key] = value.to(device)
+                state[key] = stash.put(f"optim.{index}.{key}", value) if to_host else value.to(device)  # type: ignore[union-attr]
