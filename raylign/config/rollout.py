@@ -93,7 +93,8 @@ class RolloutConfig(Section):
     )
     enable_sleep_mode: bool | None = Field(
         None,
-        description="GPU only: let vLLM free its weights and KV cache while training runs on the same GPUs. "
+        description="GPU only: let the engines free their weights and KV cache (vLLM) or move their weights to "
+        "host memory (hf) while training runs on the same GPUs. "
         "Default: on for the engines of placement.colocate, off for engines of their own.",
     )
     bucket_mb: float = Field(

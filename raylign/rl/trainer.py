@@ -767,8 +767,8 @@ class RLTrainer:
         * ``generation``: the policy's weights go as well; the engines wake their KV cache;
         * ``training``: the engines sleep (weights and cache); the training groups load everything back.
 
-        A phase entered twice in a row moves nothing. Where an engine cannot sleep (vLLM on the CPU,
-        ``rollout.enable_sleep_mode: false``, the hf engine) its part is a no-op."""
+        A phase entered twice in a row moves nothing. Where an engine cannot sleep (on the CPU, or with
+        ``rollout.enable_sleep_mode: false``) its part is a no-op."""
         if not self.cfg.placement.colocate or phase == self._room:
             return
         if phase == "training":

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from raylign.config.rollout import RolloutConfig, SamplingConfig
+from raylign.engine.host_stash import HostStash
 from raylign.hardware import resolve_and_log
 from raylign.rollout.base import (
     Completion,
@@ -134,6 +135,8 @@ class HFEngine(RolloutEngine):
         self._queue: list[tuple[list[int], int, SamplingConfig, asyncio.Future]] = []
         self._batcher: asyncio.Task | None = None
         self._busy: asyncio.Lock | None = None  # held by a running batch and by a weight update
+        self.asleep = False  # weights in host memory while a colocated trainer uses the device
+        self._stash = HostStash()
 
     def _lock(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
@@ -173,6 +176,7 @@ class HFEngine(RolloutEngine):
     def _generate_now(
         self, prompt_token_ids: list[list[int]], indices: list[int], sampling: SamplingConfig
     ) -> list[Completion]:
+        self._check_awake("generate")
         if sampling.seed is None and len(prompt_token_ids) > 1:
             # Unseeded prompts share one generate call (left-padded): far fewer, larger forward passes.
             return self._generate_batch([list(p) for p in prompt_token_ids], list(indices), sampling)
@@ -349,6 +353,7 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def _score_now(self, token_ids: list[int]) -> list[float]:
+        self._check_awake("score")
         input_ids = torch.tensor([token_ids], device=self.device)
         logits = self.model(input_ids=input_ids).logits[0, :-1].float()
         return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1).cpu().tolist()
@@ -362,3 +367,39 @@ class HFEngine(RolloutEngine):
 
     async def reset_prefix_cache(self) -> None:
         """Nothing to do: each generate call starts with an empty KV cache."""
+
+    # ---- colocation ------------------------------------------------------------------------
+
+    def sleeps(self) -> bool:
+        """Whether :meth:`sleep` frees device memory: on a GPU with ``rollout.enable_sleep_mode`` (on by
+        default for a colocated engine)."""
+        return self.device.type == "cuda" and bool(self.config.enable_sleep_mode)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Move the weights to (pinned) host memory and return the freed blocks to the device, after the
+        running batch. Both levels keep the host copy: vLLM's level 2 drops its weights and rebuilds them from the
+        next sync, which this engine cannot do for weights a sync does not cover. There is no KV cache to
+        free: each generate call builds its own and drops it at the end."""
+        if not self.sleeps():
+            return await super().sleep(level)
+        async with self._lock():
+            self._stash.offload_module(self.model, "")  # pinned: the copy runs at the link's speed
+            self.asleep = True
+            torch.cuda.empty_cache()
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring the weights back to the device (``tags`` None or holding ``"weights"``); ``"kv_cache"``
+        alone has nothing to bring back (see :meth:`sleep`)."""
+        if not self.sleeps():
+            return await super().wake_up(tags)
+        if tags is None or "weights" in tags:
+            async with self._lock():
+                self.model.to(self.device)
+                self.asleep = False
+
+    def _check_awake(self, what: str) -> None:
+        if self.asleep:
+            raise RuntimeError(
+                f"the hf engine was asked to {what} while asleep (its weights in host memory); "
+                "wake_up(['weights']) first"
+            )

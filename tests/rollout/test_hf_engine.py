@@ -135,3 +135,28 @@ def test_unseeded_calls_draw_fresh_samples(engine):
     first = generate(engine, PROMPTS, n=4, temperature=1.0, max_new_tokens=8)
     second = generate(engine, PROMPTS, n=4, temperature=1.0, max_new_tokens=8)
     assert [c.response_token_ids for c in first] != [c.response_token_ids for c in second]
+
+
+def test_sleep_frees_nothing_on_the_cpu_and_generation_goes_on(tied_model_dir):
+    # Sleep moves the weights to host memory on a GPU only (benchmarks/gpu_check.py's colocated check
+    # measures that); on the CPU there is nothing to free and the engine keeps serving.
+    engine = HFEngine(str(tied_model_dir), RolloutConfig(engine="hf", dtype="float32", enable_sleep_mode=True))
+    assert not engine.sleeps()
+    before = generate(engine, [PROMPTS[0]], temperature=0.0, max_new_tokens=4)[0]
+    asyncio.run(engine.sleep(1))
+    assert not engine.asleep
+    asyncio.run(engine.wake_up(["kv_cache"]))
+    assert generate(engine, [PROMPTS[0]], temperature=0.0, max_new_tokens=4)[0].response_token_ids == (
+        before.response_token_ids
+    )
+
+
+def test_an_asleep_engine_refuses_to_generate_or_score_and_says_how_to_wake_it(engine):
+    engine.asleep = True  # as sleep() leaves it on a GPU
+    try:
+        with pytest.raises(RuntimeError, match=r"asked to generate while asleep.*wake_up\(\['weights'\]\)"):
+            generate(engine, [PROMPTS[0]], temperature=0.0, max_new_tokens=4)
+        with pytest.raises(RuntimeError, match="asked to score while asleep"):
+            asyncio.run(engine.score([5, 6, 7]))
+    finally:
+        engine.asleep = False
