@@ -16,8 +16,10 @@ or why it was skipped, and the whole run stays under 8 minutes on a current GPU:
 6. ``ipc_handover``: the full bf16 weights handed to a second process on the same device through
    CUDA IPC (torch.multiprocessing), in size-bounded buckets: seconds per sync against bytes / copy
    bandwidth;
-7. ``colocated``: trainer and rollout engine in one process, in the colocated order (offload the
-   trainer, hand the weights over, generate, onload, train): peak device memory per phase;
+7. ``colocated``: trainer and rollout engine in one process, in ``raylign rl``'s colocated order
+   (offload the optimizer, wake the engine's weights, sync, offload the weights, generate, put the
+   engine to sleep, onload, train): peak and still-allocated device memory and seconds per phase,
+   and the engine's log-probs of its samples against the trainer's on the same tokens;
 8. ``raylign_rl``: where Ray and vLLM import, the quickstart's RL run on the vLLM engine.
 
     python benchmarks/gpu_check.py                              # on the GPU machine
@@ -111,9 +113,16 @@ def check_peak(device: torch.device, size: str) -> dict[str, Any]:
     x = torch.empty(2**28 if device.type == "cuda" else 2**24, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     copy_s = timed(device, lambda: y.copy_(x), repeats=10, warmup=2)
+    host = {}
+    if device.type == "cuda":  # device to host: into pageable memory (plain .to) and into pinned memory
+        pinned = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host["d2h_pageable_gb_s"] = sig(x.numel() / timed(device, lambda: x.to("cpu"), repeats=3) / 1e9)
+        host["d2h_pinned_gb_s"] = sig(x.numel() / timed(device, lambda: pinned.copy_(x), repeats=3) / 1e9)
+        host["h2d_pinned_gb_s"] = sig(x.numel() / timed(device, lambda: x.copy_(pinned), repeats=3) / 1e9)
     return {
         "bf16_tflops": sig(2 * n**3 / matmul_s / 1e12),
         "copy_gb_s": sig(2 * x.numel() / copy_s / 1e9),  # bytes read and written
+        **host,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
@@ -129,9 +138,11 @@ def build_model(workdir: Path, size: str) -> Path:
 
 
 def load_model(folder: Path, device: torch.device) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    """The model as raylign's training workers load it: packed samples attend only within themselves."""
+    from raylign.config.model import ModelConfig
+    from raylign.models import load_causal_lm
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device)
+    return load_causal_lm(ModelConfig(path=str(folder), dtype="bfloat16"), device)
 
 
 def packed_batch(vocab: int, rows: int, row_len: int, sample_len: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -142,12 +153,12 @@ def packed_batch(vocab: int, rows: int, row_len: int, sample_len: int, device: t
     return {"input_ids": ids.to(device), "position_ids": positions.to(device)}
 
 
-def train_engine(model: torch.nn.Module, steps: int, backend: str = "local") -> Any:
+def train_engine(model: torch.nn.Module, steps: int, backend: str = "local", lr: float = 1e-6) -> Any:
     from raylign.config.engine import EngineConfig
     from raylign.config.optim import OptimConfig
     from raylign.engine import create_engine
 
-    return create_engine(model, EngineConfig(backend=backend), OptimConfig(lr=1e-6, max_grad_norm=1.0), steps)
+    return create_engine(model, EngineConfig(backend=backend), OptimConfig(lr=lr, max_grad_norm=1.0), steps)
 
 
 def n_params(model: torch.nn.Module) -> int:
@@ -244,23 +255,28 @@ def utilisation(flop: float, seconds: float, peak: dict[str, Any]) -> dict[str, 
     return {"step_s": sig(seconds), "tflops": sig(achieved), "mfu": sig(achieved / peak["bf16_tflops"])}
 
 
-def rollout_engine(folder: Path) -> Any:
+def rollout_engine(folder: Path, sleep: bool = False) -> Any:
     from raylign.config.rollout import RolloutConfig
     from raylign.rollout.hf_engine import HFEngine
 
-    return HFEngine(str(folder), RolloutConfig(engine="hf", dtype="bfloat16"))
+    return HFEngine(str(folder), RolloutConfig(engine="hf", dtype="bfloat16", enable_sleep_mode=sleep))
 
 
 def generate(engine: Any, prompts: int, n: int, new_tokens: int) -> tuple[int, float]:
     """Tokens generated and seconds taken for ``prompts`` prompts of 64 tokens x ``n`` samples."""
-    from raylign.config.rollout import SamplingConfig
-
-    sampling = SamplingConfig(n=n, temperature=1.0, max_new_tokens=new_tokens, seed=0)
-    prompt_ids = [[(7 * i + j) % 200 + 10 for j in range(64)] for i in range(prompts)]
     start = time.perf_counter()
-    completions = asyncio.run(engine.generate(prompt_ids, sampling))
+    completions = completions_of(engine, prompts, n, new_tokens)
     seconds = time.perf_counter() - start
     return sum(len(c.response_token_ids) for c in completions), seconds
+
+
+def completions_of(engine: Any, prompts: int, n: int, new_tokens: int) -> list[Any]:
+    from raylign.config.rollout import SamplingConfig
+
+    # Unseeded: the hf engine runs all prompts as one left-padded generate call, as in an RL step.
+    sampling = SamplingConfig(n=n, temperature=1.0, max_new_tokens=new_tokens)
+    prompt_ids = [[(7 * i + j) % 200 + 10 for j in range(64)] for i in range(prompts)]
+    return asyncio.run(engine.generate(prompt_ids, sampling))
 
 
 def check_hf_rollout(device: torch.device, folder: Path, size: str, peak: dict[str, Any]) -> dict[str, Any]:
@@ -333,30 +349,114 @@ def check_ipc_handover(device: torch.device, folder: Path, size: str, peak: dict
 
 
 def check_colocated(device: torch.device, folder: Path, size: str, peak: dict[str, Any]) -> dict[str, Any]:
+    """Trainer and hf engine on one device in the colocated order of ``raylign rl``: offload the optimizer,
+    wake the engine's weights, sync, offload the trainer's weights, generate, put the engine to sleep,
+    onload, train; two such steps, the second reported (the first also pins the host buffers the
+    offloads reuse: its offload seconds are given apart). Per phase: the peak device memory of the phase,
+    what stays allocated after it (GiB) and its seconds. Then the engine's log-probs of what it generated
+    against the trainer's on the same tokens, packed into one row as the trainer's log-prob passes pack
+    them: the drift a sync or the kernels would cause."""
     from raylign.models import token_logprobs
 
     model = load_model(folder, device)
-    trainer = train_engine(model, steps=100)
-    engine = rollout_engine(folder)
+    trainer = train_engine(model, steps=100, lr=1e-3)  # each step moves the weights: the sync carries news
+    engine = rollout_engine(folder, sleep=True)
     rows, row_len = (4, 2048) if size == "0.5b" else (2, 128)
     batch = packed_batch(model.config.vocab_size, rows, row_len, row_len // 4, device)
     valid = (batch["position_ids"] > 0).float()
-    figures: dict[str, Any] = {}
-    start = time.perf_counter()
-    with peak_memory(device, figures, "offload_trainer_gib"):
-        trainer.offload()
-    with peak_memory(device, figures, "sync_gib"):
-        sync_s = asyncio.run(engine.update_weights(trainer.module.named_parameters()))
-    with peak_memory(device, figures, "generate_gib"):
-        generate(engine, 8 if size == "0.5b" else 2, 4, 64 if size == "0.5b" else 8)
-    with peak_memory(device, figures, "onload_trainer_gib"):
-        trainer.onload()
-    with peak_memory(device, figures, "train_gib"):
+    peaks: dict[str, Any] = {}
+    held: dict[str, float] = {}
+    took: dict[str, float] = {}
+
+    def phase(name: str, work: Callable[[], Any]) -> Any:
+        begin = time.perf_counter()
+        with peak_memory(device, peaks, name):
+            out = work()
+        took[name] = sig(time.perf_counter() - begin)
+        if device.type == "cuda":
+            held[name] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
+        return out
+
+    def train() -> None:
         logprobs = token_logprobs(trainer.module, batch["input_ids"], position_ids=batch["position_ids"])
         trainer.backward(-(logprobs * valid).sum() / valid.sum())
         trainer.step()
-    sync(device)
-    return {**figures, "sync_s": sig(sync_s), "cycle_s": round(time.perf_counter() - start, 2)}
+
+    train()  # the optimizer state exists from here on, as in a run
+    asyncio.run(engine.sleep(1))
+    first_offload_s = 0.0
+    for step in range(2):
+        for figures in (peaks, held, took):
+            figures.clear()
+        phase("offload_optimizer", lambda: trainer.offload(keep_weights=True))
+        phase("wake_weights", lambda: asyncio.run(engine.wake_up(["weights"])))
+        sync_s = phase("sync", lambda: asyncio.run(engine.update_weights(trainer.module.named_parameters())))
+        phase("offload_weights", trainer.offload)
+        phase("wake_kv_cache", lambda: asyncio.run(engine.wake_up(["kv_cache"])))
+        completions = phase("generate", lambda: completions_of(engine, 8 if size == "0.5b" else 2, 4, 64))
+        phase("sleep_engine", lambda: asyncio.run(engine.sleep(1)))
+        phase("onload", trainer.onload)
+        drift = logprob_drift(trainer.module, completions, device)  # the trainer still holds the synced weights
+        phase("train", train)
+        if step == 0:
+            first_offload_s = sig(took["offload_optimizer"] + took["offload_weights"] + took["sleep_engine"])
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    return {
+        "engine_weights_gib": round(weights / 2**30, 2),
+        "peak_gib": peaks,
+        "held_gib": held,
+        "phase_s": took,
+        "sync_s": sig(sync_s),
+        "step_s": round(sum(took.values()), 2),
+        "first_step_offload_s": first_offload_s,
+        "offload_gb_s": sig(
+            offloaded_bytes(trainer, engine)
+            / 1e9
+            / (took["offload_optimizer"] + took["offload_weights"] + took["sleep_engine"])
+        ),
+        **drift,
+    }
+
+
+def offloaded_bytes(trainer: Any, engine: Any) -> int:
+    """Bytes an offload moves to the host: the trainer's weights, fp32 masters and optimizer state, and
+    the engine's weights."""
+    tensors = list(trainer.module.parameters()) + list(engine.model.parameters())
+    if trainer.master is not None:
+        tensors += trainer.master.masters
+    tensors += [v for state in trainer.optimizer.state.values() for k, v in state.items() if k != "step"]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def logprob_drift(model: torch.nn.Module, completions: list[Any], device: torch.device) -> dict[str, Any]:
+    """Max and mean |engine - trainer| log-prob over the completions' tokens, the trainer's computed on
+    the completions packed into one row (each sample attends only within itself)."""
+    from raylign.models import selected_token_logprobs
+
+    ids: list[int] = []
+    positions: list[int] = []
+    index: list[int] = []
+    engine_logprobs: list[float] = []
+    for c in completions:
+        tokens = c.prompt_token_ids + c.response_token_ids
+        index += [len(ids) + len(c.prompt_token_ids) + j for j in range(len(c.response_token_ids))]
+        ids += tokens
+        positions += range(len(tokens))
+        engine_logprobs += c.response_logprobs
+    with torch.no_grad():
+        trainer_logprobs = selected_token_logprobs(
+            model,
+            torch.tensor([ids], device=device),
+            torch.tensor(index, device=device),
+            position_ids=torch.tensor([positions], device=device),
+        )
+    assert isinstance(trainer_logprobs, torch.Tensor)
+    diff = (trainer_logprobs.float().cpu() - torch.tensor(engine_logprobs)).abs()
+    return {
+        "tokens_scored": len(index),
+        "logprob_max_abs": sig(diff.max().item()),
+        "logprob_mean_abs": sig(diff.mean().item()),
+    }
 
 
 def check_raylign_rl(device: torch.device, folder: Path, size: str, peak: dict[str, Any]) -> dict[str, Any]:

@@ -79,3 +79,32 @@ def test_the_handover_moves_every_weight_byte_once_against_the_copy_floor(report
     # Decoding: 16 new tokens, each step reading every weight once at the same rate.
     rollout = results["hf_rollout"]
     assert rollout["floor_s"] == pytest.approx(16 * figures["floor_s"], rel=1e-2)
+
+
+COLOCATED_ORDER = [
+    "offload_optimizer",
+    "wake_weights",
+    "sync",
+    "offload_weights",
+    "wake_kv_cache",
+    "generate",
+    "sleep_engine",
+    "onload",
+    "train",
+]
+
+
+def test_the_colocated_step_runs_every_phase_in_order_and_the_engine_scores_like_the_trainer(report):
+    results, model, _ = report
+    figures = results["colocated"]
+    assert list(figures["phase_s"]) == COLOCATED_ORDER  # the order of raylign rl's colocated step
+    assert figures["step_s"] == pytest.approx(sum(figures["phase_s"].values()), abs=0.01)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert figures["engine_weights_gib"] == round(weight_bytes / 2**30, 2)
+    # 2 prompts x 4 samples x at most 64 new tokens, each scored once by the engine and the trainer.
+    assert 0 < figures["tokens_scored"] <= 2 * 4 * 64
+    # Both sides compute in bf16 (cached decoding against one packed forward) and agree to bf16 rounding:
+    # 1.4e-4 mean and 2e-3 max here. With the sync left out, the engine samples from the weights of two
+    # steps earlier (lr 1e-3), and the same figures were 0.029 and 0.15: the bounds sit between.
+    assert figures["logprob_mean_abs"] < 3e-3
+    assert figures["logprob_max_abs"] < 0.05
