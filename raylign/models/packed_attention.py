@@ -20,7 +20,10 @@ and their attention is plain causal attention that receives the ``position_ids``
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -82,16 +85,76 @@ def per_sample_attention(
             q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped
         )
 
-    spans = sample_spans(position_ids.expand(query.shape[0], -1))
-    rows = [row_attention(query[b], key[b], value[b], row_spans, attend) for b, row_spans in enumerate(spans)]
+    plans = row_plans(position_ids, query.shape[0])
+    rows = [row_attention(query[b], key[b], value[b], plan, attend) for b, plan in enumerate(plans)]
     return torch.stack(rows).transpose(1, 2).contiguous(), None
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How one packed row's attention is computed (see :func:`row_attention`).
+
+    ``spans``: each sample's ``(start, end)``. ``groups``: where some length occurs more than once, per
+    distinct length (in order of first appearance) the row positions of its samples' tokens, one sample
+    after another; ``order`` puts the groups' outputs back in row order. Both empty / None where every
+    length occurs once: each sample is then attended on its own span, with no gathering."""
+
+    spans: list[tuple[int, int]]
+    groups: list[tuple[int, torch.Tensor]]
+    order: torch.Tensor | None
+
+
+def row_plan(spans: list[tuple[int, int]], device: torch.device) -> RowPlan:
+    by_length: dict[int, list[int]] = {}
+    for start, end in spans:
+        by_length.setdefault(end - start, []).append(start)
+    if len(by_length) == len(spans):
+        return RowPlan(spans, [], None)
+    groups = []
+    for length, starts in by_length.items():
+        first = torch.tensor(starts, device=device)
+        groups.append((length, (first[:, None] + torch.arange(length, device=device)).flatten()))
+    return RowPlan(spans, groups, torch.argsort(torch.cat([index for _, index in groups])))
+
+
+class _LastPlans(threading.local):
+    """The plans of the last ``position_ids`` seen in this thread (a weak reference to the tensor, and
+    its version counter, shape, device and the batch size they were made for)."""
+
+    source: weakref.ref[torch.Tensor] | None = None
+    key: tuple[Any, ...] = ()
+    plans: list[RowPlan] = []
+
+
+_LAST_PLANS = _LastPlans()
+
+
+def row_plans(position_ids: torch.Tensor, batch: int) -> list[RowPlan]:
+    """The :class:`RowPlan` of each of ``batch`` rows of ``position_ids`` (``[B or 1, T]``).
+
+    Every layer of a forward pass receives the same ``position_ids`` tensor: its plans are worked out at
+    the first layer and reused by the others (and by the recomputation of activation checkpointing), so
+    a forward pass reads the positions back from the device once, not once per layer (each read waits
+    for the device to finish everything queued before it). A tensor changed in place since gets new
+    plans (its version counter moved), as does any other tensor. An inference-mode tensor, which has no
+    version counter, gets new plans at every call."""
+    inference = position_ids.is_inference()
+    key = (None if inference else position_ids._version, batch, tuple(position_ids.shape), position_ids.device)
+    last = _LAST_PLANS
+    if not inference and last.source is not None and last.source() is position_ids and last.key == key:
+        return last.plans
+    spans = sample_spans(position_ids.expand(batch, -1))
+    plans = [row_plan(row_spans, position_ids.device) for row_spans in spans]
+    if not inference:
+        last.source, last.key, last.plans = weakref.ref(position_ids), key, plans
+    return plans
 
 
 def row_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    spans: list[tuple[int, int]],
+    plan: RowPlan,
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """One packed row's attention, ``query`` ``[H, T, D]`` (``key`` / ``value`` ``[H_kv, T, D]``), each
@@ -101,21 +164,16 @@ def row_attention(
     the outputs are put back in row order: a micro-batch of many short answers (the quickstart packs
     a hundred samples of a handful of lengths into a row) costs a few calls instead of one per
     sample. Where every length occurs once each sample is attended on its own span, with no gathering."""
-    by_length: dict[int, list[int]] = {}
-    for start, end in spans:
-        by_length.setdefault(end - start, []).append(start)
-    if len(by_length) == len(spans):
+    if plan.order is None:
         # [1, heads, L, D]: GPU kernels take 4-D inputs only (others fall back to the math kernel)
-        spans_4d = ((query[None, :, s:e], key[None, :, s:e], value[None, :, s:e]) for s, e in spans)
+        spans_4d = ((query[None, :, s:e], key[None, :, s:e], value[None, :, s:e]) for s, e in plan.spans)
         return torch.cat([attend(*qkv)[0] for qkv in spans_4d], dim=1)
-    outputs, positions = [], []
-    for length, starts in by_length.items():
-        first = torch.tensor(starts, device=query.device)
-        index = (first[:, None] + torch.arange(length, device=query.device)).flatten()
-        gathered = (gather_samples(t, index, len(starts), length) for t in (query, key, value))
+    outputs = []
+    for length, index in plan.groups:
+        count = index.numel() // length
+        gathered = (gather_samples(t, index, count, length) for t in (query, key, value))
         outputs.append(attend(*gathered).transpose(0, 1).flatten(1, 2))
-        positions.append(index)
-    return torch.cat(outputs, dim=1).index_select(1, torch.argsort(torch.cat(positions)))
+    return torch.cat(outputs, dim=1).index_select(1, plan.order)
 
 
 def gather_samples(t: torch.Tensor, index: torch.Tensor, count: int, length: int) -> torch.Tensor:

@@ -120,3 +120,32 @@ def test_models_switch_to_it_only_where_it_computes_the_same_attention(tiny_qwen
 )
 def test_row_length_zero_means_one_row_where_samples_are_computed_apart(setting, apart, expected):
     assert packed_row_tokens(setting, apart) == expected
+
+
+def test_a_forward_pass_reads_the_sample_spans_once_for_all_its_layers(tiny_qwen2, monkeypatch):
+    """The layers share one plan per forward pass (and its recomputation under activation checkpointing):
+    the positions are read back from the device once, not once per layer. A tensor changed in place
+    gets a new plan, with the attention it now describes."""
+    reads = []
+    real = packed_attention.sample_spans
+
+    def counted(position_ids):
+        reads.append(position_ids.shape)
+        return real(position_ids)
+
+    monkeypatch.setattr(packed_attention, "sample_spans", counted)
+    model = _model(tiny_qwen2, PER_SAMPLE_SDPA)
+    model.gradient_checkpointing_enable()
+    model.train()
+    samples = _samples(REPEATED)
+    ids = torch.cat(samples)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in samples])[None]
+    model(input_ids=ids, position_ids=positions, use_cache=False).logits.sum().backward()
+    assert model.config.num_hidden_layers > 1 and len(reads) == 1
+    # The same tensor, now one sample: the plan is made again and the attention spans the whole row.
+    positions.copy_(torch.arange(ids.shape[1])[None])
+    with torch.no_grad():
+        whole = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        reference = _model(tiny_qwen2, "eager")(input_ids=ids, use_cache=False).logits
+    assert len(reads) == 2
+    torch.testing.assert_close(whole, reference, atol=1e-5, rtol=0)
