@@ -120,6 +120,9 @@ class HFEngine(RolloutEngine):
         if lora_rank:
             raise ValueError("the hf engine serves no LoRA adapters; use rollout.lora_sync: merged")
         torch.set_flush_denormal(True)  # CPU generate is erratic with denormals
+        # Unseeded requests draw from the global stream (generate takes no generator): seeded here with
+        # rollout.seed, as vLLM seeds its engine, so that a run repeats its samples.
+        torch.manual_seed(self.config.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = AutoModelForCausalLM.from_pretrained(
             str(model_path), dtype=_DTYPES[resolve_and_log(self.config.dtype, "hf rollout engine")]

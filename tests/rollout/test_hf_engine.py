@@ -160,3 +160,13 @@ def test_an_asleep_engine_refuses_to_generate_or_score_and_says_how_to_wake_it(e
             asyncio.run(engine.score([5, 6, 7]))
     finally:
         engine.asleep = False
+
+
+def test_unseeded_samples_repeat_with_the_engine_seed_and_change_with_it(tied_model_dir):
+    def unseeded_samples(engine_seed, process_seed):
+        torch.manual_seed(process_seed)  # whatever the process drew before, the engine's own seed decides
+        engine = HFEngine(str(tied_model_dir), RolloutConfig(engine="hf", dtype="float32", seed=engine_seed))
+        return [c.response_token_ids for c in generate(engine, PROMPTS, n=4, temperature=1.0, max_new_tokens=8)]
+
+    assert unseeded_samples(3, process_seed=1) == unseeded_samples(3, process_seed=2)
+    assert unseeded_samples(3, process_seed=1) != unseeded_samples(4, process_seed=1)
