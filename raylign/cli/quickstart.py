@@ -193,13 +193,13 @@ def _report(summary: dict[str, dict[str, float]], held_out: Path, out: Path, war
         log.info("  %-22s %.3f / %5.1f%%", label, row["reward"], 100 * row["exact_match"])
     moved = "raised" if final["reward"] > warm["reward"] else "did not raise"
     log.info(
-        "RL %s the held-out mean reward (%.2f to %.2f; exact answers %.0f%% to %.0f%%)%s",
+        "RL %s the held-out mean reward (%.3f to %.3f; exact answers %.0f%% to %.0f%%)%s",
         moved,
         warm["reward"],
         final["reward"],
         100 * warm["exact_match"],
         100 * final["exact_match"],
-        f"; the warm-up alone had brought it from {base['reward']:.2f} to {warm['reward']:.2f}." if warmed_up else ".",
+        f"; the warm-up alone had brought it from {base['reward']:.3f} to {warm['reward']:.3f}." if warmed_up else ".",
     )
     log.info(
         "results: policy %s | reward curve %s | metrics %s | TensorBoard %s | summary %s",

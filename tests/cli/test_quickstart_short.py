@@ -32,4 +32,4 @@ def test_a_one_step_quickstart_runs_at_the_full_learning_rate(ray_session, tmp_p
     # The closing line says whether one GRPO step raised the held-out reward, as the summary's figures do.
     before, after = summary["after_warmup"]["reward"], summary["after_rl"]["reward"]
     verb = "raised" if after > before else "did not raise"
-    assert f"RL {verb} the held-out mean reward ({before:.2f} to {after:.2f};" in caplog.text
+    assert f"RL {verb} the held-out mean reward ({before:.3f} to {after:.3f};" in caplog.text
