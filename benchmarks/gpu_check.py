@@ -8,7 +8,8 @@ or why it was skipped, and the whole run stays under 8 minutes on a current GPU:
 2. ``sft``: raylign's ``local`` training engine, SFT steps of a Qwen2-0.5B-shaped model in bf16 on
    packed rows: tokens/s and model FLOP utilisation (6 x parameters x tokens against ``peak``);
 3. ``fsdp2``: the same SFT step on raylign's ``fsdp2`` engine in a one-rank process group (nccl on
-   the GPU), the model built on the meta device and read from its safetensors shard by shard;
+   the GPU), the model built on the meta device and read from its safetensors shard by shard; then
+   its state offloaded and onloaded as a colocated run moves it, and one more step;
 4. ``rl``: an RL update of the same model (reference pass, response-only log-probs, PPO-clip loss,
    backward, step): tokens/s and utilisation;
 5. ``hf_rollout``: the ``hf`` rollout engine generating on the device: tokens/s against the
@@ -185,7 +186,20 @@ def check_fsdp2(device: torch.device, folder: Path, size: str, peak: dict[str, A
         engine = train_engine(load_causal_lm(model_cfg, empty=empty), steps=100, backend="fsdp2")
     if engine.device.type != device.type:
         raise RuntimeError(f"the fsdp2 engine placed the model on {engine.device}, not on {device}")
-    return {**figures, **sft_figures(engine, device, size, peak)}
+    figures.update(sft_figures(engine, device, size, peak))
+    # The colocated moves of the sharded state: everything out, then back, then another step trains.
+    begin = time.perf_counter()
+    engine.offload()
+    sync(device)
+    figures["offload_s"] = sig(time.perf_counter() - begin)
+    if device.type == "cuda":
+        figures["held_offloaded_gib"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
+    begin = time.perf_counter()
+    engine.onload()
+    sync(device)
+    figures["onload_s"] = sig(time.perf_counter() - begin)
+    figures["step_s_after_onload"] = sft_figures(engine, device, size, peak)["step_s"]
+    return figures
 
 
 def sft_figures(engine: Any, device: torch.device, size: str, peak: dict[str, Any]) -> dict[str, Any]:
