@@ -423,6 +423,7 @@ def check_colocated(device: torch.device, folder: Path, size: str, peak: dict[st
         "sync_s": sig(sync_s),
         "step_s": round(sum(took.values()), 2),
         "first_step_offload_s": first_offload_s,
+        "pinned_host_gib": round((trainer.stash.nbytes + engine._stash.nbytes) / 2**30, 2),
         "offload_gb_s": sig(
             offloaded_bytes(trainer, engine)
             / 1e9

@@ -101,6 +101,7 @@ def test_the_colocated_step_runs_every_phase_in_order_and_the_engine_scores_like
     assert figures["step_s"] == pytest.approx(sum(figures["phase_s"].values()), abs=0.01)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert figures["engine_weights_gib"] == round(weight_bytes / 2**30, 2)
+    assert figures["pinned_host_gib"] == 0  # on the CPU nothing moves, so nothing is pinned
     # 2 prompts x 4 samples x at most 64 new tokens, each scored once by the engine and the trainer.
     assert 0 < figures["tokens_scored"] <= 2 * 4 * 64
     # Both sides compute in bf16 (cached decoding against one packed forward) and agree to bf16 rounding:
