@@ -4,7 +4,8 @@ Meant for a machine with one GPU and only what such a machine may carry (torch, 
 peft, accelerate; often no Ray, vLLM or DeepSpeed, and no network). Each check prints its figure
 or why it was skipped, and the whole run stays under 8 minutes on a current GPU:
 
-1. ``peak``: the device's bf16 matmul rate and copy bandwidth, measured here (the floors below);
+1. ``peak``: the device's bf16 matmul rate (square 8192 products, and the model's own layer shapes at
+   the training batch) and copy bandwidth, measured here (the floors below);
 2. ``sft``: raylign's ``local`` training engine, SFT steps of a Qwen2-0.5B-shaped model in bf16 on
    packed rows: tokens/s and model FLOP utilisation (6 x parameters x tokens against ``peak``);
 3. ``fsdp2``: the same SFT step on raylign's ``fsdp2`` engine in a one-rank process group (nccl on
@@ -60,6 +61,7 @@ SIZES = {
     "0.5b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2, "intermediate_size": 4864},
     "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 256},
 }
+TRAIN_ROWS = {"0.5b": (4, 2048), "tiny": (2, 128)}  # packed rows x tokens per row of the training checks
 BUCKET_BYTES = 256 * 2**20
 
 
@@ -122,11 +124,29 @@ def check_peak(device: torch.device, size: str) -> dict[str, Any]:
         host["h2d_pinned_gb_s"] = sig(x.numel() / timed(device, lambda: x.copy_(pinned), repeats=3) / 1e9)
     return {
         "bf16_tflops": sig(2 * n**3 / matmul_s / 1e12),
+        "model_shapes_tflops": sig(model_shapes_rate(device, size)),
         "copy_gb_s": sig(2 * x.numel() / copy_s / 1e9),  # bytes read and written
         **host,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
+
+
+def model_shapes_rate(device: torch.device, size: str) -> float:
+    """bf16 TFLOP/s of one layer's matrix products at the training checks' batch (every token of the step
+    through q, k, v, o, gate, up and down): the rate the model's own shapes allow, a floor nearer to what
+    a step can reach than the square product's."""
+    shape = SIZES[size]
+    hidden, inner = shape["hidden_size"], shape["intermediate_size"]
+    kv = hidden // shape["num_heads"] * shape["num_kv_heads"]
+    tokens = TRAIN_ROWS[size][0] * TRAIN_ROWS[size][1]
+    flop, seconds = 0.0, 0.0
+    for inputs, outputs, count in ((hidden, hidden, 2), (hidden, kv, 2), (hidden, inner, 2), (inner, hidden, 1)):
+        x = torch.randn(tokens, inputs, device=device, dtype=torch.bfloat16)
+        w = torch.randn(outputs, inputs, device=device, dtype=torch.bfloat16)
+        seconds += count * timed(device, lambda x=x, w=w: x @ w.T, repeats=5, warmup=2)
+        flop += count * 2 * tokens * inputs * outputs
+    return flop / seconds / 1e12
 
 
 def build_model(workdir: Path, size: str) -> Path:
@@ -207,7 +227,7 @@ def sft_figures(engine: Any, device: torch.device, size: str, peak: dict[str, An
     from raylign.models import token_logprobs
 
     model = engine.module
-    rows, row_len = (4, 2048) if size == "0.5b" else (2, 128)
+    rows, row_len = TRAIN_ROWS[size]
     batch = packed_batch(model.config.vocab_size, rows, row_len, row_len // 4, device)
     valid = (batch["position_ids"] > 0).float()
 
@@ -235,7 +255,7 @@ def check_rl(device: torch.device, folder: Path, size: str, peak: dict[str, Any]
     policy = load_model(folder, device)
     reference = load_model(folder, device).eval().requires_grad_(False)
     engine = train_engine(policy, steps=100)
-    rows, row_len = (4, 2048) if size == "0.5b" else (2, 128)
+    rows, row_len = TRAIN_ROWS[size]
     sample_len = row_len // 4
     batch = packed_batch(policy.config.vocab_size, rows, row_len, sample_len, device)
     # the second half of every sample is its response: [samples, response length] flat positions
@@ -266,7 +286,12 @@ def check_rl(device: torch.device, folder: Path, size: str, peak: dict[str, Any]
 
 def utilisation(flop: float, seconds: float, peak: dict[str, Any]) -> dict[str, Any]:
     achieved = flop / seconds / 1e12
-    return {"step_s": sig(seconds), "tflops": sig(achieved), "mfu": sig(achieved / peak["bf16_tflops"])}
+    return {
+        "step_s": sig(seconds),
+        "tflops": sig(achieved),
+        "mfu": sig(achieved / peak["bf16_tflops"]),
+        "of_model_shapes": sig(achieved / peak["model_shapes_tflops"]),
+    }
 
 
 def rollout_engine(folder: Path, sleep: bool = False) -> Any:
@@ -375,7 +400,7 @@ def check_colocated(device: torch.device, folder: Path, size: str, peak: dict[st
     model = load_model(folder, device)
     trainer = train_engine(model, steps=100, lr=1e-3)  # each step moves the weights: the sync carries news
     engine = rollout_engine(folder, sleep=True)
-    rows, row_len = (4, 2048) if size == "0.5b" else (2, 128)
+    rows, row_len = TRAIN_ROWS[size]
     batch = packed_batch(model.config.vocab_size, rows, row_len, row_len // 4, device)
     valid = (batch["position_ids"] > 0).float()
     peaks: dict[str, Any] = {}

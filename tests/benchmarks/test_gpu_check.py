@@ -63,6 +63,8 @@ def test_training_figures_are_model_flop_over_the_measured_step(report):
         # The report rounds each figure to three significant digits (up to 0.5% apart): rel=1e-2.
         assert figures["tflops"] == pytest.approx(flop_per_token * params * TOKENS / figures["step_s"] / 1e12, rel=1e-2)
         assert figures["mfu"] == pytest.approx(figures["tflops"] / peak, rel=1e-2)
+        shapes = results["peak"]["model_shapes_tflops"]  # the layer's own products at the step's tokens
+        assert figures["of_model_shapes"] == pytest.approx(figures["tflops"] / shapes, rel=1e-2)
         assert figures["tokens_per_s"] == pytest.approx(TOKENS / figures["step_s"], rel=1e-2)
     assert results["fsdp2"]["loaded"] == "shard by shard"  # built on the meta device, as training workers do
 
