@@ -222,28 +222,31 @@ def check_fsdp2(device: torch.device, folder: Path, size: str, peak: dict[str, A
     return figures
 
 
-def sft_figures(engine: Any, device: torch.device, size: str, peak: dict[str, Any]) -> dict[str, Any]:
-    """Seconds, utilisation and tokens/s of an SFT step of ``engine`` on packed rows, and its peak memory."""
+def sft_step(engine: Any, size: str, device: torch.device) -> Callable[[], None]:
+    """One SFT step of ``engine`` (forward, backward, optimizer step) on the size's packed training batch."""
     from raylign.models import token_logprobs
 
-    model = engine.module
     rows, row_len = TRAIN_ROWS[size]
-    batch = packed_batch(model.config.vocab_size, rows, row_len, row_len // 4, device)
+    batch = packed_batch(engine.module.config.vocab_size, rows, row_len, row_len // 4, device)
     valid = (batch["position_ids"] > 0).float()
 
     def step() -> None:
         logprobs = token_logprobs(engine.module, batch["input_ids"], position_ids=batch["position_ids"])
-        loss = -(logprobs * valid).sum() / valid.sum()
-        engine.backward(loss)
+        engine.backward(-(logprobs * valid).sum() / valid.sum())
         engine.step()
 
+    return step
+
+
+def sft_figures(engine: Any, device: torch.device, size: str, peak: dict[str, Any]) -> dict[str, Any]:
+    """Seconds, utilisation and tokens/s of an SFT step of ``engine`` on packed rows, and its peak memory."""
     figures: dict[str, Any] = {}
     with peak_memory(device, figures, "peak_gib"):
-        seconds = timed(device, step, repeats=5, warmup=2)
-    tokens = rows * row_len
+        seconds = timed(device, sft_step(engine, size, device), repeats=5, warmup=2)
+    tokens = TRAIN_ROWS[size][0] * TRAIN_ROWS[size][1]
     return {
         **figures,
-        **utilisation(6 * n_params(model) * tokens, seconds, peak),
+        **utilisation(6 * n_params(engine.module) * tokens, seconds, peak),
         "tokens_per_s": round(tokens / seconds),
     }
 
@@ -395,14 +398,9 @@ def check_colocated(device: torch.device, folder: Path, size: str, peak: dict[st
     what stays allocated after it (GiB) and its seconds. Then the engine's log-probs of what it generated
     against the trainer's on the same tokens, packed into one row as the trainer's log-prob passes pack
     them: the drift a sync or the kernels would cause."""
-    from raylign.models import token_logprobs
-
-    model = load_model(folder, device)
-    trainer = train_engine(model, steps=100, lr=1e-3)  # each step moves the weights: the sync carries news
+    trainer = train_engine(load_model(folder, device), steps=100, lr=1e-3)  # each step moves the weights
     engine = rollout_engine(folder, sleep=True)
-    rows, row_len = TRAIN_ROWS[size]
-    batch = packed_batch(model.config.vocab_size, rows, row_len, row_len // 4, device)
-    valid = (batch["position_ids"] > 0).float()
+    train = sft_step(trainer, size, device)
     peaks: dict[str, Any] = {}
     held: dict[str, float] = {}
     took: dict[str, float] = {}
@@ -415,11 +413,6 @@ def check_colocated(device: torch.device, folder: Path, size: str, peak: dict[st
         if device.type == "cuda":
             held[name] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
         return out
-
-    def train() -> None:
-        logprobs = token_logprobs(trainer.module, batch["input_ids"], position_ids=batch["position_ids"])
-        trainer.backward(-(logprobs * valid).sum() / valid.sum())
-        trainer.step()
 
     train()  # the optimizer state exists from here on, as in a run
     asyncio.run(engine.sleep(1))
@@ -437,8 +430,9 @@ def check_colocated(device: torch.device, folder: Path, size: str, peak: dict[st
         phase("onload", trainer.onload)
         drift = logprob_drift(trainer.module, completions, device)  # the trainer still holds the synced weights
         phase("train", train)
+        offload_s = took["offload_optimizer"] + took["offload_weights"] + took["sleep_engine"]
         if step == 0:
-            first_offload_s = sig(took["offload_optimizer"] + took["offload_weights"] + took["sleep_engine"])
+            first_offload_s = sig(offload_s)
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     return {
         "engine_weights_gib": round(weights / 2**30, 2),
@@ -448,12 +442,8 @@ def check_colocated(device: torch.device, folder: Path, size: str, peak: dict[st
         "sync_s": sig(sync_s),
         "step_s": round(sum(took.values()), 2),
         "first_step_offload_s": first_offload_s,
-        "pinned_host_gib": round((trainer.stash.nbytes + engine._stash.nbytes) / 2**30, 2),
-        "offload_gb_s": sig(
-            offloaded_bytes(trainer, engine)
-            / 1e9
-            / (took["offload_optimizer"] + took["offload_weights"] + took["sleep_engine"])
-        ),
+        "pinned_host_gib": round((trainer.stash.nbytes + engine.stash.nbytes) / 2**30, 2),
+        "offload_gb_s": sig(offloaded_bytes(trainer, engine) / 1e9 / offload_s),
         **drift,
     }
 

@@ -33,15 +33,22 @@ class HostStash:
         buffer.copy_(tensor)  # blocking: nothing may read the buffer, or reuse the source, before it lands
         return buffer
 
-    def offload_module(self, module: torch.nn.Module, prefix: str) -> None:
-        """Every parameter (and gradient) of ``module`` into the stash; buffers and the rest by ``.to``."""
-        with torch.no_grad():
-            for name, param in module.named_parameters():
-                param.data = self.put(f"{prefix}{name}", param.data)
-                if param.grad is not None:
-                    param.grad = self.put(f"{prefix}{name}.grad", param.grad)
-        module.to("cpu")  # what is left: buffers (rotary frequencies), anything not a parameter
+    def move(self, key: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``tensor`` on ``device``: through ``key``'s pinned buffer when that is the CPU (see :meth:`put`)."""
+        return self.put(key, tensor) if device.type == "cpu" else tensor.to(device)
+
+    def move_module(self, module: torch.nn.Module, device: torch.device, prefix: str = "") -> None:
+        """``module`` to ``device``; to the CPU with every parameter (and gradient) through the stash, its
+        buffers (rotary frequencies) and anything else by ``.to``."""
+        if device.type == "cpu":
+            with torch.no_grad():
+                for name, param in module.named_parameters():
+                    param.data = self.put(f"{prefix}{name}", param.data)
+                    if param.grad is not None:
+                        param.grad = self.put(f"{prefix}{name}.grad", param.grad)
+        module.to(device)
 
     @property
     def nbytes(self) -> int:
+        """Host memory the pinned buffers hold."""
         return sum(b.numel() * b.element_size() for b in self.buffers.values())

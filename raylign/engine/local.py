@@ -46,11 +46,10 @@ class Fp32MasterWeights:
             for master, param in zip(self.masters, self.model_params, strict=True):
                 param.copy_(master)
 
-    def to(self, device: torch.device, stash: HostStash | None = None) -> None:
-        """The masters to ``device``; to the CPU through ``stash``'s pinned buffers where one is given."""
+    def to(self, device: torch.device, stash: HostStash) -> None:
+        """The masters to ``device``; to the CPU through ``stash``'s pinned buffers."""
         for name, master in self.named_masters:
-            to_host = stash is not None and device.type == "cpu"
-            master.data = stash.put(f"master.{name}", master.data) if to_host else master.data.to(device)  # type: ignore[union-attr]
+            master.data = stash.move(f"master.{name}", master.data, device)
 
 
 class LocalEngine(TrainEngine):
@@ -133,12 +132,8 @@ class LocalEngine(TrainEngine):
     def _move_to(self, device: torch.device, weights: bool = True) -> None:
         if self.device.type == "cpu":
             return
-        to_host = device.type == "cpu"
         if weights:
-            if to_host:
-                self.stash.offload_module(self.module, "model.")
-            else:
-                self.module.to(device)
+            self.stash.move_module(self.module, device, "model.")
         if self.master is not None:
             self.master.to(device, self.stash)
         move_optimizer_state(self.optimizer, device, self.stash)

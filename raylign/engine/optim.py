@@ -231,8 +231,8 @@ def move_optimizer_state(
 ) -> None:
     """Move AdamW moments to ``device`` (the ``step`` counters stay where torch keeps them); to the
     CPU through ``stash``'s pinned buffers where one is given."""
-    to_host = stash is not None and torch.device(device).type == "cpu"
+    device = torch.device(device)
     for index, state in enumerate(optimizer.state.values()):
         for key, value in state.items():
             if key != "step" and isinstance(value, torch.Tensor):
-                state[key] = stash.put(f"optim.{index}.{key}", value) if to_host else value.to(device)  # type: ignore[union-attr]
+                state[key] = value.to(device) if stash is None else stash.move(f"optim.{index}.{key}", value, device)

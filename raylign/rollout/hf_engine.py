@@ -139,7 +139,7 @@ class HFEngine(RolloutEngine):
         self._batcher: asyncio.Task | None = None
         self._busy: asyncio.Lock | None = None  # held by a running batch and by a weight update
         self.asleep = False  # weights in host memory while a colocated trainer uses the device
-        self._stash = HostStash()
+        self.stash = HostStash()  # pinned host memory for sleep()
 
     def _lock(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
@@ -386,7 +386,7 @@ class HFEngine(RolloutEngine):
         if not self.sleeps():
             return await super().sleep(level)
         async with self._lock():
-            self._stash.offload_module(self.model, "")  # pinned: the copy runs at the link's speed
+            self.stash.move_module(self.model, torch.device("cpu"))  # pinned: the copy runs at the link's speed
             self.asleep = True
             torch.cuda.empty_cache()
 
@@ -397,7 +397,7 @@ class HFEngine(RolloutEngine):
             return await super().wake_up(tags)
         if tags is None or "weights" in tags:
             async with self._lock():
-                self.model.to(self.device)
+                self.stash.move_module(self.model, self.device)
                 self.asleep = False
 
     def _check_awake(self, what: str) -> None:
