@@ -19,8 +19,9 @@ comes from one weight version (this engine cannot pause mid-sequence).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -120,10 +121,9 @@ class HFEngine(RolloutEngine):
         if lora_rank:
             raise ValueError("the hf engine serves no LoRA adapters; use rollout.lora_sync: merged")
         torch.set_flush_denormal(True)  # CPU generate is erratic with denormals
-        # Unseeded requests draw from the global stream (generate takes no generator): seeded here with
-        # rollout.seed, as vLLM seeds its engine, so that a run repeats its samples.
-        torch.manual_seed(self.config.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self._rng_devices = [self.device] if self.device.type == "cuda" else []
+        self._rng_state = self._seeded_state(self.config.seed)
         self.model = AutoModelForCausalLM.from_pretrained(
             str(model_path), dtype=_DTYPES[resolve_and_log(self.config.dtype, "hf rollout engine")]
         )
@@ -140,6 +140,34 @@ class HFEngine(RolloutEngine):
         self._busy: asyncio.Lock | None = None  # held by a running batch and by a weight update
         self.asleep = False  # weights in host memory while a colocated trainer uses the device
         self.stash = HostStash()  # pinned host memory for sleep()
+
+    def _seeded_state(self, seed: int) -> list[torch.Tensor]:
+        """The random state ``torch.manual_seed(seed)`` gives, on the CPU and on this engine's device."""
+        with torch.random.fork_rng(devices=self._rng_devices):
+            torch.manual_seed(seed)
+            return self._current_state()
+
+    def _current_state(self) -> list[torch.Tensor]:
+        return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in self._rng_devices)]
+
+    @contextlib.contextmanager
+    def _random_stream(self, seed: int | None) -> Iterator[None]:
+        """Draw from ``seed``'s own stream, or else from the engine's, never from the process's.
+
+        ``generate`` takes no generator, so sampling draws from torch's global state: set here for
+        the call and put back after it. The engine's stream starts at ``rollout.seed`` (as vLLM seeds
+        its engine, so a run repeats its samples) and goes on across calls; a seeded request starts
+        its own. Either way the process's stream is left as it was, which matters where the engine
+        shares its process with a colocated trainer (dropout, sampling in the loss).
+        """
+        state = self._seeded_state(seed) if seed is not None else self._rng_state
+        with torch.random.fork_rng(devices=self._rng_devices):
+            torch.set_rng_state(state[0])
+            for device, device_state in zip(self._rng_devices, state[1:]):
+                torch.cuda.set_rng_state(device_state, device)
+            yield
+            if seed is None:
+                self._rng_state = self._current_state()
 
     def _lock(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
@@ -202,19 +230,20 @@ class HFEngine(RolloutEngine):
         stop_criteria = StopStringCriteria(self.tokenizer, sampling.stop, width)
         greedy = sampling.temperature == 0.0
         per_prompt = 1 if greedy else sampling.n  # greedy samples are all the same
-        out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_k=None if greedy else max(sampling.top_k, 0),
-            top_p=None if greedy else sampling.top_p,
-            max_new_tokens=sampling.max_new_tokens,
-            num_return_sequences=per_prompt,
-            stopping_criteria=StoppingCriteriaList([stop_criteria]) if sampling.stop else None,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
+        with self._random_stream(None):
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=not greedy,
+                temperature=None if greedy else sampling.temperature,
+                top_k=None if greedy else max(sampling.top_k, 0),
+                top_p=None if greedy else sampling.top_p,
+                max_new_tokens=sampling.max_new_tokens,
+                num_return_sequences=per_prompt,
+                stopping_criteria=StoppingCriteriaList([stop_criteria]) if sampling.stop else None,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
         responses = out.sequences[:, width:]
         logprobs = sampled_token_logprobs(out.scores, responses).cpu()
         completions = []
@@ -241,15 +270,7 @@ class HFEngine(RolloutEngine):
         input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         stop_criteria = StopStringCriteria(self.tokenizer, sampling.stop, len(prompt))
         greedy = sampling.temperature == 0.0
-        seed = request_seed(sampling, index)
-        # A seeded request draws from its own stream and leaves the global one untouched; an
-        # unseeded one must advance the global stream, or every call would repeat the same draws.
-        rng = torch.random.fork_rng(
-            devices=[self.device] if self.device.type == "cuda" else [], enabled=seed is not None
-        )
-        with rng:
-            if seed is not None:
-                torch.manual_seed(seed)
+        with self._random_stream(request_seed(sampling, index)):
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),

@@ -170,3 +170,27 @@ def test_unseeded_samples_repeat_with_the_engine_seed_and_change_with_it(tied_mo
 
     assert unseeded_samples(3, process_seed=1) == unseeded_samples(3, process_seed=2)
     assert unseeded_samples(3, process_seed=1) != unseeded_samples(4, process_seed=1)
+
+
+def test_the_engine_samples_from_its_own_stream_and_leaves_the_process_stream_alone(tied_model_dir):
+    # A colocated trainer shares the engine's process: its dropout and its own sampling must draw
+    # what they would draw with no engine there, and the engine's samples must not depend on them.
+    def build():
+        return HFEngine(str(tied_model_dir), RolloutConfig(engine="hf", dtype="float32", seed=3))
+
+    def unseeded(engine):
+        return [c.response_token_ids for c in generate(engine, PROMPTS, n=2, temperature=1.0, max_new_tokens=6)]
+
+    torch.manual_seed(11)
+    expected_process_draws = torch.rand(8)
+
+    torch.manual_seed(11)
+    alone = build()
+    alone_samples = [unseeded(alone), unseeded(alone)]
+    generate(alone, PROMPTS[:1], temperature=1.0, max_new_tokens=6, seed=5)  # a seeded request too
+    assert torch.equal(torch.rand(8), expected_process_draws)
+
+    beside_a_trainer = build()
+    first = unseeded(beside_a_trainer)
+    torch.rand(1000)  # the process draws between two rollouts
+    assert [first, unseeded(beside_a_trainer)] == alone_samples
