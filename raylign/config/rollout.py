@@ -38,9 +38,9 @@ class SamplingConfig(Section):
     seed: int | None = Field(
         None,
         ge=0,
-        description="Base seed (>= 0). vllm: sample j of prompt i draws from seed + i * n + j; hf: the n samples "
-        "of prompt i draw from one stream seeded with seed + i * n. Prompt i is the index in the whole request, "
-        "so results do not depend on how a pool splits prompts across engines. None: unseeded.",
+        description="Base seed (>= 0): sample j of prompt i draws from its own stream, seeded with seed + i * n + j "
+        "(vllm and hf alike). Prompt i is the index in the whole request, so results do not depend on how a pool "
+        "splits prompts across engines. None: unseeded.",
     )
 
     @field_validator("stop")
@@ -186,7 +186,13 @@ class RolloutConfig(Section):
         "count on a cluster); with max_staleness >= 1, and on GPUs, num_cpus_per_engine (at least 1), the training "
         "workers taking the rest. A number pins it.",
     )
-    seed: int = Field(0, ge=0, description="Engine seed (>= 0), used for requests without their own seed.")
+    seed: int = Field(
+        0,
+        ge=0,
+        description="Engine seed (>= 0), used for requests without their own seed. hf: each sample's stream is "
+        "seeded from this, its prompt index and how many requests for that index came before, so a run repeats "
+        "its samples whatever the batching and whichever engine serves a prompt.",
+    )
 
     @field_validator("threads_per_engine")
     @classmethod

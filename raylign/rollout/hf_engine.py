@@ -1,14 +1,18 @@
 """Generation with transformers ``generate``, for machines without vLLM.
 
 Same contract as the vLLM engine (:mod:`raylign.rollout.base`): token ids in, token ids
-and log-probs out. The log-prob of a sampled token is taken from the processed scores
-``generate`` sampled from (temperature, then top-k, then top-p, then log-softmax), the
-same distribution vLLM reports with ``logprobs_mode="processed_logprobs"``; greedy
-decoding reports ``log_softmax(logits)``.
+and log-probs out. The log-prob of a sampled token is taken from the distribution it was
+sampled from (temperature, then top-k, then top-p, then log-softmax), the same distribution
+vLLM reports with ``logprobs_mode="processed_logprobs"``; greedy decoding reports
+``log_softmax(logits)``.
 
 The model's own ``generation_config`` (repetition penalty, default top-k 50, ...) is
 replaced by a neutral one at load time, so only :class:`SamplingConfig` shapes sampling.
-One ``generate`` call per prompt produces its ``n`` samples as one batch (no padding).
+The prompts of a batch share one left-padded ``generate`` call; :class:`RowSampler` picks
+every token, each sample from a random stream of its own (:meth:`HFEngine._sample_seeds`). So a
+sample does not depend on which other requests share its batch or when they arrived, a run
+repeats its samples, and torch's global random state is never used (a colocated trainer shares
+the process).
 
 Streaming (:meth:`HFEngine.generate_group`): prompt groups queue up while a batch runs (in a
 thread, so the actor keeps taking requests); the next batch takes every queued group with
@@ -19,11 +23,12 @@ comes from one weight version (this engine cannot pause mid-sequence).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from raylign.config.rollout import RolloutConfig, SamplingConfig
@@ -90,10 +95,50 @@ def _eos_ids(model: Any) -> set[int]:
     return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
 
 
-def sampled_token_logprobs(scores: Sequence[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(scores[t])[tokens[:, t]]`` for every step t; shape (rows, steps), fp32."""
-    stacked = torch.stack([s.float() for s in scores], dim=1)  # rows x steps x vocab
-    return torch.log_softmax(stacked, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+class RowSampler:
+    """Picks every row's next token for ``generate`` and keeps its log-probability.
+
+    Given as the last logits processor of a ``do_sample=False`` call: it returns scores that leave
+    only the token it picked, so generate's argmax takes that one. Greedy (no seeds): the most
+    likely token, with its ``log_softmax(logits)``. Sampled: the logits pass temperature, top-k and
+    top-p (transformers' own warpers, in the order ``generate`` applies them), and row ``r`` draws
+    one uniform number per step from a generator seeded with ``seeds[r]``, inverted through the
+    row's cumulative distribution (exact sampling). A row's draws depend on its seed alone, never
+    on the other rows of the batch or on torch's global random state.
+    """
+
+    def __init__(self, seeds: list[int] | None, sampling: SamplingConfig):
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.generators = None if seeds is None else [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.warpers = LogitsProcessorList()
+        if seeds is not None:
+            self.warpers.append(TemperatureLogitsWarper(sampling.temperature))
+            if sampling.top_k > 0:
+                self.warpers.append(TopKLogitsWarper(sampling.top_k))
+            if sampling.top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(sampling.top_p))
+        self._steps: list[torch.Tensor] = []  # per step: each row's picked token's log-prob, (rows, 1)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logprobs = torch.log_softmax(self.warpers(input_ids, scores.float()), dim=-1)
+        if self.generators is None:
+            tokens = logprobs.argmax(dim=-1, keepdim=True)
+        else:
+            if len(self.generators) != scores.shape[0]:
+                raise RuntimeError(f"{len(self.generators)} sample seeds for {scores.shape[0]} rows")
+            cdf = logprobs.exp().cumsum(dim=-1)
+            total = cdf[:, -1:]
+            uniform = torch.cat([torch.rand(1, generator=g) for g in self.generators]).to(cdf.device)
+            # Strictly below the total, so the first entry above the draw exists and has mass.
+            draw = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+            tokens = torch.searchsorted(cdf, draw, right=True)
+        self._steps.append(logprobs.gather(-1, tokens))
+        return torch.full_like(scores, float("-inf")).scatter_(-1, tokens, 0.0)
+
+    def logprobs(self, steps: int) -> torch.Tensor:
+        """The picked tokens' log-probs of the first ``steps`` steps (generate may undo its last few): (rows, steps)."""
+        return torch.cat(self._steps[:steps], dim=1)
 
 
 def response_length(tokens: list[int], eos_ids: set[int], stop_step: int | None) -> tuple[int, bool]:
@@ -122,8 +167,7 @@ class HFEngine(RolloutEngine):
             raise ValueError("the hf engine serves no LoRA adapters; use rollout.lora_sync: merged")
         torch.set_flush_denormal(True)  # CPU generate is erratic with denormals
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self._rng_devices = [self.device] if self.device.type == "cuda" else []
-        self._rng_state = self._seeded_state(self.config.seed)
+        self._requests_of: Counter[int] = Counter()  # unseeded requests so far, by prompt index
         self.model = AutoModelForCausalLM.from_pretrained(
             str(model_path), dtype=_DTYPES[resolve_and_log(self.config.dtype, "hf rollout engine")]
         )
@@ -135,39 +179,12 @@ class HFEngine(RolloutEngine):
         self.weight_version = 0
         self._sync_group: Any = None
         self._loop: Any = None  # the event loop the queue below belongs to
-        self._queue: list[tuple[list[int], int, SamplingConfig, asyncio.Future]] = []
+        # Queued groups: prompt, prompt index, its samples' seeds, sampling, the caller's future.
+        self._queue: list[tuple[list[int], int, list[int], SamplingConfig, asyncio.Future]] = []
         self._batcher: asyncio.Task | None = None
         self._busy: asyncio.Lock | None = None  # held by a running batch and by a weight update
         self.asleep = False  # weights in host memory while a colocated trainer uses the device
         self.stash = HostStash()  # pinned host memory for sleep()
-
-    def _seeded_state(self, seed: int) -> list[torch.Tensor]:
-        """The random state ``torch.manual_seed(seed)`` gives, on the CPU and on this engine's device."""
-        with torch.random.fork_rng(devices=self._rng_devices):
-            torch.manual_seed(seed)
-            return self._current_state()
-
-    def _current_state(self) -> list[torch.Tensor]:
-        return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in self._rng_devices)]
-
-    @contextlib.contextmanager
-    def _random_stream(self, seed: int | None) -> Iterator[None]:
-        """Draw from ``seed``'s own stream, or else from the engine's, never from the process's.
-
-        ``generate`` takes no generator, so sampling draws from torch's global state: set here for
-        the call and put back after it. The engine's stream starts at ``rollout.seed`` (as vLLM seeds
-        its engine, so a run repeats its samples) and goes on across calls; a seeded request starts
-        its own. Either way the process's stream is left as it was, which matters where the engine
-        shares its process with a colocated trainer (dropout, sampling in the loss).
-        """
-        state = self._seeded_state(seed) if seed is not None else self._rng_state
-        with torch.random.fork_rng(devices=self._rng_devices):
-            torch.set_rng_state(state[0])
-            for device, device_state in zip(self._rng_devices, state[1:]):
-                torch.cuda.set_rng_state(device_state, device)
-            yield
-            if seed is None:
-                self._rng_state = self._current_state()
 
     def _lock(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
@@ -178,21 +195,40 @@ class HFEngine(RolloutEngine):
     async def _group(self, prompt: list[int], sampling: SamplingConfig, index: int) -> list[Completion]:
         self._lock()
         future = asyncio.get_running_loop().create_future()
-        self._queue.append((prompt, index, sampling, future))
+        self._queue.append((prompt, index, self._sample_seeds(sampling, index), sampling, future))
         if self._batcher is None or self._batcher.done():
             self._batcher = asyncio.create_task(self._run_batches())
         return await future
+
+    def _sample_seeds(self, sampling: SamplingConfig, index: int) -> list[int]:
+        """Each sample's seed. Seeded requests: ``request_seed`` + sample, as vLLM. Unseeded: derived from
+        ``rollout.seed``, the prompt index and how many unseeded requests for that index came before, so
+        a repeated request draws afresh while the seeds depend neither on the order in which requests
+        arrive nor on which engine of a pool (all share ``rollout.seed``) serves them."""
+        if sampling.temperature == 0.0:
+            return []  # greedy: nothing is drawn
+        first = request_seed(sampling, index)
+        if first is not None:
+            return [first + sample for sample in range(sampling.n)]
+        earlier = self._requests_of[index]
+        self._requests_of[index] += 1
+        entropy = [self.config.seed, index, earlier]
+        return [int(seed) for seed in np.random.SeedSequence(entropy).generate_state(sampling.n, dtype=np.uint64)]
 
     async def _run_batches(self) -> None:
         """Run the queued groups, a batch at a time (each batch: the queued groups sampled alike)."""
         while self._queue:
             async with self._lock():
-                sampling = self._queue[0][2]
-                batch = [r for r in self._queue if r[2] == sampling]
-                self._queue = [r for r in self._queue if r[2] != sampling]
+                sampling = self._queue[0][3]
+                batch = [r for r in self._queue if r[3] == sampling]
+                self._queue = [r for r in self._queue if r[3] != sampling]
                 try:
                     completions = await asyncio.to_thread(
-                        self._generate_now, [r[0] for r in batch], [r[1] for r in batch], sampling
+                        self._generate_now,
+                        [r[0] for r in batch],
+                        [r[1] for r in batch],
+                        [r[2] for r in batch],
+                        sampling,
                     )
                 except BaseException as err:  # every caller of this batch gets the error
                     for *_, future in batch:
@@ -204,52 +240,39 @@ class HFEngine(RolloutEngine):
                     if not future.done():
                         future.set_result(completions[position * n : (position + 1) * n])
 
-    def _generate_now(
-        self, prompt_token_ids: list[list[int]], indices: list[int], sampling: SamplingConfig
-    ) -> list[Completion]:
-        self._check_awake("generate")
-        if sampling.seed is None and len(prompt_token_ids) > 1:
-            # Unseeded prompts share one generate call (left-padded): far fewer, larger forward passes.
-            return self._generate_batch([list(p) for p in prompt_token_ids], list(indices), sampling)
-        completions: list[Completion] = []
-        for index, ids in zip(indices, prompt_token_ids):
-            completions.extend(self._generate_one_prompt(list(ids), index, sampling))
-        return completions
-
     @torch.no_grad()
-    def _generate_batch(
-        self, prompts: list[list[int]], indices: list[int], sampling: SamplingConfig
+    def _generate_now(
+        self, prompts: list[list[int]], indices: list[int], seeds: list[list[int]], sampling: SamplingConfig
     ) -> list[Completion]:
-        from transformers import StoppingCriteriaList
+        """One left-padded ``generate`` call for every prompt; completions prompt by prompt, ``n`` each."""
+        from transformers import LogitsProcessorList, StoppingCriteriaList
 
+        self._check_awake("generate")
         width = max(len(p) for p in prompts)
         pad = self.model.generation_config.pad_token_id
         pad = next(iter(self.eos_ids)) if pad is None else pad
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        stop_criteria = StopStringCriteria(self.tokenizer, sampling.stop, width)
         greedy = sampling.temperature == 0.0
-        per_prompt = 1 if greedy else sampling.n  # greedy samples are all the same
-        with self._random_stream(None):
-            out = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                do_sample=not greedy,
-                temperature=None if greedy else sampling.temperature,
-                top_k=None if greedy else max(sampling.top_k, 0),
-                top_p=None if greedy else sampling.top_p,
-                max_new_tokens=sampling.max_new_tokens,
-                num_return_sequences=per_prompt,
-                stopping_criteria=StoppingCriteriaList([stop_criteria]) if sampling.stop else None,
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
+        per_prompt = 1 if greedy else sampling.n  # greedy samples are all the same; row i * n + j: sample j
+        rows = [p for p in prompts for _ in range(per_prompt)]
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], device=self.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.device)
+        stop_criteria = StopStringCriteria(self.tokenizer, sampling.stop, width)
+        sampler = RowSampler(None if greedy else [seed for row in seeds for seed in row], sampling)
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,  # the sampler's scores leave one token each row's argmax
+            logits_processor=LogitsProcessorList([sampler]),
+            max_new_tokens=sampling.max_new_tokens,
+            stopping_criteria=StoppingCriteriaList([stop_criteria]) if sampling.stop else None,
+            return_dict_in_generate=True,
+        )
         responses = out.sequences[:, width:]
-        logprobs = sampled_token_logprobs(out.scores, responses).cpu()
+        logprobs = sampler.logprobs(responses.shape[1]).cpu()
         completions = []
         for i, (prompt, index) in enumerate(zip(prompts, indices)):
             for sample in range(sampling.n):
-                row = i * per_prompt + (0 if greedy else sample)  # generate repeats each input per_prompt times
+                row = i * per_prompt + (0 if greedy else sample)
                 completions.append(
                     self._completion(
                         prompt,
@@ -262,43 +285,6 @@ class HFEngine(RolloutEngine):
                     )
                 )
         return completions
-
-    @torch.no_grad()
-    def _generate_one_prompt(self, prompt: list[int], index: int, sampling: SamplingConfig) -> list[Completion]:
-        from transformers import StoppingCriteriaList
-
-        input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        stop_criteria = StopStringCriteria(self.tokenizer, sampling.stop, len(prompt))
-        greedy = sampling.temperature == 0.0
-        with self._random_stream(request_seed(sampling, index)):
-            out = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                do_sample=not greedy,
-                temperature=None if greedy else sampling.temperature,
-                top_k=None if greedy else max(sampling.top_k, 0),  # 0 disables top-k
-                top_p=None if greedy else sampling.top_p,
-                max_new_tokens=sampling.max_new_tokens,
-                num_return_sequences=1 if greedy else sampling.n,  # greedy samples are all the same
-                stopping_criteria=StoppingCriteriaList([stop_criteria]) if sampling.stop else None,
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
-        responses = out.sequences[:, len(prompt) :]
-        logprobs = sampled_token_logprobs(out.scores, responses).cpu()
-        rows = [0] * sampling.n if greedy else range(sampling.n)
-        return [
-            self._completion(
-                prompt,
-                index,
-                sample,
-                responses[row].tolist(),
-                logprobs[row].tolist(),
-                sampling,
-                stop_criteria.stopped_at.get(row),
-            )
-            for sample, row in enumerate(rows)
-        ]
 
     def _completion(
         self,

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from raylign.config.rollout import RolloutConfig, SamplingConfig
-from raylign.rollout.hf_engine import HFEngine
+from raylign.rollout.hf_engine import HFEngine, RowSampler
 
-from .rollout_helpers import load_fp32, perturb_, pick_stop_string, prefix_until_stop, reference_logprobs
+from .rollout_helpers import keep_mask, load_fp32, perturb_, pick_stop_string, prefix_until_stop, reference_logprobs
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41], [100, 7, 300]]
 # fp32 on both sides; generate's cached decoding and one full forward differ only by
@@ -194,3 +194,47 @@ def test_the_engine_samples_from_its_own_stream_and_leaves_the_process_stream_al
     first = unseeded(beside_a_trainer)
     torch.rand(1000)  # the process draws between two rollouts
     assert [first, unseeded(beside_a_trainer)] == alone_samples
+
+
+def test_unseeded_samples_depend_neither_on_the_batch_nor_on_arrival_order_nor_on_the_engine(tied_model_dir):
+    # A pool's engines share rollout.seed and a streaming run's groups reach them in whatever order and
+    # batches timing makes: each sample's stream comes from (rollout.seed, prompt index, earlier requests
+    # for that index), so the same run gives the same samples.
+    sampling = SamplingConfig(n=3, temperature=1.0, max_new_tokens=6)
+
+    def build():
+        return HFEngine(str(tied_model_dir), RolloutConfig(engine="hf", dtype="float32", seed=9))
+
+    together = asyncio.run(build().generate(PROMPTS, sampling))
+    other_engine = build()
+    one_by_one = []
+    for index in reversed(range(len(PROMPTS))):  # alone in their batches, last first
+        one_by_one += asyncio.run(other_engine.generate([PROMPTS[index]], sampling, prompt_indices=[index]))
+
+    def by_sample(completions):
+        return {(c.prompt_index, c.sample_index): c.response_token_ids for c in completions}
+
+    assert by_sample(one_by_one) == by_sample(together)
+    assert len({tuple(tokens) for tokens in by_sample(together).values()}) > 1
+
+
+def test_the_row_sampler_draws_each_row_from_the_filtered_tempered_distribution():
+    # One fixed row of logits, 20,000 rows each with its own seed: the picked tokens' frequencies match
+    # softmax(filter_{k,p}(logits / T)) computed by a plain loop (keep_mask), within 5 standard errors;
+    # filtered tokens are never picked; the kept log-prob is that of the picked token.
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    settings = dict(temperature=0.8, top_k=6, top_p=0.95)
+    rows = 20_000
+    sampler = RowSampler(list(range(rows)), SamplingConfig(**settings))
+    scores = sampler(torch.zeros(rows, 1, dtype=torch.long), logits.repeat(rows, 1))
+    picked = scores.argmax(dim=-1)
+    assert torch.all(torch.isinf(scores).sum(dim=-1) == len(logits) - 1)  # one token left per row
+
+    tempered = logits.double() / settings["temperature"]
+    keep = torch.tensor(keep_mask(tempered, settings["top_k"], settings["top_p"]))
+    expected = torch.softmax(tempered.masked_fill(~keep, float("-inf")), dim=-1)
+    counts = torch.bincount(picked, minlength=len(logits)).double()
+    assert torch.all(counts[~keep] == 0)
+    standard_error = (expected * (1 - expected) / rows).sqrt()
+    assert torch.all((counts / rows - expected).abs() <= 5 * standard_error + 1e-12), (counts / rows, expected)
+    assert sampler.logprobs(1)[:, 0].double() == pytest.approx(expected.log()[picked], abs=1e-5)
