@@ -203,8 +203,9 @@ class HFEngine(RolloutEngine):
     def _sample_seeds(self, sampling: SamplingConfig, index: int) -> list[int]:
         """Each sample's seed. Seeded requests: ``request_seed`` + sample, as vLLM. Unseeded: derived from
         ``rollout.seed``, the prompt index and how many unseeded requests for that index came before, so
-        a repeated request draws afresh while the seeds depend neither on the order in which requests
-        arrive nor on which engine of a pool (all share ``rollout.seed``) serves them."""
+        a repeated request draws afresh while the seeds do not depend on the order in which requests
+        arrive; nor, where each index is requested once (a run's stream numbers its groups), on which
+        engine of a pool (all share ``rollout.seed``) serves them."""
         if sampling.temperature == 0.0:
             return []  # greedy: nothing is drawn
         first = request_seed(sampling, index)
