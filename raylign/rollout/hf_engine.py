@@ -101,16 +101,20 @@ class RowSampler:
     Given as the last logits processor of a ``do_sample=False`` call: it returns scores that leave
     only the token it picked, so generate's argmax takes that one. Greedy (no seeds): the most
     likely token, with its ``log_softmax(logits)``. Sampled: the logits pass temperature, top-k and
-    top-p (transformers' own warpers, in the order ``generate`` applies them), and row ``r`` draws
-    one uniform number per step from a generator seeded with ``seeds[r]``, inverted through the
-    row's cumulative distribution (exact sampling). A row's draws depend on its seed alone, never
+    top-p (transformers' own warpers, in the order ``generate`` applies them), and row ``r`` takes
+    its step's uniform number from a generator seeded with ``seeds[r]``, inverted through the row's
+    cumulative distribution (exact sampling). A row's draws depend on its seed alone, never
     on the other rows of the batch or on torch's global random state.
     """
 
     def __init__(self, seeds: list[int] | None, sampling: SamplingConfig):
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-        self.generators = None if seeds is None else [torch.Generator().manual_seed(seed) for seed in seeds]
+        # Row r's uniform numbers for every step, drawn up front: one call per row, not per row and step.
+        self.uniforms = None
+        if seeds is not None:
+            steps = sampling.max_new_tokens
+            self.uniforms = torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(s)) for s in seeds])
         self.warpers = LogitsProcessorList()
         if seeds is not None:
             self.warpers.append(TemperatureLogitsWarper(sampling.temperature))
@@ -122,16 +126,16 @@ class RowSampler:
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         logprobs = torch.log_softmax(self.warpers(input_ids, scores.float()), dim=-1)
-        if self.generators is None:
+        if self.uniforms is None:
             tokens = logprobs.argmax(dim=-1, keepdim=True)
         else:
-            if len(self.generators) != scores.shape[0]:
-                raise RuntimeError(f"{len(self.generators)} sample seeds for {scores.shape[0]} rows")
+            if self.uniforms.shape[0] != scores.shape[0]:
+                raise RuntimeError(f"{self.uniforms.shape[0]} sample seeds for {scores.shape[0]} rows")
             cdf = logprobs.exp().cumsum(dim=-1)
             total = cdf[:, -1:]
-            uniform = torch.cat([torch.rand(1, generator=g) for g in self.generators]).to(cdf.device)
+            uniform = self.uniforms[:, len(self._steps), None].to(cdf.device)
             # Strictly below the total, so the first entry above the draw exists and has mass.
-            draw = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+            draw = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
             tokens = torch.searchsorted(cdf, draw, right=True)
         self._steps.append(logprobs.gather(-1, tokens))
         return torch.full_like(scores, float("-inf")).scatter_(-1, tokens, 0.0)
