@@ -253,9 +253,11 @@ class EpisodeRunner:
         # The conversation holds what was sampled, decoded (not the engine's text, which a stop
         # string may end inside a token), without the end-of-turn token the template adds itself.
         # Special tokens inside the turn stay: a render without them would not be a prefix match.
+        # A turn cut at its token limit has no end-of-turn token: a special token it ends with
+        # (a random policy may sample <|pad|> last) is its own.
         special = set(self.tokenizer.all_special_ids)
         end = len(ids)
-        while end and ids[end - 1] in special:
+        while c.finish_reason == "stop" and end and ids[end - 1] in special:
             end -= 1
         content = self.decode(ids[:end])
         ep.messages.append({"role": "assistant", "content": content})

@@ -191,7 +191,8 @@ class RolloutConfig(Section):
         ge=0,
         description="Engine seed (>= 0), used for requests without their own seed. hf: each sample's stream is "
         "seeded from this, its prompt index and how many requests for that index came before, so a run repeats "
-        "its samples whatever the batching, and whichever engine serves a group of its stream.",
+        "its samples whatever the batching (up to rounding between batch shapes), and whichever engine serves a "
+        "group of its stream.",
     )
 
     @field_validator("threads_per_engine")

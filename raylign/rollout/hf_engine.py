@@ -8,11 +8,11 @@ vLLM reports with ``logprobs_mode="processed_logprobs"``; greedy decoding report
 
 The model's own ``generation_config`` (repetition penalty, default top-k 50, ...) is
 replaced by a neutral one at load time, so only :class:`SamplingConfig` shapes sampling.
-The prompts of a batch share one left-padded ``generate`` call; :class:`RowSampler` picks
-every token, each sample from a random stream of its own (:meth:`HFEngine._sample_seeds`). So a
-sample does not depend on which other requests share its batch or when they arrived, a run
-repeats its samples, and torch's global random state is never used (a colocated trainer shares
-the process).
+Unseeded prompts of a batch share one left-padded ``generate`` call, a seeded prompt has one
+of its own (:meth:`HFEngine._generate_now`); :class:`RowSampler` picks every token, each sample
+from a random stream of its own (:meth:`HFEngine._sample_seeds`). So a sample does not depend on
+which other requests share its batch or when they arrived, a run repeats its samples, and
+torch's global random state is never used (a colocated trainer shares the process).
 
 Streaming (:meth:`HFEngine.generate_group`): prompt groups queue up while a batch runs (in a
 thread, so the actor keeps taking requests); the next batch takes every queued group with
@@ -245,14 +245,30 @@ class HFEngine(RolloutEngine):
                     if not future.done():
                         future.set_result(completions[position * n : (position + 1) * n])
 
-    @torch.no_grad()
     def _generate_now(
         self, prompts: list[list[int]], indices: list[int], seeds: list[list[int]], sampling: SamplingConfig
     ) -> list[Completion]:
-        """One left-padded ``generate`` call for every prompt; completions prompt by prompt, ``n`` each."""
+        """Completions prompt by prompt, ``n`` each: unseeded prompts in one call, seeded ones each alone.
+
+        A seeded prompt's call holds its own rows only (no padding, no other prompt's rows), so its
+        log-probs, not only its tokens, do not depend on what else was queued: a seeded run repeats
+        exactly (``rollout.reproducible``). Batch shapes change the rounding of the logits by ~1e-7,
+        which the behaviour log-probs carry into the loss and AdamW can enlarge."""
+        self._check_awake("generate")
+        if sampling.seed is None:
+            return self._generate_batch(prompts, indices, seeds, sampling)
+        completions = []
+        for prompt, index, prompt_seeds in zip(prompts, indices, seeds):
+            completions += self._generate_batch([prompt], [index], [prompt_seeds], sampling)
+        return completions
+
+    @torch.no_grad()
+    def _generate_batch(
+        self, prompts: list[list[int]], indices: list[int], seeds: list[list[int]], sampling: SamplingConfig
+    ) -> list[Completion]:
+        """One left-padded ``generate`` call for ``prompts``; completions prompt by prompt, ``n`` each."""
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
-        self._check_awake("generate")
         width = max(len(p) for p in prompts)
         pad = self.model.generation_config.pad_token_id
         pad = next(iter(self.eos_ids)) if pad is None else pad
