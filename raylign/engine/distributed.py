@@ -18,7 +18,6 @@ import contextlib
 import datetime
 import logging
 import os
-import socket
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal, NoReturn, TypeVar
@@ -132,12 +131,6 @@ def join_rendezvous_store(host: str, port: int, world_size: int, timeout_s: floa
         ) from err
 
 
-def _free_local_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def ensure_process_group(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
     """Like :func:`init_distributed`, but create a one-rank group when none is described.
 
@@ -148,9 +141,11 @@ def ensure_process_group(timeout_s: int = 1800) -> tuple[int, int, torch.device]
         return init_distributed(timeout_s)
     device = select_device()
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    # One rank has no one to meet: an in-process store, no port. A free port found first and bound
+    # later could be taken in between by another process (seen as EADDRINUSE with tests side by side).
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://127.0.0.1:{_free_local_port()}",
+        store=dist.HashStore(),
         rank=0,
         world_size=1,
         timeout=datetime.timedelta(seconds=timeout_s),
