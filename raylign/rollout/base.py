@@ -20,6 +20,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -244,10 +245,15 @@ def default_prompt_indices(
 
 
 def check_prompts(prompt_token_ids: Sequence[Sequence[int]], vocab_size: int, prompt_indices: Sequence[int]) -> None:
-    """Reject empty prompts and token ids outside the vocabulary, naming the prompt."""
+    """Reject negative prompt indices, empty prompts and token ids outside the vocabulary, naming the prompt."""
     if not isinstance(prompt_token_ids, Sequence) or isinstance(prompt_token_ids, (str, bytes)):
         raise TypeError("prompt_token_ids must be a list of token-id lists (text is never tokenised here)")
     for index, ids in zip(prompt_indices, prompt_token_ids):
+        if isinstance(index, bool) or not isinstance(index, Integral) or index < 0:
+            raise ValueError(
+                f"prompt index {index!r}: must be an integer >= 0 (it labels the prompt's completions and seeds its "
+                "samples)"
+            )
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
             raise TypeError(f"prompt {index}: expected a list of token ids, got {type(ids).__name__}")
         if len(ids) == 0:

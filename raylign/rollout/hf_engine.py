@@ -107,22 +107,32 @@ class RowSampler:
     on the other rows of the batch or on torch's global random state.
     """
 
+    #: Steps of uniform numbers a row draws at a time: one call per row and chunk, not per row and step,
+    #: and at most 4 KB a row held however long the responses may grow.
+    CHUNK = 1024
+
     def __init__(self, seeds: list[int] | None, sampling: SamplingConfig):
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-        # Row r's uniform numbers for every step, drawn up front: one call per row, not per row and step.
-        self.uniforms = None
-        if seeds is not None:
-            steps = sampling.max_new_tokens
-            self.uniforms = torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(s)) for s in seeds])
         self.warpers = LogitsProcessorList()
+        self.generators: list[torch.Generator] = []
+        self.uniforms: torch.Tensor | None = None  # (rows, steps) of the current chunk
         if seeds is not None:
             self.warpers.append(TemperatureLogitsWarper(sampling.temperature))
             if sampling.top_k > 0:
                 self.warpers.append(TopKLogitsWarper(sampling.top_k))
             if sampling.top_p < 1.0:
                 self.warpers.append(TopPLogitsWarper(sampling.top_p))
+            self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+            self.remaining = sampling.max_new_tokens  # steps not yet drawn
+            self._draw()
         self._steps: list[torch.Tensor] = []  # per step: each row's picked token's log-prob, (rows, 1)
+
+    def _draw(self) -> None:
+        """The next chunk of every row's uniform numbers, from the row's own generator."""
+        steps = min(self.remaining, self.CHUNK)
+        self.remaining -= steps
+        self.uniforms = torch.stack([torch.rand(steps, generator=g) for g in self.generators])
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         logprobs = torch.log_softmax(self.warpers(input_ids, scores.float()), dim=-1)
@@ -131,9 +141,12 @@ class RowSampler:
         else:
             if self.uniforms.shape[0] != scores.shape[0]:
                 raise RuntimeError(f"{self.uniforms.shape[0]} sample seeds for {scores.shape[0]} rows")
+            step = len(self._steps) % self.CHUNK
+            if step == 0 and self._steps:
+                self._draw()
             cdf = logprobs.exp().cumsum(dim=-1)
             total = cdf[:, -1:]
-            uniform = self.uniforms[:, len(self._steps), None].to(cdf.device)
+            uniform = self.uniforms[:, step, None].to(cdf.device)
             # Strictly below the total, so the first entry above the draw exists and has mass.
             draw = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
             tokens = torch.searchsorted(cdf, draw, right=True)

@@ -96,6 +96,11 @@ def test_bad_prompts_name_the_prompt(engine):
         generate(engine, [[5, 99999]])
     with pytest.raises(TypeError, match="never tokenised"):
         generate(engine, "hello")
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"prompt index -1: must be an integer >= 0"):
+        asyncio.run(engine.generate([[5], [6]], sampling, prompt_indices=[0, -1]))
+    with pytest.raises(ValueError, match=r"prompt index -3: must be an integer >= 0"):
+        asyncio.run(engine.generate_group([5], sampling, prompt_index=-3))
 
 
 def test_in_process_weight_update_changes_logprobs_to_the_new_weights(tied_model_dir):
@@ -238,3 +243,28 @@ def test_the_row_sampler_draws_each_row_from_the_filtered_tempered_distribution(
     standard_error = (expected * (1 - expected) / rows).sqrt()
     assert torch.all((counts / rows - expected).abs() <= 5 * standard_error + 1e-12), (counts / rows, expected)
     assert sampler.logprobs(1)[:, 0].double() == pytest.approx(expected.log()[picked], abs=1e-5)
+
+
+def test_the_row_sampler_takes_each_step_from_the_rows_own_stream_across_chunks(monkeypatch):
+    # Chunks of 3 steps, 7 steps: a row's uniform numbers are its generator's rand(3), rand(3), rand(1),
+    # in order, and the token at each step is the first whose cumulative probability exceeds the step's
+    # number (a plain loop). No more than one chunk is held at a time.
+    monkeypatch.setattr(RowSampler, "CHUNK", 3)
+    logits = torch.tensor([0.3, -0.2, 1.1, 0.0, -1.4, 0.7])
+    probs = torch.softmax(logits.double(), dim=-1).tolist()
+    seeds, steps = [11, 12, 13, 14], 7
+    sampler = RowSampler(seeds, SamplingConfig(temperature=1.0, max_new_tokens=steps))
+    picked = []
+    for _ in range(steps):
+        assert sampler.uniforms is not None and sampler.uniforms.shape[1] <= 3
+        picked.append(sampler(torch.zeros(len(seeds), 1, dtype=torch.long), logits.repeat(len(seeds), 1)).argmax(-1))
+    for row, seed in enumerate(seeds):
+        generator = torch.Generator().manual_seed(seed)
+        uniforms = torch.cat([torch.rand(n, generator=generator) for n in (3, 3, 1)]).tolist()
+        expected = []
+        for u in uniforms:
+            cumulative, token = 0.0, 0
+            while cumulative + probs[token] <= u:
+                cumulative, token = cumulative + probs[token], token + 1
+            expected.append(token)
+        assert [int(step[row]) for step in picked] == expected, seed
