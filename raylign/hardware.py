@@ -37,6 +37,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def flush_denormals() -> None:
+    """Compute with denormal floats flushed to zero on the CPU (CPU ``generate`` and training are erratic
+    and slow with them). numpy's float limits are looked up first: numpy measures them on first use, and
+    with denormals flushed it would warn that the smallest subnormal is zero, in every process that later
+    plots or formats an array."""
+    import numpy as np
+
+    for dtype in (np.float16, np.float32, np.float64, np.longdouble):
+        np.finfo(dtype)
+    torch.set_flush_denormal(True)
+
+
 @functools.cache
 def cpu_model() -> str:
     try:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +86,23 @@ def hardware_memory() -> int:
     import psutil
 
     return psutil.virtual_memory().total
+
+
+def test_flushing_denormals_leaves_numpy_silent_and_flushes():
+    # In a fresh process, with warnings as errors: numpy's float limits (which plots and array printing
+    # look up) after flush_denormals, and a denormal that becomes zero. The control, flushing with torch
+    # directly, shows the warning this avoids.
+    script = (
+        "import numpy as np, torch\n"
+        "from raylign.hardware import flush_denormals\n"
+        "flush_denormals()\n"
+        "str(np.finfo(np.float32)); str(np.finfo(np.float64))\n"
+        "assert torch.tensor([1e-40], dtype=torch.float32).item() == 0.0\n"
+    )
+    control = "import numpy as np, torch\ntorch.set_flush_denormal(True)\nstr(np.finfo(np.float32))\n"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = [sys.executable, "-W", "error::UserWarning", "-c"]
+    done = subprocess.run([*run, script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    failed = subprocess.run([*run, control], capture_output=True, text=True, timeout=120, env=env)
+    assert failed.returncode != 0 and "smallest subnormal" in failed.stderr

@@ -37,6 +37,7 @@ from raylign.algorithms import (
     truncated_importance_weights,
 )
 from raylign.config.rl import AlgorithmConfig, RLConfig
+from raylign.hardware import flush_denormals
 from raylign.rl.experience import MicroBatch, gather_responses
 from raylign.rl.metric import Metric, combine
 
@@ -56,7 +57,7 @@ class ModelWorker:
 
     def __init__(self, role: str, cfg: dict[str, Any], rank: int, world_size: int, total_steps: int):
         os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
-        torch.set_flush_denormal(True)
+        flush_denormals()
         self.cfg = RLConfig.model_validate(cfg)
         # Until the controller sets them for the phases (set_threads, in_phase): as many compute threads
         # as pinned, or as the CPU slots Ray reserved for this worker.

@@ -33,7 +33,7 @@ import torch
 
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 from raylign.engine.host_stash import HostStash
-from raylign.hardware import resolve_and_log
+from raylign.hardware import flush_denormals, resolve_and_log
 from raylign.rollout.base import (
     Completion,
     RolloutEngine,
@@ -182,7 +182,7 @@ class HFEngine(RolloutEngine):
             raise ValueError("rollout.tensor_parallel_size must be 1 for the hf engine")
         if lora_rank:
             raise ValueError("the hf engine serves no LoRA adapters; use rollout.lora_sync: merged")
-        torch.set_flush_denormal(True)  # CPU generate is erratic with denormals
+        flush_denormals()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._requests_of: Counter[int] = Counter()  # unseeded requests so far, by prompt index
         self.model = AutoModelForCausalLM.from_pretrained(
