@@ -251,13 +251,12 @@ class EpisodeRunner:
         ep.turns += 1
         ep.finish_reason = c.finish_reason
         # The conversation holds what was sampled, decoded (not the engine's text, which a stop
-        # string may end inside a token), without the end-of-turn token the template adds itself.
-        # Special tokens inside the turn stay: a render without them would not be a prefix match.
-        # A turn cut at its token limit has no end-of-turn token: a special token it ends with
-        # (a random policy may sample <|pad|> last) is its own.
-        special = set(self.tokenizer.all_special_ids)
+        # string may end inside a token), without the end-of-turn token the template adds itself:
+        # the special token that stopped the turn, its last. Other special tokens are the turn's
+        # own (a random policy may sample <|pad|>, before its end-of-turn token or last of a turn
+        # cut at its token limit): a render without them would not be a prefix match.
         end = len(ids)
-        while c.finish_reason == "stop" and end and ids[end - 1] in special:
+        if c.finish_reason == "stop" and end and ids[-1] in set(self.tokenizer.all_special_ids):
             end -= 1
         content = self.decode(ids[:end])
         ep.messages.append({"role": "assistant", "content": content})

@@ -23,6 +23,7 @@ from raylign.agents.episode import (
 from raylign.agents.tools import CalculatorEnv
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 from raylign.models.tiny import CHAT_TEMPLATE, build_tiny_model
+from raylign.rollout.base import Completion
 from raylign.rollout.hf_engine import HFEngine
 
 SAMPLING = SamplingConfig(max_new_tokens=6, seed=1)
@@ -439,3 +440,17 @@ def test_load_environment_errors(tmp_path):
         load_environment(f"{path}:NoStep")
     with pytest.raises(ValueError, match="must be 'path/to/file.py:Name' or 'package.module:Name'"):
         load_environment("raylign.agents.tools.CalculatorEnv")
+
+
+def test_a_special_token_sampled_just_before_the_end_of_turn_token_is_the_turns_own(tokenizer):
+    # A turn that stopped on <|im_end|> right after a sampled <|pad|>: only the end-of-turn token is
+    # the template's; the conversation keeps the <|pad|>, so the next render extends the tokens so far.
+    pad, im_end = tokenizer.convert_tokens_to_ids(["<|pad|>", "<|im_end|>"])
+    turn = tokenizer("ab", add_special_tokens=False).input_ids + [pad, im_end]
+
+    async def generate(ids, sampling, index):
+        return Completion(index, 0, list(ids), turn, [-1.0] * len(turn), "stop", "ab")
+
+    ep = play(ScriptedEnv(turns=2), tokenizer, generate)
+    assert ep.messages[1] == {"role": "assistant", "content": "ab<|pad|>"}
+    assert (ep.end_reason, ep.drift_turns, runs(ep, True)[0][1]) == ("done", 0, turn)
