@@ -405,10 +405,12 @@ def run_side(side: str, spec_file: Path) -> None:
     """Child-process entry: run one side and write its step records next to its outputs."""
     import torch
 
+    from raylign.hardware import flush_denormals
+
     w = Workload(**json.loads(spec_file.read_text()))
     if w.threads == "1":
         torch.set_num_threads(1)
-    torch.set_flush_denormal(True)  # HF generate on CPU is erratic with denormals; both sides' workers set it
+    flush_denormals()  # HF generate on CPU is erratic with denormals; both sides' workers set it
     runs = {"raylign": run_raylign_side, "trl": run_trl_side, "vllm": run_bare_vllm_side}
     write_steps(Path(w.output_dir), runs[side](w))
 

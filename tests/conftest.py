@@ -16,12 +16,13 @@ os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 import torch
 
 from raylign.engine.deepspeed import torch_extensions_dir
+from raylign.hardware import flush_denormals
 
 # DeepSpeed's compiled ops: the folder scripts/install.sh prebuilds them into (raylign's default).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
 
 torch.set_num_threads(1)
-torch.set_flush_denormal(True)
+flush_denormals()
 
 
 def _own_cores() -> None:
