@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tomllib
 import urllib.request
+import warnings
 from pathlib import Path
 
 import pytest
@@ -383,3 +384,20 @@ def test_every_pin_installed_here_runs_on_the_oldest_python_the_project_supports
         if needs and not SpecifierSet(needs).contains(oldest):
             too_new.append(f"{name} needs Python {needs}")
     assert too_new == []
+
+
+def test_the_package_metadata_reads_without_deprecation_warnings():
+    # setuptools (the build backend) reads pyproject.toml as pip builds the package; a deprecated form
+    # there (the license as a table, for one) warns on every install and stops building once setuptools
+    # removes it.
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+    from setuptools.warnings import SetuptoolsDeprecationWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(Distribution(), ROOT / "pyproject.toml")
+    assert [str(w.message) for w in caught if issubclass(w.category, SetuptoolsDeprecationWarning)] == []
+    assert dist.metadata.license_expression == "Apache-2.0"
+    build_requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert build_requires == ["setuptools>=77"]  # the first setuptools that reads a license expression
