@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -47,6 +48,15 @@ def flush_denormals() -> None:
     for dtype in (np.float16, np.float32, np.float64, np.longdouble):
         np.finfo(dtype)
     torch.set_flush_denormal(True)
+
+
+def name_cpu_accelerator_for_deepspeed() -> None:
+    """Where torch sees no CUDA device, tell DeepSpeed the accelerator is the CPU. Where DeepSpeed is
+    installed, every ``save_pretrained`` imports it (accelerate unwraps models through it), and
+    unnamed it probes for accelerators and warns "Setting accelerator to CPU" in each process. The
+    environment is inherited by the processes started after this (Ray's workers among them)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 @functools.cache

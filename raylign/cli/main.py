@@ -280,6 +280,9 @@ def _run(argv: list[str]) -> int:
     if command.distributed and engine is not None and engine.num_processes > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(name, rest, engine.num_processes)
     setup_logging()
+    from raylign.hardware import name_cpu_accelerator_for_deepspeed
+
+    name_cpu_accelerator_for_deepspeed()
     try:
         command.runner()(cfg)
     except _user_facing_errors() as err:

@@ -43,6 +43,7 @@ from raylign.engine.distributed import ensure_process_group
 from raylign.engine.export import is_adapter_weight, stream_hf_tensors, tied_output_key
 from raylign.engine.optim import build_param_groups, build_scheduler, torch_adamw
 from raylign.errors import MissingPackageError
+from raylign.hardware import name_cpu_accelerator_for_deepspeed
 from raylign.models.loading import dequantized_state_dict, is_quantized
 
 CHECKPOINT_TAG = "zero"
@@ -68,9 +69,7 @@ def torch_extensions_dir() -> Path:
 def _import_deepspeed() -> Any:
     # Before any op is built: JIT builds then land where scripts/install.sh prebuilt them.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
-    if not torch.cuda.is_available():
-        # Without this DeepSpeed probes for other accelerators and warns on every import.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    name_cpu_accelerator_for_deepspeed()
     try:
         import deepspeed
     except ImportError as err:

@@ -52,6 +52,10 @@ def test_quickstart_as_written_learns_to_the_stated_targets(tmp_path):
     # The closing lines say in words what improved; logs are plain lines without a terminal.
     assert "RL raised the held-out mean reward" in proc.stderr
     assert "━" not in proc.stderr + proc.stdout
+    # Nor warnings a newcomer can do nothing about (each was there once): DeepSpeed's accelerator probe
+    # on every model save, numpy's subnormal limits after denormals were flushed.
+    for noise in ("Setting accelerator to CPU", "smallest subnormal"):
+        assert noise not in proc.stderr + proc.stdout, noise
 
 
 @pytest.mark.slow
