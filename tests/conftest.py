@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -43,7 +44,7 @@ _own_cores()
 
 import pytest  # noqa: E402
 
-from tests import case_counts  # noqa: E402
+from tests import case_counts, file_order  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -76,8 +77,28 @@ def tied_model_dir(tmp_path_factory):
     )
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--write-durations",
+        metavar="PATH",
+        help="write each test file's seconds in this run to PATH (the suite runs files in the order "
+        "tests/durations.json gives, longest first)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("write_durations")
+    if path:
+        from raylign.hardware import cpu_bf16_support, cpu_model
+
+        machine = f"{cpu_model()}, {os.cpu_count()} cores, {cpu_bf16_support().reason}"
+        config.pluginmanager.register(file_order.DurationRecorder(Path(path), machine), "duration_recorder")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Soak runs are opt-in: they run only when ``-m`` names them."""
+    """Test files longest first (``tests/file_order.py``); soak runs are opt-in: they run only when
+    ``-m`` names them."""
+    file_order.order_by_duration(items, file_order.load_durations())
     if "soak" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="opt-in soak run: python -m pytest -m soak")
