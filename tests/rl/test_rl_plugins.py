@@ -35,6 +35,18 @@ def ppo_marked(logprobs, old_logprobs, advantages, mask, **options):
 """
 
 
+@pytest.fixture(scope="module", autouse=True)
+def registries_as_built():
+    """The plugin registers its names in this process's registries too (the controller validates the
+    config here): take them out again after this file, so that later tests in the process see the
+    built-in registries."""
+    registries = [r for r in vars(registry).values() if isinstance(r, registry.Registry)]
+    saved = [(dict(r._functions), dict(r._metadata)) for r in registries]
+    yield
+    for r, (functions, metadata) in zip(registries, saved, strict=True):
+        r._functions, r._metadata = functions, metadata
+
+
 @pytest.fixture(scope="module")
 def plugin_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("plugins") / "my_algorithms.py"
