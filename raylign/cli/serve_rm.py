@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
@@ -54,7 +55,7 @@ class ServeRMConfig(Section):
         min_length=1,
         description="Address to listen on; anything but loopback exposes the server to the network.",
     )
-    port: int = Field(8000, ge=1, le=65535, description="TCP port.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one, named in the log.")
     api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' on /score.")
     api_key_env: str | None = Field(
         None, min_length=1, description="Environment variable holding the API key (used when api_key is not set)."
@@ -162,11 +163,31 @@ def sigterm_ends_start_up() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def serve_until_stopped(app: FastAPI, cfg: ServeRMConfig) -> None:
-    """Serve ``app`` until SIGTERM or Ctrl+C, then finish the requests in flight within the grace period."""
-    server = uvicorn_server(app, cfg.host, cfg.port, cfg.shutdown_grace_s)
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` for the server; port 0 binds one the OS picks.
+
+    Bound before the scorer loads, so that a port another process holds is reported at once, and
+    so that the log names the port a client should use when the OS picked it.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ValueError(
+            f"serve-rm cannot listen on {host}:{port}: {err.strerror or err}. Choose another port "
+            "(--port), or --port 0 for a free one that the log then names"
+        ) from err
+    return sock
+
+
+def serve_until_stopped(app: FastAPI, cfg: ServeRMConfig, sock: socket.socket) -> None:
+    """Serve ``app`` on ``sock`` until SIGTERM or Ctrl+C, then finish the requests in flight within
+    the grace period."""
+    server = uvicorn_server(app, cfg.host, sock.getsockname()[1], cfg.shutdown_grace_s)
     with stop_signals_end_serving(server):
-        server.run()
+        server.run(sockets=[sock])
     cut = app.state.scoring.requests_cut
     if cut:
         log.warning(
@@ -189,15 +210,22 @@ def run_serve_rm(cfg: ServeRMConfig) -> None:
             cfg.host,
             "" if api_key else " and without an API key (set api_key or api_key_env)",
         )
-    with sigterm_ends_start_up():
-        scorer = build_scorer(cfg)
+    with listening_socket(cfg.host, cfg.port) as sock:
+        with sigterm_ends_start_up():
+            scorer = build_scorer(cfg)
+            try:
+                app = create_app(scorer, api_key=api_key, max_request_bytes=cfg.max_request_bytes)
+            except BaseException:
+                scorer.close()
+                raise
         try:
-            app = create_app(scorer, api_key=api_key, max_request_bytes=cfg.max_request_bytes)
-        except BaseException:
-            scorer.close()
-            raise
-    try:
-        log.info("serving %s on http://%s:%d/score", scorer.description, cfg.host, cfg.port)
-        serve_until_stopped(app, cfg)
-    finally:
-        app.state.scoring.close_scorer()
+            log.info("serving %s on %s", scorer.description, score_url(sock))
+            serve_until_stopped(app, cfg, sock)
+        finally:
+            app.state.scoring.close_scorer()
+
+
+def score_url(sock: socket.socket) -> str:
+    """The ``/score`` address of the server listening on ``sock``."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}/score" if ":" in host else f"http://{host}:{port}/score"

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import textwrap
-import time
 
 import httpx
 import pytest
 
-from raylign.cli.serve_rm import ServeRMConfig, build_scorer
+from raylign.cli.serve_rm import ServeRMConfig, build_scorer, listening_socket, score_url
 from raylign.config.base import ConfigError, parse_config
 from raylign.rollout.rewards import HttpRewardSource
 from raylign.rollout.rewards.server import create_app
+
+from .test_serve_rm_load import serving_port, spawn_serve_rm
 
 
 def test_config_needs_exactly_one_scorer_and_defaults_to_loopback():
@@ -36,26 +34,6 @@ def test_serves_a_reward_model_folder(loopback_server, tiny_reward_model_dir, rm
     assert result.rewards == pytest.approx(expected, abs=1e-5)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(base: str, process: subprocess.Popen, limit_s: float = 120) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"serve-rm exited early:\n{process.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("serve-rm did not come up")
-
-
 @pytest.mark.slow
 def test_run_serve_rm_serves_a_python_reward_file_in_its_own_process(tmp_path):
     reward_file = tmp_path / "score.py"
@@ -65,17 +43,9 @@ def test_run_serve_rm_serves_a_python_reward_file_in_its_own_process(tmp_path):
             return [1.0 if r.strip() == str(l) else -1.0 for r, l in zip(responses, labels)]
     """)
     )
-    port = _free_port()
-    code = (
-        "from raylign.cli.serve_rm import ServeRMConfig, run_serve_rm; "
-        f"run_serve_rm(ServeRMConfig(reward_file={str(reward_file)!r}, port={port}, api_key_env='RM_KEY'))"
-    )
-    env = dict(os.environ, OMP_NUM_THREADS="1", RM_KEY="abc")
-    process = subprocess.Popen(
-        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    process = spawn_serve_rm(tmp_path, reward_file, "--api_key_env", "RM_KEY", RM_KEY="abc")
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", process)
+        port = serving_port(tmp_path, process)
         source = HttpRewardSource(f"http://127.0.0.1:{port}/score", api_key="abc", timeout_s=30)
         result = source.score(["q1", "q2", "q3"], [" 7 ", "8", "x"], [7, 9, "x"])
         unauthorized = httpx.post(f"http://127.0.0.1:{port}/score", json={"prompts": [], "responses": []})
@@ -84,3 +54,21 @@ def test_run_serve_rm_serves_a_python_reward_file_in_its_own_process(tmp_path):
         process.wait(timeout=30)
     assert result.rewards == [1.0, -1.0, 1.0]
     assert unauthorized.status_code == 401
+
+
+def test_a_port_another_process_holds_is_refused_by_name_before_anything_loads():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"cannot listen on 127\.0\.0\.1:{port}: .*--port 0 for a free one"):
+            listening_socket("127.0.0.1", port)
+
+
+def test_port_0_binds_a_port_the_os_picks_and_the_url_names_it():
+    with listening_socket("127.0.0.1", 0) as sock:
+        port = sock.getsockname()[1]
+        assert port > 0
+        assert score_url(sock) == f"http://127.0.0.1:{port}/score"
+    with listening_socket("::1", 0) as sock:
+        assert score_url(sock) == f"http://[::1]:{sock.getsockname()[1]}/score"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -192,19 +193,38 @@ def write_sleeping_reward_file(tmp_path: Path, sleep_s: float) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def spawn_serve_rm(tmp_path: Path, reward_file: Path, *options: str, **env: str) -> subprocess.Popen:
+    """``raylign serve-rm --reward_file reward_file --port 0 *options``, its output in tmp_path/serve_rm.log.
 
-
-def spawn_serve_rm(tmp_path: Path, reward_file: Path, *options: str) -> subprocess.Popen:
-    """``raylign serve-rm --reward_file reward_file *options``, its output in tmp_path/serve_rm.log."""
+    Port 0: the server binds a port the OS picks and logs it (:func:`serving_port`); a free port found
+    here and bound by the server seconds later could be taken by another process in between."""
     log = open(tmp_path / "serve_rm.log", "w")  # noqa: SIM115 - the server writes to it until killed
-    command = [sys.executable, "-m", "raylign.cli.main", "serve-rm", "--reward_file", str(reward_file), *options]
-    process = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
+    command = [sys.executable, "-m", "raylign.cli.main", "serve-rm", "--reward_file", str(reward_file), "--port", "0"]
+    process = subprocess.Popen(
+        [*command, *options], env=dict(os.environ, OMP_NUM_THREADS="1", **env), stdout=log, stderr=subprocess.STDOUT
+    )
     log.close()
     return process
+
+
+SERVING = re.compile(r"serving .* on http://127\.0\.0\.1:(\d+)/score")
+
+
+def serving_port(tmp_path: Path, process: subprocess.Popen, timeout_s: float = 60) -> int:
+    """The port serve-rm logged, once /health answers on it."""
+    log = tmp_path / "serve_rm.log"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"serve-rm exited early:\n{log.read_text()}"
+        found = SERVING.search(log.read_text())
+        try:
+            if found and httpx.get(f"http://127.0.0.1:{found[1]}/health", timeout=1).status_code == 200:
+                return int(found[1])
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    kill_if_running(process)
+    raise AssertionError(f"serve-rm did not come up within {timeout_s} s:\n{log.read_text()}")
 
 
 def kill_if_running(process: subprocess.Popen) -> None:
@@ -213,20 +233,10 @@ def kill_if_running(process: subprocess.Popen) -> None:
         process.wait(timeout=10)
 
 
-def start_serve_rm(tmp_path: Path, reward_file: Path, port: int, grace_s: float) -> subprocess.Popen:
-    """``raylign serve-rm`` on ``port``, once /health answers."""
-    process = spawn_serve_rm(tmp_path, reward_file, "--port", str(port), "--shutdown_grace_s", str(grace_s))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"serve-rm exited early:\n{(tmp_path / 'serve_rm.log').read_text()}"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    kill_if_running(process)
-    raise AssertionError("serve-rm did not come up within 60 s")
+def start_serve_rm(tmp_path: Path, reward_file: Path, grace_s: float) -> tuple[subprocess.Popen, int]:
+    """``raylign serve-rm`` and the port it serves on, once /health answers."""
+    process = spawn_serve_rm(tmp_path, reward_file, "--shutdown_grace_s", str(grace_s))
+    return process, serving_port(tmp_path, process)
 
 
 class SlowRequests:
@@ -305,8 +315,7 @@ def slow_bodies(count: int) -> tuple[list[dict], list[list[float]]]:
 @pytest.mark.timeout(120)
 def test_sigterm_finishes_the_requests_in_flight_refuses_new_ones_and_exits_0(tmp_path):
     reward_file = write_sleeping_reward_file(tmp_path, sleep_s=0.8)
-    port = free_port()
-    process = start_serve_rm(tmp_path, reward_file, port, grace_s=30)
+    process, port = start_serve_rm(tmp_path, reward_file, grace_s=30)
     try:
         bodies, expected = slow_bodies(4)  # scored one after the other: about 3.2 s in all
         requests = SlowRequests(f"http://127.0.0.1:{port}/score", bodies)
@@ -335,8 +344,7 @@ def test_sigterm_finishes_the_requests_in_flight_refuses_new_ones_and_exits_0(tm
 @pytest.mark.timeout(120)
 def test_requests_past_the_shutdown_grace_are_cut_logged_and_not_scored(tmp_path):
     reward_file = write_sleeping_reward_file(tmp_path, sleep_s=8.0)
-    port = free_port()
-    process = start_serve_rm(tmp_path, reward_file, port, grace_s=1)
+    process, port = start_serve_rm(tmp_path, reward_file, grace_s=1)
     try:
         bodies, _ = slow_bodies(2)  # the second waits for the first, which outlasts the grace
         requests = SlowRequests(f"http://127.0.0.1:{port}/score", bodies)
@@ -378,7 +386,7 @@ def test_sigterm_while_the_scorer_loads_stops_its_workers_and_exits_143(tmp_path
             return [0.0] * len(responses)
     """)
     )
-    process = spawn_serve_rm(tmp_path, reward_file, "--port", str(free_port()), "--num_workers", "2")
+    process = spawn_serve_rm(tmp_path, reward_file, "--num_workers", "2")
     try:
         worker_pids = [int(line) for line in wait_for_calls(tmp_path / "importing.txt", 2, timeout_s=60)]
         stopped_at = time.monotonic()
