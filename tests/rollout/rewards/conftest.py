@@ -6,6 +6,7 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -117,9 +118,9 @@ def loopback_server() -> type[LoopbackServer]:
 
 
 @pytest.fixture
-def unused_loopback_url() -> str:
-    """A /score address on 127.0.0.1 where nothing listens."""
+def unused_loopback_url() -> Iterator[str]:
+    """A /score address on 127.0.0.1 where nothing listens: its port stays bound, without listening,
+    until the test ends, so no other process can start listening there meanwhile."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}/score"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/score"
