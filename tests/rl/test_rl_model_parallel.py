@@ -10,6 +10,11 @@ deepspeed ranks with AutoTP 2, and with the rows split (and gradient checkpointi
 Rewards, the policy's and critic's loss terms (an entropy bonus keeps the policy's total loss away
 from 0, so its logged value is checked, not only its sign) and gradient norms of both steps, and the
 exported weights agree: the controller hands each group one shard and counts its answer once.
+
+Every run generates with engines in the policy workers (``placement.colocate``): each engine gets the
+weights every rank gathers from the split matrices and rows (``iter_full_state(every_rank=True)``),
+the same gather that feeds rank 0's broadcast to separate engines, whose path tests/rl/test_rl_weight_sync.py
+follows; and a run starts one process fewer (about 10 s each on one core).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def runs(ray_session, prompt_file, tmp_path_factory):
         # The split run also recomputes its layers in backward: the recomputed ring attention must reach
         # the other rank's half again (the whole-row runs keep their activations).
         data["model"]["gradient_checkpointing"] = layout.endswith("sequence")
-        data["placement"] = {"policy_workers": 2, "critic_workers": 2}
+        data["placement"] = {"policy_workers": 2, "critic_workers": 2, "colocate": True}
         data["algorithm"] = {"entropy_coef": 0.01}
         trainer = RLTrainer(resolve(tmp_path, data))
         trainer.run()
@@ -100,7 +105,7 @@ def lora_runs(ray_session, prompt_file, tmp_path_factory):
         data = rl_config_data(model_dir, prompt_file, tmp_path / layout)
         data["model"]["lora"] = {"rank": 4, "alpha": 8.0}
         data["engine"] = {"backend": "fsdp2", **engine}
-        data["placement"] = {"policy_workers": 4 if layout == "tensor_sequence" else 2}
+        data["placement"] = {"policy_workers": 4 if layout == "tensor_sequence" else 2, "colocate": True}
         data["algorithm"] = {"kl_mode": "loss", "kl_coef": 0.1}
         data["optim"] = {"lr": 1e-2}
         trainer = RLTrainer(resolve(tmp_path, data))
