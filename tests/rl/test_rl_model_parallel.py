@@ -14,7 +14,7 @@ exported weights agree: the controller hands each group one shard and counts its
 Every run generates with engines in the policy workers (``placement.colocate``): each engine gets the
 weights every rank gathers from the split matrices and rows (``iter_full_state(every_rank=True)``),
 the same gather that feeds rank 0's broadcast to separate engines, whose path tests/rl/test_rl_weight_sync.py
-follows; and a run starts one process fewer (about 10 s each on one core).
+follows; and a run starts one process fewer (8-9 s each on one core).
 """
 
 from __future__ import annotations
