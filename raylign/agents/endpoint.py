@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from raylign.config.rollout import SamplingConfig
 from raylign.rollout.base import Completion
+from raylign.sockets import bound_socket, http_url
 
 logger = logging.getLogger(__name__)
 
@@ -470,8 +471,7 @@ class EndpointServer:
     @property
     def url(self) -> str:
         """The OpenAI base URL, e.g. ``http://127.0.0.1:PORT/v1`` (the real port once started)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/v1"
+        return http_url(self.host, self.port, "/v1")
 
     def start(self, timeout_s: float = 30.0) -> EndpointServer:
         """Bind, serve, and return once the server accepts connections (at most ``timeout_s`` seconds)."""
@@ -479,9 +479,7 @@ class EndpointServer:
 
         if self._thread is not None:
             raise RuntimeError(f"the endpoint server at {self.url} is already started")
-        self._socket = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((self.host, self.port))
+        self._socket = bound_socket(self.host, self.port)
         self.port = self._socket.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=None)
         self._server = uvicorn.Server(config)

@@ -169,17 +169,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
     Bound before the scorer loads, so that a port another process holds is reported at once, and
     so that the log names the port a client should use when the OS picked it.
     """
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    from raylign.sockets import bound_socket
+
     try:
-        sock.bind((host, port))
+        return bound_socket(host, port)
     except OSError as err:
-        sock.close()
         raise ValueError(
             f"serve-rm cannot listen on {host}:{port}: {err.strerror or err}. Choose another port "
             "(--port), or --port 0 for a free one that the log then names"
         ) from err
-    return sock
 
 
 def serve_until_stopped(app: FastAPI, cfg: ServeRMConfig, sock: socket.socket) -> None:
@@ -227,5 +225,7 @@ def run_serve_rm(cfg: ServeRMConfig) -> None:
 
 def score_url(sock: socket.socket) -> str:
     """The ``/score`` address of the server listening on ``sock``."""
+    from raylign.sockets import http_url
+
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}/score" if ":" in host else f"http://{host}:{port}/score"
+    return http_url(host, port, "/score")
