@@ -32,46 +32,35 @@ def import_worker(test_file: str, name: str) -> ModuleType:
         sys.path.remove(folder)
 
 
-# Rendezvous stores this process hosts for the ranks it spawns next; released by spawn_and_join.
-_HOSTED: list[torch.distributed.TCPStore] = []
-
-
-def rendezvous_port() -> int:
-    """The port of a rendezvous store this process hosts for the ranks :func:`spawn_and_join` starts
-    next, as torchrun's agent does: the ranks all join it as clients (``TORCHELASTIC_USE_AGENT_STORE``).
-
-    The store's socket is bound here, on a port the OS picks, and stays bound until the ranks have
-    finished. A free port found first and bound by rank 0 seconds later, once spawned, could be taken
-    in between by another process (seen as EADDRINUSE with the suite's workers side by side).
-    """
-    store = host_rendezvous_store("127.0.0.1", world_size=1, timeout_s=300)
-    _HOSTED.append(store)
-    return store.port
-
-
 def spawn_and_join(fn: Callable[..., Any], args: tuple, nprocs: int, timeout_s: float, what: str) -> None:
-    """Run ``fn(rank, *args)`` in ``nprocs`` processes; a rank's error is raised here, and ranks still
-    running after ``timeout_s`` are killed and reported as ``what``."""
+    """Run ``fn(rank, port, *args)`` in ``nprocs`` processes; a rank's error is raised here, and ranks
+    still running after ``timeout_s`` are killed and reported as ``what``.
+
+    ``port`` is that of a rendezvous store this process hosts until the ranks have finished, as
+    torchrun's agent does: the ranks all join it as clients (``TORCHELASTIC_USE_AGENT_STORE``). Its
+    socket is bound here, on a port the OS picks; a free port found first and bound by rank 0 seconds
+    later, once spawned, could be taken in between by another process (seen as EADDRINUSE with the
+    suite's workers side by side).
+    """
+    store = host_rendezvous_store("127.0.0.1", world_size=nprocs, timeout_s=timeout_s)
     finished = mp.get_context("spawn").Barrier(nprocs)
-    try:
-        context = mp.spawn(_run_rank, args=(finished, fn, *args), nprocs=nprocs, join=False)
-        deadline = time.monotonic() + timeout_s
-        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                for process in context.processes:
-                    process.kill()
-                raise TimeoutError(f"the {nprocs} {what} did not finish within {timeout_s} s")
-    finally:
-        _HOSTED.clear()
+    context = mp.spawn(_run_rank, args=(finished, fn, store.port, *args), nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"the {nprocs} {what} did not finish within {timeout_s} s")
+    del store  # held until here: the ranks used it to the end
 
 
 def _run_rank(rank: int, finished: Any, fn: Callable[..., Any], *args: Any) -> None:
-    """``fn(rank, *args)``, then, once every rank has finished (a rank that hosts its group's store
-    would strand the others still using it), the end through :func:`exit_process`: no interpreter
-    shutdown, where gloo's threads can abort a finished rank. An error propagates to ``mp.spawn``.
+    """``fn(rank, *args)``, then, once every rank has finished (no rank leaves a collective its peers
+    are still in), the end through :func:`exit_process`: no interpreter shutdown, where gloo's threads
+    can abort a finished rank. An error propagates to ``mp.spawn``.
 
-    Every rank joins the store :func:`rendezvous_port` hosts in the parent as a client, whether its
-    group starts from ``env://`` or ``tcp://``."""
+    Every rank joins the store :func:`spawn_and_join` hosts as a client, whether its group starts
+    from ``env://`` or ``tcp://``."""
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     fn(rank, *args)
     finished.wait(timeout=120)

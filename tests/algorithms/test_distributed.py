@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from raylign.algorithms import LossScale, compute_ppo_policy_loss, masked_whiten
-from tests.spawned_ranks import import_worker, rendezvous_port, spawn_and_join
+from tests.spawned_ranks import import_worker, spawn_and_join
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -20,7 +20,7 @@ def rank_results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("ranks")
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
-        spawn_and_join(worker.run_rank, (rendezvous_port(), str(out_dir)), worker.WORLD_SIZE, 300, "gloo ranks")
+        spawn_and_join(worker.run_rank, (str(out_dir),), worker.WORLD_SIZE, 300, "gloo ranks")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(worker.WORLD_SIZE)]
 
 

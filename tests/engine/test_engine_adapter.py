@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from raylign.config.engine import EngineConfig
 from raylign.config.optim import OptimConfig
 from raylign.engine import create_engine
-from tests.spawned_ranks import import_worker, rendezvous_port, spawn_and_join
+from tests.spawned_ranks import import_worker, spawn_and_join
 
 worker = import_worker(__file__, "adapter_worker")
 
@@ -45,7 +45,7 @@ def test_sharded_backends_gather_the_same_adapter_on_rank_0_or_every_rank(tmp_pa
     saved = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
-        spawn_and_join(worker.run_rank, (rendezvous_port(), str(tmp_path)), worker.WORLD_SIZE, 600, "adapter ranks")
+        spawn_and_join(worker.run_rank, (str(tmp_path),), worker.WORLD_SIZE, 600, "adapter ranks")
     for name in worker.BACKENDS:
         # Rank 0's gather, and every rank's (what colocated engines load) as seen on rank 1.
         for suffix in ("", "_every_rank"):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from raylign.config.model import ModelConfig
 from raylign.models import load_score_model
 from raylign.models.tiny import build_tiny_model
-from tests.spawned_ranks import import_worker, rendezvous_port, spawn_and_join
+from tests.spawned_ranks import import_worker, spawn_and_join
 
 worker = import_worker(__file__, "score_sharded_worker")
 
@@ -34,7 +34,7 @@ def results(tmp_path_factory):
     folders = {"rm": str(tmp / "rm"), "lm": str(causal)}
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
-        spawn_and_join(worker.run_rank, (rendezvous_port(), folders, str(tmp)), worker.WORLD_SIZE, 300, "ranks")
+        spawn_and_join(worker.run_rank, (folders, str(tmp)), worker.WORLD_SIZE, 300, "ranks")
     return folders, torch.load(tmp / "results.pt", weights_only=False)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.spawned_ranks import import_worker, rendezvous_port, spawn_and_join
+from tests.spawned_ranks import import_worker, spawn_and_join
 
 worker = import_worker(__file__, "whole_tensor_worker")
 
@@ -17,7 +17,7 @@ worker = import_worker(__file__, "whole_tensor_worker")
 def test_broadcast_gather_equals_the_full_tensor_on_every_rank():
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))  # the spawned ranks import the worker by name
-        spawn_and_join(worker.run_rank, (rendezvous_port(),), worker.WORLD_SIZE, 300, "whole_tensor ranks")
+        spawn_and_join(worker.run_rank, (), worker.WORLD_SIZE, 300, "whole_tensor ranks")
 
 
 def test_reused_buffers_hand_back_memory_only_once_nothing_holds_it():

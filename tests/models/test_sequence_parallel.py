@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from raylign.models import selected_token_logprobs, token_logprobs
 from raylign.models.ring_attention import ring_attention, sample_ids_from_position_ids
 from raylign.models.sequence_parallel import RING_ATTENTION, shard_packed_batch
-from tests.spawned_ranks import import_worker, rendezvous_port, spawn_and_join
+from tests.spawned_ranks import import_worker, spawn_and_join
 
 worker = import_worker(__file__, "sequence_parallel_worker")
 
@@ -30,9 +30,7 @@ def rank_results(tmp_path_factory, tiny_qwen2, tiny_llama):
     model_dirs = {"qwen2": str(tiny_qwen2), "llama": str(tiny_llama)}
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
-        spawn_and_join(
-            worker.run_rank, (rendezvous_port(), str(out_dir), model_dirs), worker.WORLD_SIZE, SPAWN_TIMEOUT_S, "ranks"
-        )
+        spawn_and_join(worker.run_rank, (str(out_dir), model_dirs), worker.WORLD_SIZE, SPAWN_TIMEOUT_S, "ranks")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(worker.WORLD_SIZE)]
 
 

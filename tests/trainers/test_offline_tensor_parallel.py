@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from raylign.models.tiny import build_tiny_model
 from raylign.trainers.metrics import read_metrics
-from tests.spawned_ranks import import_worker, rendezvous_port, spawn_and_join
+from tests.spawned_ranks import import_worker, spawn_and_join
 
 worker = import_worker(__file__, "offline_tensor_parallel_worker")
 
@@ -37,7 +37,7 @@ def test_each_offline_command_trains_with_matrices_split_over_ranks_as_with_whol
     build_tiny_model(tmp_path / "model-teacher", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, seed=1)
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
-        spawn_and_join(worker.run_rank, (rendezvous_port(), str(model_dir), str(tmp_path / "tp2")), 2, 900, "TP ranks")
+        spawn_and_join(worker.run_rank, (str(model_dir), str(tmp_path / "tp2")), 2, 900, "TP ranks")
     monkeypatch.chdir(worker.REPO)
     for command, run in [(c, c) for c in worker.COMMANDS] + [("dpo", "dpo_deepspeed")]:
         if run == command:

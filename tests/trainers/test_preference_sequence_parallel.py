@@ -28,7 +28,7 @@ from raylign.config.base import ConfigError, parse_config
 from raylign.config.kto import KTOConfig
 from raylign.trainers.kto import KTOTrainer
 from raylign.trainers.metrics import read_metrics
-from tests.spawned_ranks import import_worker, rendezvous_port, spawn_and_join
+from tests.spawned_ranks import import_worker, spawn_and_join
 
 from .test_dpo import all_a_pairs, write_jsonl
 from .test_kto import letters_row
@@ -67,7 +67,7 @@ def runs(tmp_path_factory, tiny_model_dir) -> Path:
     chain_file = write_jsonl(tmp / "chains.jsonl", soft)
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
-        args = (rendezvous_port(), str(tiny_model_dir), str(pairs), str(kto_rows), str(chain_file), SEP, str(tmp))
+        args = (str(tiny_model_dir), str(pairs), str(kto_rows), str(chain_file), SEP, str(tmp))
         spawn_and_join(worker.run_rank, args, worker.WORLD_SIZE, 600, "DPO and KTO ranks")
     KTOTrainer(worker.kto_config(str(tiny_model_dir), str(kto_rows), tmp / "kto_sp1", 1)).run()
     return tmp

@@ -20,7 +20,7 @@ from raylign.models.tiny import build_tiny_model
 from raylign.tasks.strings import make_string_rows
 from raylign.trainers.metrics import read_metrics
 from raylign.trainers.sft import SFTTrainer
-from tests.spawned_ranks import import_worker, rendezvous_port, spawn_and_join
+from tests.spawned_ranks import import_worker, spawn_and_join
 
 from .test_sft import write_jsonl
 
@@ -36,7 +36,7 @@ def test_qlora_on_two_fsdp2_ranks_trains_like_one_process_and_resumes(tmp_path):
     SFTTrainer(worker.sft_config(str(model_dir), str(train_file), tmp_path / "local", "local")).run()
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
-        args = (rendezvous_port(), str(model_dir), str(train_file), str(tmp_path))
+        args = (str(model_dir), str(train_file), str(tmp_path))
         spawn_and_join(worker.run_rank, args, worker.WORLD_SIZE, 900, "QLoRA fsdp2 ranks")
 
     names = ("local", "fsdp2", "fsdp2_sp2", "deepspeed")

@@ -22,7 +22,7 @@ from raylign.config.commands import SFTConfig
 from raylign.models.tiny import build_tiny_model
 from raylign.tasks.strings import make_string_rows
 from raylign.trainers.metrics import read_metrics
-from tests.spawned_ranks import import_worker, rendezvous_port, spawn_and_join
+from tests.spawned_ranks import import_worker, spawn_and_join
 
 from .test_sft import write_jsonl
 
@@ -36,7 +36,7 @@ def runs(tmp_path_factory, tiny_model_dir) -> Path:
     student = build_tiny_model(tmp / "student", hidden_size=32, num_layers=1, seed=1)
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
-        args = (rendezvous_port(), str(tiny_model_dir), str(student), str(train_file), str(tmp))
+        args = (str(tiny_model_dir), str(student), str(train_file), str(tmp))
         spawn_and_join(worker.run_rank, args, worker.WORLD_SIZE, 600, "SFT and KD ranks")
     return tmp
 

@@ -24,7 +24,7 @@ from raylign.config.commands import SFTConfig
 from raylign.models.tiny import build_tiny_model
 from raylign.tasks.strings import make_string_rows
 from raylign.trainers.metrics import read_metrics
-from tests.spawned_ranks import import_worker, rendezvous_port, spawn_and_join
+from tests.spawned_ranks import import_worker, spawn_and_join
 
 from .test_sft import write_jsonl
 
@@ -39,7 +39,7 @@ def test_sft_with_matrices_split_over_ranks_trains_like_whole_layers(tmp_path):
     train_file = write_jsonl(tmp_path / "train.jsonl", make_string_rows("reverse", 16, seed=0))
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))
-        args = (rendezvous_port(), str(model_dir), str(train_file), str(tmp_path))
+        args = (str(model_dir), str(train_file), str(tmp_path))
         spawn_and_join(worker.run_rank, args, worker.WORLD_SIZE, 900, "SFT ranks")
     runs = {n: [r for r in read_metrics(tmp_path / n) if "train/loss" in r] for n in worker.RUNS}
     weights = {n: load_file(tmp_path / n / "final" / "model.safetensors") for n in worker.RUNS}
