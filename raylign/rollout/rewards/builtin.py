@@ -12,8 +12,6 @@ from typing import Any
 
 from raylign.rollout.rewards.base import RewardError, RewardResult, RewardSource, describe_sample
 
-# The last number of a text: optional sign, digits with thousands commas, decimals, a fraction.
-_NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")
 _BOXED_OPENERS = ("\\boxed{", "\\fbox{")
 
 
@@ -34,20 +32,16 @@ def last_boxed_content(text: str) -> str | None:
     return None  # unclosed: the response was cut off inside the box
 
 
-def last_number(text: str) -> str | None:
-    """The last number written in ``text`` ('1,000' -> '1000', '3 / 4' -> '3/4'); None if there is none."""
-    matches = _NUMBER.findall(text)
-    if not matches:
-        return None
-    return re.sub(r"[\s,]", "", matches[-1])
-
-
 def extract_math_answer(response: str) -> str | None:
-    """The final answer of a response: the last ``\\boxed{}`` content, else the last number, else None."""
+    """What a response's final answer is read from: its last ``\\boxed{}``; the whole response when it
+    has no box (math-verify then takes its last expression, LaTeX or plain: '$\\frac{1}{2}$' is 1/2,
+    '1,000' is 1000); None when the last box is left open (the response was cut off inside it)."""
+    if not any(opener in response for opener in _BOXED_OPENERS):
+        return response
     boxed = last_boxed_content(response)
-    if boxed is not None and boxed.strip():
-        return "\\boxed{" + boxed + "}"
-    return last_number(response)
+    if boxed is None or not boxed.strip():
+        return None
+    return "\\boxed{" + boxed + "}"
 
 
 def _math_verify_timeouts() -> dict[str, int | None]:
@@ -57,12 +51,13 @@ def _math_verify_timeouts() -> dict[str, int | None]:
     return {"parsing_timeout": 5 if on_main else None, "timeout_seconds": 5 if on_main else None}
 
 
-def _parse_math(text: str) -> list:
+def _parse_math(text: str, bare_latex: bool = False) -> list:
+    """math-verify's parse of ``text``; with ``bare_latex`` (labels), LaTeX written without ``$`` too."""
     from math_verify import parse
 
     timeouts = _math_verify_timeouts()
     parsed = parse(text, parsing_timeout=timeouts["parsing_timeout"])
-    if not parsed and "$" not in text and "\\boxed" not in text:
+    if not parsed and bare_latex and "$" not in text and "\\boxed" not in text:
         parsed = parse(f"${text}$", parsing_timeout=timeouts["parsing_timeout"])
     return parsed
 
@@ -71,7 +66,7 @@ def math_answer_is_correct(response: str, label: Any) -> tuple[bool, bool]:
     """(answer found, answer equals label) by math-verify; ValueError when the label cannot be parsed."""
     from math_verify import verify
 
-    gold = _parse_math(str(label))
+    gold = _parse_math(str(label), bare_latex=True)
     if not any(not isinstance(item, str) for item in gold):  # only the raw-text fallback: no expression
         raise ValueError(f"math-verify cannot parse the label {str(label)!r:.80}")
     answer = extract_math_answer(response)
@@ -84,7 +79,7 @@ def math_answer_is_correct(response: str, label: Any) -> tuple[bool, bool]:
 
 
 class MathReward(RewardSource):
-    """1.0 when the response's final answer (last ``\\boxed{}``, else last number) equals the label.
+    """1.0 when the response's final answer (last ``\\boxed{}``, else its last expression) equals the label.
 
     Equality is math-verify's (Hugging Face, 2025): symbolic and numeric, so '1/2' equals '0.5'
     and '\\frac{1}{2}'. Metric ``answer_found``: 1.0 when the response had an answer to check.

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from raylign.rollout.rewards import ExactMatchReward, FormatReward, MathReward, RewardError
-from raylign.rollout.rewards.builtin import extract_math_answer, last_boxed_content, last_number
+from raylign.rollout.rewards.builtin import extract_math_answer, last_boxed_content
 
 
 def test_last_boxed_content_takes_the_last_box_with_nested_braces():
@@ -16,14 +16,30 @@ def test_last_boxed_content_takes_the_last_box_with_nested_braces():
     assert last_boxed_content("cut off \\boxed{\\frac{1}{2") is None
 
 
-def test_last_number_strips_thousands_commas_and_keeps_sign_and_fraction():
-    assert last_number("we had 3 apples, then 1,250 more, total -7.5") == "-7.5"
-    assert last_number("half is 1 / 2.") == "1/2"
-    assert last_number("nothing numeric") is None
-
-
 def test_extract_prefers_box_over_later_numbers():
     assert extract_math_answer("\\boxed{12} (checked with 3 methods)") == "\\boxed{12}"
+
+
+def test_a_box_cut_off_before_it_closes_is_no_answer_not_the_last_digit_inside_it():
+    assert extract_math_answer("so the answer is \\boxed{\\frac{1}{2") is None
+    assert MathReward().score(["q"], ["so the answer is \\boxed{\\frac{1}{2"], ["2"]).rewards == [0.0]
+
+
+def test_an_unboxed_latex_answer_is_read_as_the_expression_not_its_last_digits():
+    # The values by hand: 1/2, sqrt(2), x = -1/3 and 3 * 10^2 = 300; never the digit the LaTeX ends with.
+    responses = [
+        "So the probability is $\\frac{1}{2}$.",
+        "So the probability is $\\frac{1}{2}$.",
+        "The side length is $\\sqrt{2}$.",
+        "Hence $x = -\\frac{1}{3}$.",
+        "Hence $x = -\\frac{1}{3}$.",
+        "The total is $3 \\cdot 10^{2}$.",
+        "The total is $3 \\cdot 10^{2}$.",
+    ]
+    labels = ["2", "1/2", "2", "3", "-1/3", "2", "300"]
+    result = MathReward().score([f"q{i}" for i in range(7)], responses, labels)
+    assert result.rewards == [0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    assert result.metrics["answer_found"] == [1.0] * 7
 
 
 def test_math_reward_hand_checked_batch():
