@@ -81,7 +81,8 @@ def compute_advantages(
 
     The estimator's registration metadata says which inputs it takes (groups, values, config
     options, a per-token KL). A KL-in-reward penalty goes into the per-token rewards of the
-    estimators that take a token KL, and onto the outcome reward of the others.
+    estimators that take a token KL, and onto the rewards of the others: summed onto an outcome reward
+    ``[batch]``, token by token onto per-token rewards ``[batch, R]`` (which those estimators sum).
     """
     a = cfg.algorithm
     takes = ADVANTAGE_ESTIMATORS.metadata(a.advantage)
@@ -98,7 +99,8 @@ def compute_advantages(
             kwargs.update(token_kl=token_kl.detach(), kl_coef=a.kl_coef)
         elif a.kl_mode == "reward":
             penalty = kl_reward_penalty(behaviour_logprobs, ref_logprobs, mask, a.kl_coef, estimator=a.kl_estimator)
-            rewards = rewards + (penalty * mask).sum(dim=-1)
+            penalty = penalty * mask  # per-token rewards [batch, R] (agent turns) take it token by token
+            rewards = rewards + (penalty if rewards.dim() == 2 else penalty.sum(dim=-1))
     advantages, returns = ADVANTAGE_ESTIMATORS.get(a.advantage)(rewards, mask, **kwargs)
     counted = mask.sum().clamp(min=1)
     metrics["advantage/mean"] = float((advantages * mask).sum() / counted)
