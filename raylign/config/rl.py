@@ -76,7 +76,12 @@ class AlgorithmConfig(Section):
     mask_low: float = Field(0.5, gt=0, description="ratio_mask: tokens whose ratio is below this are masked.")
     mask_high: float = Field(2.0, gt=0, description="ratio_mask: tokens whose ratio is above this are masked.")
     dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal and refill (DAPO).")
-    max_refill_rounds: int = Field(3, ge=0, description="Dynamic sampling: extra generation rounds per step.")
+    max_refill_rounds: int = Field(
+        3,
+        ge=0,
+        description="Dynamic sampling: extra generation rounds per step (up to this many x prompts_per_step uniform "
+        "groups dropped and replaced); once spent, uniform groups fill the step. 0: none is replaced.",
+    )
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (tokens); 0 disables.")
     overlong_penalty: float = Field(1.0, ge=0, description="DAPO soft overlong penalty at max length.")
     normalize_rewards: bool = Field(

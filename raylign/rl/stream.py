@@ -157,18 +157,22 @@ class RolloutFeed:
         """The next ``per_step`` groups that may update policy ``version``; waits for them as needed."""
         step = StepGroups([])
         uniform: list[Group] = []
+        budget_spent = False
         while len(step.groups) < self.per_step:
             self.ready.sort(key=_seq)
             while self.ready and len(step.groups) < self.per_step and self._may_take(self.ready[0]):
                 self._admit(self.ready.pop(0), version, step, uniform)
-            if len(step.groups) == self.per_step:
-                break
-            if uniform and len(uniform) > self.max_uniform_per_step:  # the refill budget is spent
+            if uniform and (budget_spent or len(uniform) > self.max_uniform_per_step):
+                # The refill budget is spent: uniform groups count towards the step from now on (the
+                # first dropped first), and none is replaced; the step still waits for the rest.
+                budget_spent = True
                 take = uniform[: self.per_step - len(step.groups)]
+                del uniform[: len(take)]
                 step.groups += take
-                step.padded_uniform = len(take)
+                step.padded_uniform += len(take)
                 step.dropped_uniform -= len(take)
                 self.discarded -= len(take)
+            if len(step.groups) == self.per_step:
                 break
             self.top_up(version)  # replaces the groups that were dropped
             self._receive(self.stream.finished(), version)

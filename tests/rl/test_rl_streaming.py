@@ -308,6 +308,44 @@ def test_dynamic_sampling_drops_uniform_groups_as_they_arrive(hf_engines, weight
     assert all(step.padded_uniform == 0 for _, step in taken)
 
 
+def test_without_refill_rounds_uniform_groups_fill_their_step_and_none_is_replaced(hf_engines, weights):
+    """``algorithm.max_refill_rounds: 0``: no group is generated again, so a uniform group counts towards
+    its step (``padded_uniform``) and the step still waits for all of its groups. Positions cycle 0..7
+    and the even ones are uniform: the steps hold positions 0-2, 3-5, 6,7,0 and 1-3 whatever order
+    they come back in, with 2, 1, 2 and 1 of them uniform."""
+    from raylign.rl.stream import uniform_rewards
+
+    def score(samples):
+        for i, s in enumerate(samples):
+            s.reward = 1.0 if s.prompt_text in {"p0", "p2", "p4", "p6"} else float(i % 2)
+
+    start = ray.get(hf_engines[0].weight_version_now.remote())
+    feed = RolloutFeed(
+        GroupStream(RolloutPool(hf_engines), timeout_s=120),
+        _prompts(),
+        itertools.cycle(range(8)),
+        SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3),
+        PER_STEP,
+        0,
+        "drop",
+        RLTrainer._group_samples,
+        score,
+        uniform=uniform_rewards,
+        max_uniform_per_step=0,
+        max_groups=4 * PER_STEP,
+    )
+    taken = _run_steps(feed, hf_engines, 4, weights, start_version=start)
+    assert [[g.prompt_position for g in step.groups] for _, step in taken] == [
+        [0, 1, 2],
+        [3, 4, 5],
+        [6, 7, 0],
+        [1, 2, 3],
+    ]
+    assert [step.padded_uniform for _, step in taken] == [2, 1, 2, 1]
+    assert [step.dropped_uniform for _, step in taken] == [0, 0, 0, 0]
+    assert feed.started == 4 * PER_STEP and feed.discarded == 0
+
+
 def test_groups_with_non_finite_rewards_are_dropped_and_replaced(hf_engines, weights):
     """``reward.non_finite: drop``: a group holding a NaN or infinite reward never enters a step;
     it is counted and another group takes its place. Prompts p1 and p3 score NaN and inf here."""
