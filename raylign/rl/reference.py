@@ -4,8 +4,10 @@ The reference is frozen, so its log-probs of a sample do not depend on when they
 reference workers can take each finished group at once (on one thread per rank, beside the
 engines that are still generating) instead of the whole batch after the last group came back,
 which leaves the experience phase only the policy's and critic's passes. A group's pass is packed
-and sharded over the reference ranks as a step's would be (every rank gets the same number of
-micro-batches, so a sharded reference's collective forward works too).
+and sharded over the reference ranks as a step's would be, and every rank runs the same number of
+micro-batches, so a sharded reference's collective forward works too: a group can have fewer samples
+than there are ranks, or a rank fewer samples than its peers need micro-batches, so a rank short of
+samples runs a stand-in (the group's shortest sample) whose result it drops.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 
 import torch
 
-from raylign.rl.experience import Sample, micro_batches_for_ranks, pack_samples
+from raylign.data.collate import balance_micro_batches
+from raylign.rl.experience import Sample, pack_samples, token_balanced_shards
 
 
 @dataclass
@@ -24,6 +27,7 @@ class _Pass:
 
     samples: list[Sample]
     plan: list[list[list[int]]]  # per rank, per micro-batch: positions in ``samples``
+    real: list[int]  # per rank: its micro-batches of its own samples; those after them are stand-ins
     calls: list[Any]
     step: int  # the controller's step count when it started
 
@@ -51,11 +55,11 @@ class EarlyReference:
         self._passes: dict[int, _Pass] = {}  # id(sample) -> its pass (which holds the sample: ids stay unique)
 
     def submit(self, samples: list[Sample], step: int) -> None:
-        plan = micro_batches_for_ranks(samples, len(self.group), self.micro_batch_tokens)
+        plan, real = plan_with_stand_ins(samples, len(self.group), self.micro_batch_tokens)
         rows = self.rows
         per_rank = [[pack_samples([samples[i] for i in micro], row_tokens=rows) for micro in ranks] for ranks in plan]
         calls = self.group.submit_in_phase("compute_logprobs", per_rank, self.threads)
-        started = _Pass(list(samples), plan, calls, step)
+        started = _Pass(list(samples), plan, real, calls, step)
         for sample in samples:
             self._passes[id(sample)] = started
         self._passes = {k: p for k, p in self._passes.items() if p.step >= step - self.keep_steps}
@@ -73,8 +77,8 @@ class EarlyReference:
             results, used, peaks = self.group.phase_results("compute_logprobs", p.calls)
             self.threads_used += used
             self.peaks += peaks
-            for rank_plan, rank_results in zip(p.plan, results):
-                for micro, values in zip(rank_plan, rank_results):
+            for rank_plan, rank_results, real in zip(p.plan, results, p.real):
+                for micro, values in zip(rank_plan[:real], rank_results):
                     for row, i in enumerate(micro):
                         rows[id(p.samples[i])] = values[row]
         out = torch.zeros(len(samples), width)
@@ -82,3 +86,20 @@ class EarlyReference:
             length = len(sample.response_ids)
             out[i, :length] = rows[id(sample)][:length]
         return out
+
+
+def plan_with_stand_ins(samples: list[Sample], ranks: int, max_tokens: int) -> tuple[list[list[list[int]]], list[int]]:
+    """Positions of ``samples`` per rank and micro-batch (token-balanced, as a step's pass splits them),
+    every rank with as many micro-batches as the rank that needs the most; and per rank how many of
+    them hold its own samples. The rest, on a rank with fewer samples than that, each hold a stand-in:
+    the shortest sample, computed again and dropped."""
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    shards = token_balanced_shards(lengths, ranks)
+    needed = max(len(balance_micro_batches([lengths[i] for i in shard], max_tokens)) for shard in shards if shard)
+    stand_in = min(range(len(samples)), key=lambda i: (lengths[i], i))
+    plan, real = [], []
+    for shard in shards:
+        own = balance_micro_batches([lengths[i] for i in shard], max_tokens, min(needed, len(shard))) if shard else []
+        plan.append([[shard[j] for j in micro] for micro in own] + [[stand_in]] * (needed - len(own)))
+        real.append(len(own))
+    return plan, real
