@@ -60,7 +60,8 @@ class PreferenceLossConfig(Section):
     )
     reference_path: str | None = Field(
         None,
-        description="Frozen reference model folder for losses that use one; None: the starting model (model.path).",
+        description="Frozen reference model folder for losses that use one; None: the starting model (model.path), "
+        "or for a LoRA policy the policy itself with its adapters off.",
     )
     precompute_reference: bool = Field(
         False,

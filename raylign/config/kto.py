@@ -30,8 +30,8 @@ class KTOSection(Section):
     )
     reference_path: str | None = Field(
         None,
-        description="Frozen reference model folder; defaults to model.path (the policy's starting weights, "
-        "without LoRA).",
+        description="Frozen reference model folder; defaults to model.path (the policy's starting weights), "
+        "or for a LoRA policy the policy itself with its adapters off.",
     )
 
 

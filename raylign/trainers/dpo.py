@@ -5,9 +5,10 @@ one forward pass; a response's log-probability is the sum over its scored tokens
 that compare with a frozen reference model get the reference's log-probs either from a live
 reference forward every step or, with ``dpo.precompute_reference``, from one pass over all
 pairs before training (each rank computes its share, the ranks share them, and the reference
-model is freed). A live reference is sharded like the policy with fsdp2 on several ranks
-(:func:`raylign.engine.load_frozen`), else a whole copy on every rank. SimPO and ORPO use no reference, and none is
-built. The unit of the loss is the pair.
+model is freed). The reference is sharded like the policy with fsdp2 on several ranks
+(:func:`raylign.engine.load_frozen`), else a whole copy on every rank; a LoRA policy's reference is
+the policy itself with its adapters off. SimPO and ORPO use no reference, and none is built. The
+unit of the loss is the pair.
 
 ORPO's NLL term is taken per pair (the mean over pairs of each chosen response's per-token
 average NLL) so that it sums over micro-batches like every other term.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import gc
 import inspect
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +27,7 @@ import torch
 
 from raylign.algorithms import PREFERENCE_LOSSES
 from raylign.config.dpo import DPOConfig
-from raylign.config.model import ModelConfig
 from raylign.data.preference import PairSample, build_pair_datasets, collate_pairs, num_pairs
-from raylign.engine import load_frozen
 from raylign.engine.distributed import all_reduce_scalars
 from raylign.models import load_causal_lm, load_tokenizer, loads_sharded, sequence_logprobs
 from raylign.models.packed_attention import ONE_ROW
@@ -99,25 +99,10 @@ class DPOTrainer(OfflineTrainer):
 
     # ---- the reference model -----------------------------------------------------------
 
-    def build_reference(self) -> torch.nn.Module:
-        """The frozen reference: ``dpo.reference_path`` or the starting model, without LoRA, in eval mode."""
-        m = self.cfg.model
-        ref_cfg = ModelConfig(
-            path=self.cfg.dpo.reference_path or m.path,
-            dtype=m.dtype,
-            attn_implementation=m.attn_implementation,
-            trust_remote_code=m.trust_remote_code,
-        )
-        if self.cfg.dpo.precompute_reference:
-            # Whole on every rank: the ranks compute unequal shares of the pairs, which a sharded
-            # model's collective forward cannot do; it is freed once the log-probs are in.
-            return load_causal_lm(ref_cfg, device=self.engine.device).eval().requires_grad_(False)
-        return load_frozen(self.model_config(ref_cfg), self.cfg.engine, self.engine.device)
-
     def on_setup(self) -> None:
         if not self.uses_reference:
             return
-        self.reference = self.build_reference()
+        self.reference = self.load_reference(self.cfg.dpo.reference_path)
         if self.cfg.dpo.precompute_reference:
             self.train_samples = self._attach_reference_logps(self.train_samples)
             self.eval_samples = self._attach_reference_logps(self.eval_samples)
@@ -126,19 +111,23 @@ class DPOTrainer(OfflineTrainer):
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    @torch.no_grad()
     def _attach_reference_logps(self, samples: list[PairSample]) -> list[ReferencedPair]:
-        """Reference log-probs of every pair: this rank computes pairs ``rank::world_size``; a sum over the
-        ranks (each contributes 0 for the pairs it did not compute) gives every rank all of them."""
+        """Reference log-probs of every pair, computed as evaluation runs: data-parallel rank ``r`` takes
+        pairs ``r::ranks``, every rank as many batches (a sharded reference's forward is collective; a
+        rank out of pairs runs a stand-in); the first rank of each group that shares its batches
+        contributes them to a sum over the ranks, which gives every rank all of them."""
         values = [0.0] * (2 * len(samples))
-        mine = list(range(self.rank, len(samples), self.world_size))
+        mine = list(range(self.dp_rank, len(samples), self.dp_size))
         size = self.train_cfg.eval_batch_size
-        for start in range(0, len(mine), size):
-            indices = mine[start : start + size]
-            batch = self._to_device(self._collate_pairs([samples[i] for i in indices]))
-            logps = sequence_logps(self.reference, batch).tolist()
-            for j, i in enumerate(indices):
-                values[2 * i], values[2 * i + 1] = logps[j], logps[len(indices) + j]
+        num_batches = math.ceil(math.ceil(len(samples) / self.dp_size) / size)
+        contributes = self.rank % (self.world_size // self.dp_size) == 0
+        for j in range(num_batches):
+            indices = mine[j * size : (j + 1) * size]
+            batch = self._to_device(self.collate([samples[i] for i in indices] or samples[:1]))
+            logps = self._reference_logps(self.engine.module, batch).tolist()
+            if contributes:
+                for k, i in enumerate(indices):
+                    values[2 * i], values[2 * i + 1] = logps[k], logps[len(indices) + k]
         values = all_reduce_scalars(values, op="sum")
         if self.is_main and samples:
             log.info("computed the reference log-probs of %d pairs", len(samples))
@@ -151,11 +140,10 @@ class DPOTrainer(OfflineTrainer):
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.engine.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
-    def _reference_logps(self, batch: Batch) -> torch.Tensor:
+    def _reference_logps(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         if "reference_logps" in batch:
             return batch["reference_logps"]
-        with torch.no_grad():
-            return self._logps(self.reference, batch)
+        return self.frozen_forward(self.reference, model, lambda m: self._logps(m, batch))
 
     def _logps(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         if "target_mask" in batch:  # this rank's chunk of a row shared by its sequence-parallel group
@@ -183,7 +171,7 @@ class DPOTrainer(OfflineTrainer):
         policy = self._logps(model, batch)
         inputs, length_kwargs = self._policy_inputs(policy, batch["response_lengths"], n)
         if self.uses_reference:
-            reference = self._reference_logps(batch)
+            reference = self._reference_logps(model, batch)
             inputs += [reference[:n], reference[n:]]
         loss, metrics = self.loss_fn(*inputs, **self.loss_kwargs, **length_kwargs)
         sums = {key: float(value) * n for key, value in metrics.items()}

@@ -10,7 +10,8 @@ pairs (prompt i with completion i-1) of the micro-batch; in training it is avera
 micro-batches that the data-parallel ranks run together, so it is taken over
 ``micro_batch_size x ranks`` examples (as in the paper's per-step batch estimate, which TRL
 gathers across processes). It is detached. The reference model is sharded like the policy with
-fsdp2 on several ranks (:func:`raylign.engine.load_frozen`), else a whole copy on every rank.
+fsdp2 on several ranks (:func:`raylign.engine.load_frozen`), else a whole copy on every rank; a LoRA
+policy's reference is the policy itself with its adapters off.
 
 With ``engine.sequence_parallel_size`` n > 1 the ranks of a group share every micro-batch, its
 examples (and its mismatched pairs) packed into one row each and cut into n chunks, as in
@@ -31,9 +32,7 @@ from torch import nn
 
 from raylign.algorithms import kto_loss
 from raylign.config.kto import KTOConfig
-from raylign.config.model import LoraConfig
 from raylign.data.kto import build_kto_datasets, collate_kto
-from raylign.engine import load_frozen
 from raylign.models import load_causal_lm, load_tokenizer, loads_sharded, sequence_logprobs
 from raylign.models.packed_attention import ONE_ROW
 from raylign.trainers.loop import Batch, OfflineTrainer, data_stats_dict
@@ -68,12 +67,8 @@ class KTOTrainer(OfflineTrainer):
         return data.train, data.eval, {**data_stats_dict(data.stats), **data.label_stats()}
 
     def on_setup(self) -> None:
-        """The frozen reference: the starting weights (or ``kto.reference_path``), without LoRA."""
-        path = self.cfg.kto.reference_path or self.cfg.model.path
-        ref_cfg = self.cfg.model.model_copy(
-            update={"path": path, "lora": LoraConfig(), "gradient_checkpointing": False}
-        )
-        self.reference = load_frozen(self.model_config(ref_cfg), self.cfg.engine, self.engine.device)
+        """The frozen reference (:meth:`~raylign.trainers.loop.OfflineTrainer.load_reference`)."""
+        self.reference = self.load_reference(self.cfg.kto.reference_path)
 
     def collate(self, samples: list) -> Batch:
         split = self.sp_size > 1  # then one row of examples (and one of pairs), cut into the group's chunks
@@ -108,10 +103,12 @@ class KTOTrainer(OfflineTrainer):
     def compute_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         kto = self.cfg.kto
         policy = self._logps(model, batch)
-        with torch.no_grad():
-            reference = self._logps(self.reference, batch)
-            policy_kl = self._logps(model, batch, "kl_") if kto.estimate_kl else None
-            reference_kl = self._logps(self.reference, batch, "kl_") if kto.estimate_kl else None
+        reference = self.frozen_forward(self.reference, model, lambda m: self._logps(m, batch))
+        policy_kl = reference_kl = None
+        if kto.estimate_kl:
+            with torch.no_grad():
+                policy_kl = self._logps(model, batch, "kl_")
+            reference_kl = self.frozen_forward(self.reference, model, lambda m: self._logps(m, batch, "kl_"))
         desirable = batch["desirable"]
         loss, metrics = kto_loss(
             policy,

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from raylign.config.base import Section, save_yaml
-from raylign.config.model import ModelConfig
+from raylign.config.model import LoraConfig, ModelConfig
 from raylign.data import ResumableSampler, rank_micro_batches
-from raylign.engine import create_engine
+from raylign.engine import create_engine, load_frozen
 from raylign.engine.checkpoint import check_writable, resume_latest, save_step_checkpoint
 from raylign.engine.distributed import (
     all_reduce_scalars,
@@ -101,6 +101,33 @@ class OfflineTrainer:
 
     def on_setup(self) -> None:
         """Called once the engine exists (e.g. to build a frozen reference model)."""
+
+    # ---- a frozen reference, for the trainers that compare with one ------------------------
+
+    def load_reference(self, reference_path: str | None) -> torch.nn.Module | None:
+        """The frozen reference: ``reference_path``, else the starting model, loaded without LoRA
+        (:func:`raylign.engine.load_frozen`). None for a LoRA policy without ``reference_path``: its
+        reference is itself with the adapters off (:meth:`frozen_forward`), which is exactly where it
+        starts, a 4-bit base included, and costs no second model."""
+        m = self.cfg.model
+        if m.lora.rank > 0 and reference_path is None:
+            return None
+        update = {"path": reference_path or m.path, "lora": LoraConfig(), "gradient_checkpointing": False}
+        return load_frozen(self.model_config(m.model_copy(update=update)), self.cfg.engine, self.engine.device)
+
+    def frozen_forward(self, reference: torch.nn.Module | None, model: torch.nn.Module, compute: Any) -> Any:
+        """``compute(m)`` without gradients, where ``m`` is ``reference``, or for None (see
+        :meth:`load_reference`) the trained ``model`` with its adapters off, in eval mode."""
+        with torch.no_grad():
+            if reference is not None:
+                return compute(reference)
+            was_training = model.training
+            model.eval()
+            try:
+                with self.engine.hf_model.disable_adapter():
+                    return compute(model)
+            finally:
+                model.train(was_training)
 
     # ---- sequence parallelism, for the trainers whose rows it splits ---------------------
 
