@@ -20,6 +20,7 @@ its loss is the sum over them and its units their count, as in SFT.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,27 +55,33 @@ def _hf_model(model: nn.Module) -> nn.Module:
 
 
 def fit_embeddings_to_tokenizer(
-    model: nn.Module, tokenizer: PreTrainedTokenizerBase, init_text: str = "\n", rows_multiple: int = 1
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    added_ids: Sequence[int] = (),
+    init_text: str = "\n",
+    rows_multiple: int = 1,
 ) -> None:
-    """Grow the input embeddings when tokens (the step separator) were added to the tokenizer, to a
-    multiple of ``rows_multiple`` rows (the tensor-parallel size, which splits the rows evenly).
+    """Make room in the input embeddings for every token of the tokenizer, to a multiple of
+    ``rows_multiple`` rows (the tensor-parallel size, which splits the rows evenly), and start the
+    rows of ``added_ids`` (tokens added to the tokenizer for this run: the step separator) as a copy
+    of the embedding of ``init_text`` (a newline, the usual step delimiter of plain-text solutions).
 
-    New rows start as a copy of the embedding of ``init_text`` (a newline, the usual step
-    delimiter of plain-text solutions). Transformers' default puts them near the mean of all
-    rows, which can have a far smaller norm than any real token's embedding: after the first
-    RMSNorm its direction is then set by the first optimizer updates, and the scores read at
-    the separator jump around early in training. (With LoRA the new rows stay frozen.)
+    A checkpoint may have spare rows already (Qwen2's 151,936 for 151,665 tokens): an added token
+    then takes one of them, never trained, and needs the same start. Transformers' default for
+    new rows is near the mean of all rows, which can have a far smaller norm than any real token's
+    embedding: after the first RMSNorm its direction is then set by the first optimizer updates,
+    and the scores read at the separator jump around early in training. (With LoRA the rows stay
+    frozen.)
     """
     base = _hf_model(model)
-    old_rows = base.get_input_embeddings().weight.shape[0]
-    if old_rows >= len(tokenizer):
-        return
-    base.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=rows_multiple, mean_resizing=False)
-    init_ids = [i for i in tokenizer.encode(init_text, add_special_tokens=False) if i < old_rows]
-    if init_ids:
+    if base.get_input_embeddings().weight.shape[0] < len(tokenizer):
+        base.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=rows_multiple, mean_resizing=False)
+    added = set(added_ids)
+    init_ids = [i for i in tokenizer.encode(init_text, add_special_tokens=False) if i not in added]
+    if added and init_ids:
         weight = base.get_input_embeddings().weight
         with torch.no_grad():
-            weight[old_rows:] = weight[init_ids[-1]]
+            weight[sorted(added)] = weight[init_ids[-1]].clone()
 
 
 def record_step_layout(model: nn.Module, separator: str, prompt_format: str, prompt_template: str) -> None:
@@ -94,12 +101,16 @@ class PRMTrainer(OfflineTrainer):
     def build_tokenizer(self):
         m = self.cfg.model
         tokenizer = load_tokenizer(m.tokenizer_path or m.path, padding_side="right")
+        before = len(tokenizer)
         self.separator_id = add_step_separator(tokenizer, self.cfg.prm.step_separator)
+        self.added_ids = list(range(before, len(tokenizer)))
         return tokenizer
 
     def build_model(self) -> nn.Module:
         model = load_score_model(self.model_config(self.cfg.model), num_labels=NUM_CLASSES)
-        fit_embeddings_to_tokenizer(model, self.tokenizer, rows_multiple=self.cfg.engine.tensor_parallel_size)
+        fit_embeddings_to_tokenizer(
+            model, self.tokenizer, self.added_ids, rows_multiple=self.cfg.engine.tensor_parallel_size
+        )
         record_step_layout(model, self.cfg.prm.step_separator, self.cfg.data.format, self.cfg.data.prompt_template)
         return model
 

@@ -214,3 +214,39 @@ def test_prm_finds_the_first_wrong_step_of_held_out_chains(tmp_path):
     chance = max(outcomes.count(o) for o in set(outcomes)) / len(outcomes)
     assert chance < 0.25
     assert accuracy >= max(0.5, 2.5 * chance), (accuracy, chance)
+
+
+@pytest.mark.parametrize("spare_rows", [0, 16], ids=["rows_as_tokens", "spare_rows"])
+def test_an_added_separator_starts_as_the_newline_embedding_even_in_a_spare_row(spare_rows):
+    # Qwen2 checkpoints have more embedding rows than tokens: the added separator then takes a spare
+    # row instead of a new one, and must start from the newline's embedding all the same.
+    from transformers import AutoConfig
+
+    from raylign.data.prm import add_step_separator
+    from raylign.models.tiny import build_tiny_tokenizer
+    from raylign.trainers.prm import fit_embeddings_to_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    config = AutoConfig.for_model(
+        "qwen2",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer) + spare_rows,
+        num_labels=2,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    before = model.get_input_embeddings().weight.detach().clone()
+    tokens = len(tokenizer)
+    separator = add_step_separator(tokenizer, "<|step|>")
+    assert separator == tokens  # a new token
+    fit_embeddings_to_tokenizer(model, tokenizer, [separator])
+    weight = model.get_input_embeddings().weight.detach()
+    assert weight.shape[0] == max(tokens + 1, before.shape[0])
+    newline = tokenizer.encode("\n", add_special_tokens=False)[-1]
+    assert torch.equal(weight[separator], before[newline])
+    assert torch.equal(weight[:tokens], before[:tokens])  # every other token's row as it was
