@@ -182,7 +182,7 @@ def pack_buckets(
                 name,
                 str(t.dtype).removeprefix("torch."),
                 list(t.shape),
-                t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(),
+                t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),  # 0-dim too
             )
             for name, t in group
         ]
@@ -190,4 +190,7 @@ def pack_buckets(
 
 def unpack_tensors(packed: list) -> Iterable[tuple[str, torch.Tensor]]:
     for name, dtype, shape, raw in packed:
+        if not raw:  # torch.frombuffer refuses an empty buffer
+            yield name, torch.empty(shape, dtype=getattr(torch, dtype))
+            continue
         yield name, torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape)

@@ -233,6 +233,24 @@ def test_inline_tensors_are_packed_a_bucket_at_a_time():
     assert read_at_hand_over == [3, 4, 5, 5]
 
 
+def test_inline_tensors_of_every_shape_and_dtype_unpack_exactly():
+    """A scalar, an empty tensor, a transposed (non-contiguous) one and a bf16 one come back as they went,
+    as they do over the gloo path."""
+    from raylign.rollout.vllm_transfer import pack_buckets, unpack_tensors
+
+    named = [
+        ("scalar", torch.tensor(0.5)),
+        ("empty", torch.zeros(0, 4)),
+        ("transposed", torch.arange(6.0).reshape(2, 3).t()),
+        ("bf16", torch.tensor([1.5, -2.25], dtype=torch.bfloat16)),
+    ]
+    got = [item for bucket in pack_buckets(iter(named), bucket_bytes=1 << 20) for item in unpack_tensors(bucket)]
+    assert [name for name, _ in got] == [name for name, _ in named]
+    for (name, tensor), (_, expected) in zip(got, named):
+        assert tensor.dtype == expected.dtype and tensor.shape == expected.shape, name
+        assert torch.equal(tensor, expected), name
+
+
 def test_colocated_update_hands_tensors_to_the_worker(ray_session, untied_engine, untied_model_dir):
     trainer = load_fp32(untied_model_dir)
     perturb_(trainer, seed=99)
