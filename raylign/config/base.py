@@ -8,8 +8,9 @@ field and what it allows, before any work starts.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+import types
+from pathlib import Path, PurePath
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -68,6 +69,35 @@ def parse_config(cls: type[T], data: dict[str, Any], source: str = "config") -> 
         raise ConfigError(_format_validation_error(err, source)) from None
 
 
+class _DuplicateKeyError(Exception):
+    """A mapping in a YAML file that holds the same key twice."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is refused: plain YAML
+    keeps the last one, so a second ``train:`` section would silently replace the first."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            self._refuse_duplicate_keys(node)
+        return super().construct_mapping(node, deep=deep)
+
+    def _refuse_duplicate_keys(self, node: Any) -> None:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            # '<<' merges another mapping in, and keys written next to it rightly override that mapping's
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                raise _DuplicateKeyError(
+                    f"the key {key_node.value!r} is given twice in one mapping, on lines {first_line[key]} and "
+                    f"{line}; keep one of them"
+                )
+            first_line[key] = line
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -77,7 +107,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     except UnicodeDecodeError as err:
         raise ConfigError(f"config file {path} is not UTF-8 text: {err}") from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKeyError as err:
+        raise ConfigError(f"config file {path}: {err}") from None
     except (yaml.YAMLError, ValueError) as err:  # ValueError: a value YAML cannot build, e.g. the date 2001-13-01
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
     except RecursionError:
@@ -103,7 +135,9 @@ def _parse_scalar(text: str) -> Any:
 
 
 def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set ``data['a']['b']`` for ``dotted='a.b'``, creating intermediate mappings."""
+    """Set ``data['a']['b']`` for ``dotted='a.b'``, creating intermediate mappings. A mapping given
+    for a mapping already there is merged into it field by field, so ``--optim '{lr: 0.1}'`` keeps
+    the other ``optim`` fields of the config file."""
     keys = dotted.split(".")
     if not all(keys):
         raise ConfigError(f"--{dotted}: an override names a field by its dotted path, e.g. --optim.lr")
@@ -115,18 +149,32 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"--{dotted}: '{key}' is not a section")
         node = child
-    node[keys[-1]] = value
+    last = keys[-1]
+    if isinstance(value, dict) and isinstance(node.get(last), dict):
+        value = deep_merge(node[last], value)
+    node[last] = value
 
 
-def overrides_from_argv(argv: list[str]) -> dict[str, Any]:
+class CommandLineOverrides(dict[str, Any]):
+    """Overrides from the command line, each value read the way YAML reads it. ``as_typed`` keeps
+    each value's text exactly as given (None for a flag given without one), for
+    :func:`resolve_config` to check against the field's type."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.as_typed: dict[str, str | None] = {}
+
+
+def overrides_from_argv(argv: list[str]) -> CommandLineOverrides:
     """Turn ``['--a.b', '1', '--c=x', '--flag']`` into ``{'a.b': 1, 'c': 'x', 'flag': True}``."""
-    result: dict[str, Any] = {}
+    result = CommandLineOverrides()
     i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.field value")
         key = arg[2:]
+        text: str | None
         if "=" in key:
             key, text = key.split("=", 1)
             i += 1
@@ -134,10 +182,96 @@ def overrides_from_argv(argv: list[str]) -> dict[str, Any]:
             text = argv[i + 1]
             i += 2
         else:
-            text = "true"
+            text = None
             i += 1
-        result[key] = _parse_scalar(text)
+        result[key] = True if text is None else _parse_scalar(text)
+        result.as_typed[key] = text
     return result
+
+
+def _union_members(annotation: Any) -> tuple[Any, ...]:
+    """The types a field accepts: the members of a union (``str | None`` -> str, NoneType), else the type itself."""
+    if get_origin(annotation) is Annotated:
+        return _union_members(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        return tuple(member for arg in get_args(annotation) for member in _union_members(arg))
+    return (annotation,)
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The section a field holds (``ModelConfig`` for ``ModelConfig | None``), or None for a value field."""
+    models = [m for m in _union_members(annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
+    return models[0] if len(models) == 1 else None
+
+
+_NO_SUCH_FIELD = object()
+
+
+def _field_annotation(cls: type[BaseModel], dotted: str) -> Any:
+    """The type of the field at ``dotted``: ``Any`` for a key inside a free-form mapping field, and
+    ``_NO_SUCH_FIELD`` where the path names no field (validation then names it as unknown)."""
+    annotation: Any = cls
+    for key in dotted.split("."):
+        model = _section_model(annotation)
+        if model is None:
+            mapping = any(m is dict or get_origin(m) is dict for m in _union_members(annotation))
+            return Any if mapping else _NO_SUCH_FIELD
+        field = model.model_fields.get(key)
+        if field is None:
+            return _NO_SUCH_FIELD
+        annotation = field.annotation
+    return annotation
+
+
+def _is_text_type(member: Any) -> bool:
+    """str, a path, or a choice among words (a Literal of strings)."""
+    if get_origin(member) is Literal:
+        return all(isinstance(choice, str) for choice in get_args(member))
+    return isinstance(member, type) and issubclass(member, (str, PurePath))
+
+
+def _command_line_value(cls: type[BaseModel], dotted: str, text: str | None, read_as_yaml: Any) -> Any:
+    """The value for ``--dotted`` given as ``text`` (None: the flag alone), by the field's type.
+
+    A text field takes the text exactly as typed, since YAML would drop what follows ' #' and turn
+    'Q: {input}' into a mapping or '2024' into a number; an optional one takes ``null`` as unset. A
+    field that also takes other types reads the text as YAML unless that drops part of it. A flag
+    alone means true, and only for a true/false field.
+    """
+    annotation = _field_annotation(cls, dotted)
+    if annotation is _NO_SUCH_FIELD:
+        return read_as_yaml
+    if text is None:
+        return _bare_flag_value(dotted, annotation)
+    members = _union_members(annotation)
+    values = [m for m in members if m is not type(None)]
+    if values and all(_is_text_type(m) for m in values):
+        return None if text == "null" and type(None) in members else text
+    if any(_is_text_type(m) for m in values) and _yaml_drops_text(text, read_as_yaml):
+        return text
+    return read_as_yaml
+
+
+def _bare_flag_value(dotted: str, annotation: Any) -> bool:
+    """True for a flag given alone, if the field takes true/false; any other field needs a value."""
+    if bool in _union_members(annotation):
+        return True
+    if _section_model(annotation) is not None:
+        takes = "a mapping of its fields"
+    else:
+        takes = "any YAML value" if annotation is Any else _type_text(annotation)
+    raise ConfigError(
+        f"--{dotted} is given without a value: give one ({dotted} takes {takes}), "
+        f"as in --{dotted} VALUE; only a true/false field may be given alone, meaning true"
+    )
+
+
+def _yaml_drops_text(text: str, read_as_yaml: Any) -> bool:
+    """Whether YAML read ``text`` as a shorter string, e.g. 'auto # for now' as 'auto' (a comment);
+    quotes are YAML's way to mark text, so removing them drops nothing."""
+    plain = text.strip()
+    quoted = plain[:1] in ("'", '"')
+    return isinstance(read_as_yaml, str) and not quoted and read_as_yaml != plain
 
 
 def resolve_config(
@@ -147,13 +281,18 @@ def resolve_config(
     base: dict[str, Any] | None = None,
 ) -> T:
     """Precedence, lowest first: schema defaults < ``base`` < YAML file < overrides (a schema may add
-    its own layer above its defaults in a ``mode="before"`` validator, as RL presets do)."""
+    its own layer above its defaults in a ``mode="before"`` validator, as RL presets do).
+
+    Overrides from :func:`overrides_from_argv` are checked against the fields' types on the way in
+    (see :func:`_command_line_value`)."""
     data: dict[str, Any] = copy.deepcopy(base or {})  # overrides below must not write into the caller's preset
     source = "defaults"
     if yaml_path is not None:
         data = deep_merge(data, load_yaml(yaml_path))
         source = str(yaml_path)
     for dotted, value in (overrides or {}).items():
+        if isinstance(overrides, CommandLineOverrides):
+            value = _command_line_value(cls, dotted, overrides.as_typed[dotted], value)
         set_dotted(data, dotted, value)
     if overrides:
         source += " + command-line overrides"

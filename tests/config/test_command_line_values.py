@@ -1,0 +1,163 @@
+"""Command-line values read by the field's type, bare flags, whole sections given on the command line,
+and config files that give a key twice."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import yaml
+
+from raylign.cli.main import main
+from raylign.config.base import ConfigError, load_yaml, overrides_from_argv, resolve_config
+from raylign.config.commands import SFTConfig
+from raylign.config.rl import RLConfig
+
+MINIMAL = {"model": {"path": "/models/tiny"}, "data": {"train": [{"path": "train.jsonl"}]}}
+MINIMAL_RL = {**MINIMAL, "reward": {"sources": [{"kind": "exact_match"}]}}
+
+
+def write_yaml(tmp_path, data, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def write_text(tmp_path, text, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def resolve_argv(argv, base=MINIMAL, cls=SFTConfig):
+    return resolve_config(cls, None, overrides_from_argv(argv), base=base)
+
+
+# ---------------------------------------------------------------- text fields take the text as typed
+
+
+@pytest.mark.parametrize(
+    "text", ["Solve {input} # show your work", "Q: {input}", "{input}", "[draft] {input}", "- {input}"]
+)
+def test_text_field_takes_the_text_exactly_as_typed(text):
+    cfg = resolve_argv(["--data.prompt_template", text])
+    assert cfg.data.prompt_template == text
+
+
+@pytest.mark.parametrize("text", ["lr sweep #3", "on", "2024", "~", ""])
+def test_optional_text_field_takes_the_text_exactly_as_typed(text):
+    cfg = resolve_argv([f"--train.logging.run_name={text}"])
+    assert cfg.train.logging.run_name == text
+
+
+@pytest.mark.parametrize("text", ["2024", "on", "null", "1e-5"])
+def test_output_dir_that_yaml_reads_as_another_type_stays_text(text):
+    cfg = resolve_argv(["--train.output_dir", text])
+    assert cfg.train.output_dir == text
+
+
+def test_null_unsets_an_optional_text_field_the_config_file_set(tmp_path):
+    path = write_yaml(tmp_path, {**MINIMAL, "model": {"path": "/models/tiny", "tokenizer_path": "/tokenizers/t"}})
+    cfg = resolve_config(SFTConfig, path, overrides_from_argv(["--model.tokenizer_path", "null"]))
+    assert cfg.model.tokenizer_path is None
+
+
+def test_choice_field_refuses_a_choice_followed_by_a_comment():
+    with pytest.raises(ConfigError, match=r"optim\.scheduler: Input should be .*\(got 'linear # warm up first'\)"):
+        resolve_argv(["--optim.scheduler", "linear # warm up first"])
+
+
+def test_number_field_still_reads_the_value_as_yaml():
+    cfg = resolve_argv(["--optim.betas", "[0.8, 0.95]", "--optim.lr", "1e-5"])
+    assert cfg.optim.betas == (0.8, 0.95) and cfg.optim.lr == 1e-5
+
+
+@pytest.mark.parametrize(("text", "expected"), [("auto", "auto"), ("4", 4)])
+def test_field_of_a_number_or_a_word_reads_the_value_as_yaml(text, expected):
+    cfg = resolve_argv(["--placement.threads_per_worker", text], base=MINIMAL_RL, cls=RLConfig)
+    assert cfg.placement.threads_per_worker == expected
+
+
+def test_field_of_a_number_or_a_word_refuses_a_word_followed_by_a_comment():
+    with pytest.raises(ConfigError, match=r"placement\.threads_per_worker\.int: .*\(got 'auto # for now'\)"):
+        resolve_argv(["--placement.threads_per_worker", "auto # for now"], base=MINIMAL_RL, cls=RLConfig)
+
+
+def test_cli_prints_a_prompt_template_with_a_hash_as_typed(tmp_path):
+    path = write_yaml(tmp_path, MINIMAL)
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["sft", "--config", str(path), "--print-config", "--data.prompt_template", "Solve {input} # why"])
+    assert code == 0
+    assert yaml.safe_load(stdout.getvalue())["data"]["prompt_template"] == "Solve {input} # why"
+
+
+# ---------------------------------------------------------------- a flag given without a value
+
+
+def test_bare_flag_sets_a_true_false_field(tmp_path):
+    path = write_yaml(tmp_path, {**MINIMAL, "data": {**MINIMAL["data"], "packing": False}})
+    cfg = resolve_config(SFTConfig, path, overrides_from_argv(["--data.packing"]))
+    assert cfg.data.packing is True
+
+
+def test_bare_flag_sets_a_field_of_true_false_or_a_word():
+    cfg = resolve_argv(["--train.early_reference"], base=MINIMAL_RL, cls=RLConfig)
+    assert cfg.train.early_reference is True
+
+
+def test_bare_flag_for_a_number_field_is_refused_naming_the_flag():
+    with pytest.raises(ConfigError) as caught:
+        resolve_argv(["--train.max_steps", "--optim.lr", "0.1"])
+    assert str(caught.value) == (
+        "--train.max_steps is given without a value: give one (train.max_steps takes int), "
+        "as in --train.max_steps VALUE; only a true/false field may be given alone, meaning true"
+    )
+
+
+def test_bare_flag_for_an_unknown_field_is_named_as_unknown():
+    with pytest.raises(ConfigError, match=r"\n  optim\.learning_rate: unknown field"):
+        resolve_argv(["--optim.learning_rate"])
+
+
+# ---------------------------------------------------------------- a whole section on the command line
+
+
+def test_section_given_as_a_mapping_keeps_the_config_files_other_fields(tmp_path):
+    path = write_yaml(tmp_path, {**MINIMAL, "optim": {"lr": 1e-3, "warmup_steps": 5}})
+    cfg = resolve_config(SFTConfig, path, overrides_from_argv(["--optim", "{lr: 0.1}"]))
+    assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.max_grad_norm) == (0.1, 5, 1.0)
+
+
+def test_nested_section_given_as_a_mapping_is_merged_field_by_field(tmp_path):
+    path = write_yaml(tmp_path, {**MINIMAL, "model": {"path": "/models/tiny", "lora": {"rank": 8, "alpha": 32.0}}})
+    cfg = resolve_config(SFTConfig, path, overrides_from_argv(["--model", "{lora: {rank: 4}}"]))
+    assert (cfg.model.path, cfg.model.lora.rank, cfg.model.lora.alpha) == ("/models/tiny", 4, 32.0)
+
+
+# ---------------------------------------------------------------- a key given twice in a config file
+
+
+def test_config_file_with_a_section_given_twice_is_refused_naming_key_and_lines(tmp_path):
+    text = "model: {path: x}\ntrain:\n  max_steps: 5\ndata: {train: [t.jsonl]}\ntrain:\n  seed: 3\n"
+    path = write_text(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        resolve_config(SFTConfig, path)
+    assert str(caught.value) == (
+        f"config file {path}: the key 'train' is given twice in one mapping, on lines 2 and 5; keep one of them"
+    )
+
+
+def test_config_file_with_a_field_given_twice_in_a_section_is_refused(tmp_path):
+    path = write_text(tmp_path, "model: {path: x}\ndata: {train: [t.jsonl]}\noptim:\n  lr: 0.1\n  lr: 0.2\n")
+    with pytest.raises(ConfigError) as caught:
+        resolve_config(SFTConfig, path)
+    assert str(caught.value) == (
+        f"config file {path}: the key 'lr' is given twice in one mapping, on lines 4 and 5; keep one of them"
+    )
+
+
+def test_config_file_key_written_beside_a_yaml_merge_overrides_the_merged_value(tmp_path):
+    path = write_text(tmp_path, "base: &base {lr: 0.1, warmup_steps: 3}\noptim:\n  <<: *base\n  lr: 0.2\n")
+    assert load_yaml(path)["optim"] == {"lr": 0.2, "warmup_steps": 3}
