@@ -170,7 +170,8 @@ class RewardConfig(Section):
         "error",
         description="A reward that is NaN or infinite, from any source: the run stops with an error naming "
         "the sample (error), or the sample's prompt group is dropped, counted in reward/non_finite_groups, and "
-        "another prompt's group takes its place (drop). Never trained on.",
+        "another prompt's group takes its place (drop). Never trained on. In raylign score, drop leaves the row "
+        "out of the output and counts it in non_finite_rows.",
     )
 
     @model_validator(mode="after")

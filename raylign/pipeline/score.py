@@ -71,6 +71,7 @@ class RewardSummary:
         self.rows = 0
         self.totals: dict[str, list[float]] = {}  # name -> [sum, sum of squares, count]
         self.best_sum = 0.0
+        self.non_finite_rows = 0  # left out: a reward was NaN or infinite (reward.non_finite: drop)
 
     def add(self, result: RewardResult) -> None:
         self.rows += 1
@@ -88,6 +89,7 @@ class RewardSummary:
             out[f"{name}/mean"] = mean
             out[f"{name}/std"] = math.sqrt(max(squares / count - mean * mean, 0.0))
         out["reward/best_of_n_mean"] = self.best_sum / max(self.rows, 1)
+        out["non_finite_rows"] = self.non_finite_rows
         return out
 
 
@@ -110,6 +112,9 @@ def _score_file(cfg: ScoreConfig, rows: list[GeneratedRow]) -> RewardSummary:
             for start in range(0, len(rows), cfg.batch_size):
                 batch = rows[start : start + cfg.batch_size]
                 for row, result in zip(batch, score_rows(reward, batch)):
+                    if not all(math.isfinite(r) for r in result.rewards):  # only with reward.non_finite: drop
+                        summary.non_finite_rows += 1
+                        continue
                     writer.write(scored_row(row, result))
                     summary.add(result)
                 progress.advance_to(start + len(batch))
@@ -138,4 +143,6 @@ def run_score(cfg: ScoreConfig) -> dict[str, float]:
     write_json(metrics_path, metrics)
     shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith("/mean"))
     log.info("wrote %d scored rows to %s; %s (summary in %s)", summary.rows, cfg.output_path, shown, metrics_path)
+    if summary.non_finite_rows:
+        log.warning("left out %d rows with a NaN or infinite reward (reward.non_finite: drop)", summary.non_finite_rows)
     return metrics

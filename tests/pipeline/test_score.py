@@ -88,6 +88,23 @@ def test_python_file_and_exact_match_combine_by_weight(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text()) == metrics
 
 
+def test_non_finite_drop_leaves_the_row_out_and_counts_it(tmp_path):
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(
+        "import math\n"
+        "def reward_func(prompts, responses, labels, **metadata):\n"
+        "    return [math.nan if r == 'C' else 1.0 for r in responses]\n"
+    )
+    sources = [{"kind": "function", "path": str(reward_file)}]
+    metrics = score(tmp_path, GENERATIONS, sources, reward={"sources": sources, "non_finite": "drop"})
+    rows = read_jsonl(tmp_path / "scored.jsonl")
+    # The second row's "C" scores NaN: that row is left out; the first row's three responses score 1.
+    assert [row["prompt"] for row in rows] == ["reverse: a b"]
+    assert rows[0]["rewards"] == [1.0, 1.0, 1.0]
+    assert (metrics["rows"], metrics["responses"], metrics["non_finite_rows"]) == (1, 3, 1)
+    assert metrics["reward/mean"] == 1.0 and metrics["reward/std"] == 0.0
+
+
 def test_row_without_responses_names_file_row_and_key(tmp_path):
     rows = [GENERATIONS[0], {"prompt": "copy: c", "label": "c"}]
     with pytest.raises(RowError, match=r"generations\.jsonl, row 2, key 'responses': missing key"):
