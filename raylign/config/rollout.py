@@ -25,7 +25,7 @@ class SamplingConfig(Section):
 
     n: int = Field(1, ge=1, le=1024, description="Completions sampled per prompt (1-1024); GRPO-style groups use > 1.")
     temperature: float = Field(
-        1.0, ge=0.0, le=10.0, description="Softmax temperature (0-10); 0 decodes greedily (argmax)."
+        1.0, ge=0.0, le=10.0, description="Softmax temperature: 0 decodes greedily (argmax), else 0.01-10."
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept (0-1]; 1 keeps the whole vocabulary.")
     top_k: int = Field(-1, ge=-1, description="Keep only the k most likely tokens (>= 1); -1 (or 0) keeps all.")
@@ -42,6 +42,15 @@ class SamplingConfig(Section):
         "(vllm and hf alike). Prompt i is the index in the whole request, so results do not depend on how a pool "
         "splits prompts across engines. None: unseeded.",
     )
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_at_least_a_hundredth(cls, value: float) -> float:
+        # vLLM raises a temperature in (0, 0.01) to 0.01 with only a warning: it would sample, and report
+        # log-probs, at another temperature than the trainer and the hf engine use.
+        if 0 < value < 0.01:
+            raise ValueError(f"{value:g} is below 0.01, which vLLM would sample at instead: use 0 (greedy) or >= 0.01")
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -18,6 +18,7 @@ def test_defaults_are_valid():
     [
         (SamplingConfig, {"n": 0}, "n"),
         (SamplingConfig, {"temperature": -0.1}, "temperature"),
+        (SamplingConfig, {"temperature": 0.005}, "temperature"),  # vLLM would sample at 0.01 instead
         (SamplingConfig, {"top_p": 0.0}, "top_p"),
         (SamplingConfig, {"top_k": -2}, "top_k"),
         (SamplingConfig, {"stop": ["ok", ""]}, "stop"),
@@ -30,6 +31,10 @@ def test_defaults_are_valid():
 def test_bad_values_name_the_field(cls, data, field):
     with pytest.raises(ConfigError, match=field):
         parse_config(cls, data)
+
+
+def test_temperature_zero_and_a_hundredth_are_the_smallest_accepted():
+    assert [parse_config(SamplingConfig, {"temperature": t}).temperature for t in (0, 0.01)] == [0, 0.01]
 
 
 def test_every_field_has_a_description():
