@@ -53,6 +53,14 @@ class ReferencedPair:
     ref_chosen_logp: float
     ref_rejected_logp: float
 
+    @property
+    def source(self) -> str:  # where the pair came from, for diagnostics that name rows
+        return self.pair.source
+
+    @property
+    def row(self) -> int:
+        return self.pair.row
+
 
 def sequence_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Summed log-probs of the scored tokens of every sequence of a :func:`collate_pairs` batch, float32 ``[2B]``."""

@@ -377,3 +377,15 @@ def test_two_ranks_make_a_single_processs_first_loss(
     losses = train_losses(out)
     assert losses[0] == pytest.approx(single, abs=1e-5)
     assert AutoModelForCausalLM.from_pretrained(out / "final") is not None
+
+
+def test_a_diagnostic_names_the_file_rows_of_pairs_with_precomputed_reference_log_probs():
+    from types import SimpleNamespace
+
+    from raylign.data.preference import PairSample
+    from raylign.trainers.dpo import ReferencedPair
+    from raylign.trainers.loop import OfflineTrainer
+
+    pairs = [PairSample([1], [2], [1], [3], [1], "data/pairs.jsonl", row) for row in (7, 9)]
+    trainer = SimpleNamespace(train_samples=[ReferencedPair(p, -1.0, -2.0) for p in pairs])
+    assert OfflineTrainer._describe(trainer, [0, 1]) == "data/pairs.jsonl rows 7, 9"
