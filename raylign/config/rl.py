@@ -136,7 +136,14 @@ class RLDataConfig(Section):
     prompt_template: str = Field("{input}", description="Plain format: how the prompt text is written.")
     max_prompt_length: int = Field(512, ge=1, description="Longer prompts are an error naming the row.")
     source_key: str = Field("data_source", description="Row key naming its data source (eval is reported per source).")
-    seed: int = Field(0, ge=0, description="Shuffling seed.")
+    seed: int = Field(0, ge=0, description="Shuffling and mixing seed.")
+
+    @model_validator(mode="after")
+    def _weights_on_every_train_dataset_or_none(self) -> RLDataConfig:
+        weighted = [spec.weight is not None for spec in self.train]
+        if any(weighted) and not all(weighted):
+            raise ValueError("set a weight on every train dataset or on none (none: each contributes all its rows)")
+        return self
 
 
 class PlacementConfig(Section):

@@ -8,6 +8,7 @@ from typing import Any
 from raylign.config.data import DatasetSpec
 from raylign.config.rl import RLDataConfig
 from raylign.data import RowRef, check_text, read_rows, require_key, validate_messages
+from raylign.data.mixing import mix_datasets
 
 
 @dataclass
@@ -30,10 +31,24 @@ def _render(
         return text, tokenizer(text, add_special_tokens=False)["input_ids"]
     if isinstance(value, list):
         messages = validate_messages(value, spec.input_key, where)
+        if messages[-1]["role"] == "assistant":  # the model would answer with a second assistant turn
+            raise where.error(
+                spec.input_key, "a prompt conversation must end before the reply (last role is 'assistant')", "bad_role"
+            )
     else:
         messages = [{"role": "user", "content": check_text(value, spec.input_key, where)}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def load_train_prompts(cfg: RLDataConfig, tokenizer) -> list[Prompt]:
+    """The training prompts: every row of every ``data.train`` file, or with weights on the files one
+    epoch of their weighted mixture, as the offline trainers mix (:mod:`raylign.data.mixing`)."""
+    per_file = [load_prompts([spec], cfg, tokenizer) for spec in cfg.train]
+    if cfg.train[0].weight is None:
+        return [prompt for prompts in per_file for prompt in prompts]
+    mixture = mix_datasets([len(p) for p in per_file], [spec.weight or 0.0 for spec in cfg.train], seed=cfg.seed)
+    return [per_file[dataset][index] for dataset, index in mixture]
 
 
 def load_prompts(specs: list[DatasetSpec], cfg: RLDataConfig, tokenizer) -> list[Prompt]:

@@ -61,7 +61,7 @@ from raylign.rl.placement import (
     probes_at_once,
     worker_nodes,
 )
-from raylign.rl.prompts import Prompt, load_prompts
+from raylign.rl.prompts import Prompt, load_prompts, load_train_prompts
 from raylign.rl.records import (
     drop_records_after,
     rng_state,
@@ -127,7 +127,7 @@ class RLTrainer:
         quantized_base = cfg.model.lora.quantize_base != "none"
         self.engine_model_path = str(self.out / ENGINE_BASE) if quantized_base else self.model_path
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path, padding_side="left")
-        self.train_prompts = load_prompts(cfg.data.train, cfg.data, self.tokenizer)
+        self.train_prompts = load_train_prompts(cfg.data, self.tokenizer)
         self.eval_prompts = load_prompts(cfg.data.eval, cfg.data, self.tokenizer) if cfg.data.eval else []
         if len(self.train_prompts) < cfg.train.prompts_per_step:
             raise ValueError(
