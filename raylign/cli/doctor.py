@@ -14,6 +14,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -383,6 +384,17 @@ def summary(checks: list[Check]) -> dict[str, int]:
     return {status: sum(c.status == status for c in checks) for status in (OK, WARN, FAIL)}
 
 
+def positive_seconds(text: str) -> float:
+    """An option's number of seconds: finite and above 0 (argparse names the option when it is not)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return seconds
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raylign doctor",
@@ -392,14 +404,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-ray", action="store_true", help="skip starting a local Ray and a test actor")
     parser.add_argument(
         "--ray-timeout",
-        type=float,
+        type=positive_seconds,
         default=60.0,
         metavar="SECONDS",
         help="seconds allowed for Ray to start and an actor to answer (default: 60)",
     )
     parser.add_argument(
         "--import-timeout",
-        type=float,
+        type=positive_seconds,
         default=120.0,
         metavar="SECONDS",
         help="seconds allowed for each import check of vllm, torchvision, torchaudio (default: 120)",

@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import select
 import subprocess
 import sys
 from collections.abc import Callable
@@ -243,13 +244,30 @@ def main(argv: list[str] | None = None) -> int:
     :func:`raylign.engine.distributed.exit_process`, so that a finished rank cannot abort in the
     interpreter's shutdown.
     """
-    code = _run(list(sys.argv[1:] if argv is None else argv))
+    try:
+        code = _run(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # a closed stdout fails here, not in the interpreter's shutdown
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        # The reader of stdout has quit (``raylign --help | head -1``): stop quietly, as other
+        # command-line tools do. What is still buffered goes to /dev/null at the exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     distributed = sys.modules.get("torch.distributed")
     if argv is None and distributed is not None and distributed.is_initialized():
         from raylign.engine.distributed import exit_process
 
         exit_process(code)
     return code
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket that nothing reads any more (a broken pipe of a
+    connection the command opened itself is a fault of its own, with its traceback)."""
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
 
 
 def _run(argv: list[str]) -> int:
@@ -305,6 +323,7 @@ def _user_facing_errors() -> tuple[type[BaseException], ...]:
     return (
         ValueError,  # ConfigError, DataError and the checks of every command
         FileNotFoundError,
+        NotADirectoryError,  # a file given where a folder belongs (a model or tokenizer path)
         MissingPackageError,  # a missing optional package, named with its install command
         FloatingPointError,  # too many steps in a row skipped for non-finite values
         RewardError,

@@ -18,11 +18,14 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from raylign.cli.tiny_model import check_attention_shape
 from raylign.config.base import Section, parse_config
 
 log = logging.getLogger("raylign")
+
+NUM_HEADS, NUM_KV_HEADS = 4, 2  # of the tiny model
 
 
 class QuickstartConfig(Section):
@@ -39,9 +42,16 @@ class QuickstartConfig(Section):
     prompts_per_step: int = Field(32, ge=1, description="GRPO prompts per step.")
     samples_per_prompt: int = Field(8, ge=2, description="GRPO group size.")
     rl_lr: float = Field(1e-3, gt=0, description="GRPO learning rate (tiny models need a large one).")
-    hidden_size: int = Field(128, ge=32, description="Width of the tiny model (2 layers, 4 heads).")
+    hidden_size: int = Field(
+        128, ge=32, description="Width of the tiny model (2 layers, 4 heads): a multiple of 8 (an even head size)."
+    )
     engine: Literal["hf", "vllm"] = Field("hf", description="Rollout engine; hf is fastest for a model this small.")
     seed: int = Field(0, description="Seed for data and model.")
+
+    @model_validator(mode="after")
+    def _attention_shape(self) -> QuickstartConfig:
+        check_attention_shape(self.hidden_size, NUM_HEADS, NUM_KV_HEADS)
+        return self
 
 
 def write_jsonl(rows: list[dict], path: Path) -> Path:
@@ -99,13 +109,14 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, dict[str, float]]:
     out = Path(cfg.output_dir)
     sft_file, prompts, held_out = _data(cfg, out)
     max_new_tokens = 10
-    # Head size >= 32, as vLLM on CPU needs. Untied embeddings: with tied ones, the RL gradient that
-    # lowers a letter's output logit also blurs that letter in the prompt, and a run can lose a letter.
+    # The default hidden_size gives a head size of 32, one vLLM's CPU attention runs. Untied embeddings:
+    # with tied ones, the RL gradient that lowers a letter's output logit also blurs that letter in the
+    # prompt, and a run can lose a letter.
     model = build_tiny_model(
         out / "base_model",
         hidden_size=cfg.hidden_size,
-        num_heads=4,
-        num_kv_heads=2,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
         tie_word_embeddings=False,
         seed=cfg.seed,
     )

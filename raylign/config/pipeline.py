@@ -8,6 +8,7 @@ described in :mod:`raylign.pipeline`.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -198,4 +199,25 @@ class SelectConfig(Section):
     def _has_an_output(self) -> SelectConfig:
         if self.best_of_n.output_path is None and self.pairs.output_path is None:
             raise ValueError("nothing to write: set best_of_n.output_path and/or pairs.output_path")
+        return self
+
+    @model_validator(mode="after")
+    def _files_differ(self) -> SelectConfig:
+        """Two outputs in one file would mix SFT rows and pairs; an output in the input file would
+        replace the scored rows."""
+        paths = {
+            "input_path": self.input_path,
+            "best_of_n.output_path": self.best_of_n.output_path,
+            "pairs.output_path": self.pairs.output_path,
+        }
+        seen: dict[Path, str] = {}
+        for field, path in paths.items():
+            if path is None:
+                continue
+            resolved = Path(path).resolve()
+            if resolved in seen:
+                raise ValueError(
+                    f"{seen[resolved]} and {field} are the same file ({path}); give each of them its own path"
+                )
+            seen[resolved] = field
         return self

@@ -150,6 +150,10 @@ def build_tiny_model(
     The folder is an ordinary Hugging Face model folder: ``from_pretrained`` and vLLM load it.
     """
     out_dir = Path(out_dir)
+    if out_dir.is_file():
+        raise NotADirectoryError(
+            f"output folder '{out_dir}' is a file, not a folder; give the path of a folder (it is created when missing)"
+        )
     tokenizer = build_tiny_tokenizer(vocab_size)
     config = AutoConfig.for_model(
         arch,
