@@ -68,14 +68,30 @@ class ResumableSampler:
         epoch, done = self.epoch, self.batches_done
         if done >= len(self):
             epoch, done = epoch + 1, 0
-        return {"epoch": epoch, "batches_done": done, "num_samples": self.num_samples, "batch_size": self.batch_size}
+        return {
+            "epoch": epoch,
+            "batches_done": done,
+            "num_samples": self.num_samples,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, mine in (("num_samples", self.num_samples), ("batch_size", self.batch_size)):
-            if key in state and state[key] != mine:
+        # The order depends on all four: with another, the rest of the epoch would repeat some samples
+        # and skip others. (A state saved before shuffle and seed were recorded checks the sizes only.)
+        mine = {
+            "num_samples": self.num_samples,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+        }
+        for key, value in mine.items():
+            if key in state and state[key] != value:
                 raise ValueError(
-                    f"sampler state was saved with {key}={state[key]}, this sampler has {key}={mine}; "
-                    "resuming would visit different samples"
+                    f"sampler state was saved with {key}={state[key]}, this sampler has {key}={value}; "
+                    "resuming would visit different samples (the data's shuffle and seed settings must match "
+                    "the run resumed)"
                 )
         epoch, done = int(state["epoch"]), int(state["batches_done"])
         if epoch < 0 or not 0 <= done <= len(self):

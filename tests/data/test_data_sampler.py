@@ -66,6 +66,23 @@ def test_loading_state_from_a_different_dataset_size_fails():
         ResumableSampler(21, batch_size=4).load_state_dict(state)
 
 
+@pytest.mark.parametrize("changed", [{"seed": 1}, {"shuffle": False}])
+def test_loading_state_saved_with_another_order_fails_naming_the_setting(changed):
+    # Another seed or no shuffling orders the epoch differently: the rest of it would repeat some
+    # samples and skip others.
+    state = ResumableSampler(20, batch_size=4, shuffle=True, seed=0).state_dict()
+    (key,) = changed
+    with pytest.raises(ValueError, match=f"saved with {key}="):
+        ResumableSampler(20, batch_size=4, **{"shuffle": True, "seed": 0, **changed}).load_state_dict(state)
+
+
+def test_state_saved_before_order_settings_were_recorded_still_loads():
+    state = {"epoch": 0, "batches_done": 2, "num_samples": 20, "batch_size": 4}
+    sampler = ResumableSampler(20, batch_size=4, seed=5)
+    sampler.load_state_dict(state)
+    assert sampler.state_dict()["batches_done"] == 2
+
+
 def test_too_few_samples_for_one_batch_is_an_error():
     with pytest.raises(ValueError, match="3 samples make no batch of 4 with drop_last"):
         ResumableSampler(3, batch_size=4)
