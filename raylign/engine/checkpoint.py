@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import yaml
 
 from raylign.engine.distributed import barrier, broadcast_object, get_rank, get_world_size, is_main_process
 
@@ -60,6 +61,27 @@ def check_writable(folder: str | Path, setting: str) -> None:
             f"{setting} {folder} cannot be written ({err.strerror or err}); choose another "
             "folder or make this one writable"
         ) from None
+
+
+def check_resumes_same_model(output_dir: str | Path, model_path: str, resume: bool) -> None:
+    """Before a run writes its config into ``output_dir``: a run that would resume a checkpoint there
+    must train the model the run that wrote it trained (``model.path`` of the ``config.yaml`` beside
+    it), else it would silently go on training those weights and never load ``model_path``."""
+    output_dir = Path(output_dir)
+    saved = output_dir / "config.yaml"
+    if not resume or not saved.is_file() or latest_checkpoint(output_dir / "checkpoints") is None:
+        return
+    try:
+        previous = (yaml.safe_load(saved.read_text()) or {}).get("model", {}).get("path")
+    except (yaml.YAMLError, AttributeError, OSError):
+        return  # not a config this project wrote: nothing to compare
+    if previous is None or previous == model_path or Path(previous).resolve() == Path(model_path).resolve():
+        return
+    raise ValueError(
+        f"train.output_dir {output_dir} holds checkpoints of a run of the model {previous!r}, and this run's "
+        f"model.path is {model_path!r}: it would resume those weights instead of loading the model. Choose "
+        "another train.output_dir, or set train.resume false to start over in this one"
+    )
 
 
 def step_directory(root: str | Path, step: int) -> Path:

@@ -27,6 +27,7 @@ from raylign.config.base import save_yaml
 from raylign.config.rl import RLConfig
 from raylign.data import ResumableSampler
 from raylign.engine.checkpoint import (
+    check_resumes_same_model,
     check_writable,
     latest_checkpoint,
     prune_checkpoints,
@@ -118,6 +119,7 @@ class RLTrainer:
         from raylign.rollout.rewards import build_reward
 
         cfg = self.cfg
+        check_resumes_same_model(self.out, cfg.model.path, cfg.train.resume)
         check_writable(self.out, "train.output_dir")
         save_yaml(cfg, self.out / "config.yaml")
         seed_everything(cfg.train.seed)

@@ -35,7 +35,7 @@ from raylign.config.base import Section, save_yaml
 from raylign.config.model import LoraConfig, ModelConfig
 from raylign.data import ResumableSampler, rank_micro_batches
 from raylign.engine import create_engine, load_frozen
-from raylign.engine.checkpoint import check_writable, resume_latest, save_step_checkpoint
+from raylign.engine.checkpoint import check_resumes_same_model, check_writable, resume_latest, save_step_checkpoint
 from raylign.engine.distributed import (
     all_reduce_scalars,
     barrier,
@@ -174,6 +174,7 @@ class OfflineTrainer:
             self.sp_size, self.cfg.engine.dist_timeout_s, self.tp_size
         )
         self.sp_rank = self.rank // self.tp_size % self.sp_size
+        check_resumes_same_model(self.output_dir, self.cfg.model.path, self.train_cfg.resume)  # every rank stops
         if self.is_main:
             check_writable(self.output_dir, "train.output_dir")
             save_yaml(self.cfg, self.output_dir / "config.yaml")

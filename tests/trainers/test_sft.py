@@ -261,3 +261,20 @@ def test_loss_runs_the_output_layer_at_the_trained_tokens_only(tiny_model_dir, p
             log_p = torch.log_softmax(model(input_ids=torch.tensor([s])).logits[0].double(), -1)
         expected -= sum(float(log_p[t - 1, s[t]]) for t in range(len(s) - n, len(s)))
     assert float(loss) == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_run_of_another_model_in_a_folder_with_checkpoints_is_refused_before_it_writes(tmp_path, tiny_model_dir):
+    import shutil
+
+    train_file = write_jsonl(tmp_path / "train.jsonl", make_string_rows("reverse", 16, seed=0))
+    SFTTrainer(sft_config(tiny_model_dir, train_file, tmp_path / "run", max_steps=2)).run()
+    saved_config = (tmp_path / "run" / "config.yaml").read_text()
+    other = shutil.copytree(tiny_model_dir, tmp_path / "other-model")
+    # It would resume the first run's weights and never load other-model: refused, and the first
+    # run's config is left as it was.
+    with pytest.raises(ValueError, match=r"holds checkpoints of a run of the model .*tiny.*other-model.*train.resume"):
+        SFTTrainer(sft_config(other, train_file, tmp_path / "run", max_steps=3)).run()
+    assert (tmp_path / "run" / "config.yaml").read_text() == saved_config
+    # The same model goes on from the checkpoint; another one starts over with train.resume false.
+    SFTTrainer(sft_config(tiny_model_dir, train_file, tmp_path / "run", max_steps=3)).run()
+    SFTTrainer(sft_config(other, train_file, tmp_path / "run", max_steps=2, resume=False)).run()
