@@ -40,7 +40,7 @@ def command_reference(name: str) -> str:
         lines += [doc, ""]
     table_open = False
     for dotted, type_text, default, description in describe_fields(cls):
-        if type_text == "section":
+        if type_text in ("section", "optional section"):
             lines += ["", f"**`{dotted}`**: {_cell(description)}", ""]
             table_open = False
             continue

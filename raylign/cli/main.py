@@ -170,8 +170,14 @@ def command_help(name: str) -> str:
         "",
         "fields (dotted path, type, default):",
     ]
+    if "preset" in cls.model_fields:
+        lines[-1:-1] = [
+            "A preset sets some of these defaults its own way (the algorithm's, for one); --print-config shows",
+            "the values a run will use.",
+            "",
+        ]
     for dotted, type_text, default, description in describe_fields(cls):
-        if type_text == "section":
+        if type_text in ("section", "optional section"):
             lines.append(f"\n  [{dotted}] {description}")
             continue
         lines.append(f"  --{dotted}  ({type_text}, default {default})")

@@ -376,6 +376,11 @@ def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, s
             rows.append((dotted, "section", "", field.description or ""))
             rows.extend(describe_fields(annotation, dotted + "."))
             continue
+        optional = _section_model(annotation)
+        if optional is not None:  # a section that may be left out (None), e.g. rl's reward or reference
+            rows.append((dotted, "optional section", "", f"{field.description or ''} (Optional: none by default.)"))
+            rows.extend(describe_fields(optional, dotted + "."))
+            continue
         item = _list_item_model(annotation)
         if item is not None:  # list of sections: describe one item's fields as name[].field
             rows.append((dotted, "section", "", f"{field.description or ''} Each item has these fields:".strip()))

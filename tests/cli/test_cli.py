@@ -80,3 +80,11 @@ def test_a_setting_whose_package_is_missing_ends_in_one_line_naming_the_install(
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "wandb is not installed: pip install 'raylign[wandb]'" in proc.stderr.splitlines()[-1]
+
+
+def test_rl_help_lists_the_fields_of_its_optional_sections_and_says_presets_change_defaults(capsys):
+    assert main(["rl", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "[reward] " in text and "--reward.sources[].kind  (" in text
+    assert "[reference] " in text and "--reference.path  (" in text
+    assert "A preset sets some of these defaults its own way" in text
