@@ -95,6 +95,15 @@ class EngineConfig(Section):
     )
 
     @model_validator(mode="after")
+    def _processes_need_a_distributed_backend(self) -> EngineConfig:
+        if self.backend == "local" and self.num_processes > 1:  # caught here, before torchrun starts the ranks
+            raise ValueError(
+                f"engine.num_processes {self.num_processes} needs engine.backend 'fsdp2' or 'deepspeed': "
+                "'local' runs in one process"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _tensor_parallel(self) -> EngineConfig:
         tp = self.tensor_parallel_size
         if tp == 1:

@@ -129,3 +129,12 @@ def test_tiny_model_takes_a_shape_with_even_heads_in_whole_groups(tmp_path, caps
 def test_quickstart_refuses_a_width_with_an_odd_head_size(tmp_path, capsys):
     assert main(["quickstart", "--output_dir", str(tmp_path), "--hidden_size", "100", "--print-config"]) == 2
     assert "hidden_size (100) must be a multiple of twice num_heads (4)" in capsys.readouterr().err
+
+
+def test_several_processes_on_the_local_backend_are_refused_before_any_start():
+    from raylign.config.base import ConfigError, parse_config
+    from raylign.config.engine import EngineConfig
+
+    with pytest.raises(ConfigError, match="engine.num_processes 2 needs engine.backend 'fsdp2' or 'deepspeed'"):
+        parse_config(EngineConfig, {"backend": "local", "num_processes": 2})
+    assert parse_config(EngineConfig, {"backend": "fsdp2", "num_processes": 2}).num_processes == 2
