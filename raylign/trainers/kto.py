@@ -105,11 +105,13 @@ class KTOTrainer(OfflineTrainer):
         policy = self._logps(model, batch)
         reference = self.frozen_forward(self.reference, model, lambda m: self._logps(m, batch))
         policy_kl = reference_kl = None
-        if kto.estimate_kl:
+        desirable = batch["desirable"]
+        # One example has no other completion to pair its prompt with (only an evaluation's last batch
+        # can be that small; training needs train.micro_batch_size >= 2): z0 = 0 there, as without estimate_kl.
+        if kto.estimate_kl and desirable.numel() > 1:
             with torch.no_grad():
                 policy_kl = self._logps(model, batch, "kl_")
             reference_kl = self.frozen_forward(self.reference, model, lambda m: self._logps(m, batch, "kl_"))
-        desirable = batch["desirable"]
         loss, metrics = kto_loss(
             policy,
             reference,

@@ -158,6 +158,25 @@ def test_kl_pairs_need_two_examples_per_micro_batch():
         )
 
 
+def test_an_evaluation_batch_of_one_example_takes_no_reference_point_from_itself(tmp_path, tiny_model_dir):
+    # A last evaluation batch can hold one example, whose prompt has no other completion to pair with:
+    # z0 is then 0 (as without the estimate), not that example's own implied reward max(0, r).
+    rng = random.Random(2)
+    rows = [letters_row(rng, desirable=True) for _ in range(16)]
+    trainer = KTOTrainer(kto_config(tiny_model_dir, write_jsonl(tmp_path / "train.jsonl", rows), tmp_path / "run"))
+    trainer.setup()
+    model, batch = trainer.engine.module, trainer.collate(trainer.train_samples[:1])
+    trainer._logps(model, batch).sum().backward()  # a step up the example's log-prob makes its r > 0
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.01 * parameter.grad)
+    trainer.engine.eval()
+    with torch.no_grad():
+        _, metrics = trainer.compute_loss(model, batch)
+    assert metrics["reward_signed"] > 1e-3  # r itself is positive: max(0, r) would not be 0
+    assert metrics["kl"] == 0.0
+
+
 def test_a_non_boolean_label_stops_the_run_naming_the_row(tmp_path, tiny_model_dir):
     rows = [{"prompt": "p", "completion": "a", "label": True}, {"prompt": "p", "completion": "b", "label": "bad"}]
     train_file = write_jsonl(tmp_path / "bad.jsonl", rows)
