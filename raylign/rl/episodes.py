@@ -144,8 +144,14 @@ class EpisodeStream:
         endpoint's requests)."""
         load = len(ids) + sampling.max_new_tokens
         engine = self._take(load)
+        request = self._complete(engine, ids, sampling, next(self._requests), "an endpoint request")
         try:
-            return await self._complete(engine, ids, sampling, next(self._requests), "an endpoint request")
+            return await asyncio.wait_for(request, self.timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"rollout engine {engine} did not answer an endpoint request within {self.timeout_s:.0f} s; "
+                "raise rollout.generate_timeout_s"
+            ) from None
         finally:
             self._give_back(engine, load)
 

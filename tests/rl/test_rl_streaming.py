@@ -15,6 +15,7 @@ import importlib.util
 import itertools
 import math
 import sys
+import time
 
 import pytest
 import ray
@@ -147,6 +148,25 @@ def test_a_group_past_the_bound_is_dropped_or_generated_again(ray_session, rl_mo
             again = [g for _, step in taken for g in step.groups if g.prompt_position == 1 and g.seq > 1]
             assert again and again[0].started_version >= 2
     finally:
+        stop_engines([engine])
+
+
+def test_an_endpoint_request_the_engine_never_answers_ends_in_a_timeout_naming_the_setting(ray_session, rl_model_dir):
+    from raylign.rl.episodes import EpisodeStream
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    actor = ray.remote(HoldingEngine).options(num_cpus=0, runtime_env={"env_vars": ENV})
+    # Endpoint requests are numbered from 2,000,000: the engine holds that one until a weight version
+    # that never comes.
+    engine = actor.remote(str(rl_model_dir), RolloutConfig(engine="hf", dtype="float32").model_dump(), 2_000_000, 1)
+    stream = EpisodeStream(RolloutPool([engine]), None, timeout_s=2)
+    try:
+        start = time.perf_counter()
+        with pytest.raises(TimeoutError, match="did not answer an endpoint request within 2 s; raise rollout.generate"):
+            asyncio.run(stream.complete([5, 6, 7], SamplingConfig(max_new_tokens=2)))
+        assert time.perf_counter() - start < 30
+    finally:
+        stream.close()
         stop_engines([engine])
 
 
