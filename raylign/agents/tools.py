@@ -109,19 +109,30 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
             errors.append(f"tool call arguments must be an object: {block[:80]}")
             continue
         calls.append(ToolCall(value["name"], arguments))
-    return calls, errors
+    return calls, errors + unclosed_calls(TOOL_CALL.sub("", text), ["tool_call"])
 
 
-def parse_tagged_calls(text: str, tools: dict[str, Tool]) -> list[ToolCall]:
-    """The ``<name>argument</name>`` calls of ``text``, for the tools of exactly one required parameter."""
+def parse_tagged_calls(text: str, tools: dict[str, Tool]) -> tuple[list[ToolCall], list[str]]:
+    """The ``<name>argument</name>`` calls of ``text``, for the tools of exactly one required parameter,
+    and an error for each call left unclosed."""
     calls: list[ToolCall] = []
     single = {name: t.parameters["required"][0] for name, t in tools.items() if len(t.parameters["required"]) == 1}
     if not single:
-        return calls
+        return calls, []
     pattern = re.compile(r"<(" + "|".join(re.escape(n) for n in single) + r")>(.*?)</\1>", re.DOTALL)
     for name, argument in pattern.findall(text):
         calls.append(ToolCall(name, {single[name]: argument.strip()}))
-    return calls
+    return calls, unclosed_calls(pattern.sub("", text), list(single))
+
+
+def unclosed_calls(rest: str, tags: list[str]) -> list[str]:
+    """An error for each opening ``<tag>`` left in ``rest`` (the text without its complete calls): a
+    call cut off or never closed is a failed call the model is told about, not a final answer."""
+    return [
+        f"tool call is not closed (no </{tag}>): {rest[match.start() : match.start() + 80]}"
+        for tag in tags
+        for match in re.finditer(f"<{re.escape(tag)}>", rest)
+    ]
 
 
 def last_number(text: str) -> float | None:
@@ -203,7 +214,7 @@ class ToolEnv(Environment):
     async def step(self, action_text: str, action_token_ids: list[int]) -> tuple[Any, float, bool, dict[str, Any]]:
         errors: list[str] = []
         if self.call_format == "tagged":
-            calls = parse_tagged_calls(action_text, self.tool_list)
+            calls, errors = parse_tagged_calls(action_text, self.tool_list)
         else:
             calls, errors = parse_tool_calls(action_text)
         if not calls and not errors:  # an answer

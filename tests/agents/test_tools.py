@@ -291,6 +291,34 @@ def test_the_tool_role_is_configurable():
     assert observation == [{"role": "user", "content": "3"}]
 
 
+@pytest.mark.parametrize(
+    ("call_format", "text", "tag"),
+    [
+        ("json", '<tool_call>{"name": "calculator", "arguments": {"expression": "1*12"}}', "tool_call"),
+        ("tagged", "<calculator>1*12", "calculator"),
+    ],
+)
+def test_a_call_left_unclosed_is_a_failed_call_not_the_final_answer(call_format, text, tag):
+    # Label 12 and "1*12" in the text: graded as an answer, it would score 1 and end the episode.
+    env = CalculatorEnv(system_prompt="", call_format=call_format)
+    env.reset("What is 1*12?", 12, {})
+    observation, reward, done, info = step(env, "Let me compute. " + text)
+    assert (reward, done, info) == (0.0, False, {"tool_calls": 1, "tool_failures": ["bad_call"]})
+    assert observation == [{"role": "tool", "content": f"error: tool call is not closed (no </{tag}>): {text}"}]
+
+
+def test_a_closed_call_beside_an_unclosed_one_still_runs():
+    env = CalculatorEnv(system_prompt="")
+    env.reset("q", 3, {})
+    text = call_block("calculator", {"expression": "1+2"}) + " <tool_call>{"
+    observation, _, done, info = step(env, text)
+    assert [m["content"] for m in observation] == [
+        "error: tool call is not closed (no </tool_call>): <tool_call>{",
+        "3",
+    ]
+    assert (done, info["tool_failures"]) == (False, ["bad_call"])
+
+
 @pytest.mark.parametrize(("answer", "reward"), [("The answer is 56,088.", 1.0), ("The answer is 56,000.", 0.0)])
 def test_an_answer_ends_the_episode_with_its_reward(answer, reward):
     env = CalculatorEnv(system_prompt="")
