@@ -108,6 +108,17 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
     ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, with the moments kept in fp32: it casts every floating state tensor to its
+        parameter's dtype, which for a bf16 weight would round them and fail the next step."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        for group, saved_group in zip(self.param_groups, state_dict["param_groups"]):
+            for param, param_id in zip(group["params"], saved_group["params"]):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in saved.get(param_id, {}):
+                        self.state[param][key] = saved[param_id][key].to(param.device, torch.float32, copy=True)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         if closure is not None:

@@ -128,6 +128,26 @@ def test_local_engine_without_masters_keeps_bf16_weights_fp32_moments_and_learns
     assert without[-1] == pytest.approx(with_masters[-1], rel=0.05)
 
 
+def test_a_resumed_run_without_masters_gets_its_fp32_moments_back_exactly(tmp_path):
+    # torch's Optimizer.load_state_dict casts state to each parameter's dtype: bf16 moments would be
+    # rounded (about 3e-3) and the next step would fail on an fp32 gradient against them.
+    cfg = OptimConfig(lr=3e-3, scheduler="constant", master_weights=False)
+    torch.manual_seed(0)
+    engine = create_engine(tiny_model(dtype=torch.bfloat16), local_cfg(), cfg, total_steps=10)
+    fixed_batch_losses(engine, steps=2)
+    engine.save_checkpoint(tmp_path / "ckpt", {})
+    saved = {name: copy.deepcopy(state) for name, state in engine.optimizer.state.items()}
+
+    torch.manual_seed(1)
+    resumed = create_engine(tiny_model(dtype=torch.bfloat16), local_cfg(), cfg, total_steps=10)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    for state, before in zip(resumed.optimizer.state.values(), saved.values()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].dtype == torch.float32
+            assert torch.equal(state[key], before[key])
+    fixed_batch_losses(resumed, steps=1)  # and it steps
+
+
 def test_deepspeed_refuses_to_drop_master_weights_naming_the_setting():
     with pytest.raises(ValueError, match="optim.master_weights: false needs engine.backend 'local' or 'fsdp2'"):
         create_engine(
