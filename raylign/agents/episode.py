@@ -219,9 +219,7 @@ class EpisodeRunner:
             except TimeoutError:
                 return self._end(ep, "step_timeout" if step_timeout == lim.step_timeout_s else "timeout")
             except Exception as err:  # the environment's own failure: the episode ends, training goes on
-                ep.error = f"{type(err).__name__}: {err}"
-                logger.warning("%s, turn %d: the environment's step() raised %s", where, ep.turns, ep.error)
-                return self._end(ep, "env_error")
+                return self._failed(ep, where, f"{type(err).__name__}: {err}")
             ep.turn_rewards.append((len(ep.token_ids) - 1, result.reward))
             ep.tool_calls += int(result.info.get("tool_calls", 0) or 0)
             for kind in result.info.get("tool_failures", None) or []:
@@ -231,10 +229,17 @@ class EpisodeRunner:
             if ep.turns >= lim.max_turns:
                 return self._end(ep, "max_turns")
             if not result.observation:
-                raise TypeError(f"{where}, turn {ep.turns}: step() returned no observation but done=False")
+                return self._failed(ep, where, "step() returned no observation but done=False")
             if time.perf_counter() >= deadline:
                 return self._end(ep, "timeout")
-            delta = self._delta(env, ep, result.observation, where)
+            try:
+                delta = self._delta(env, ep, result.observation, where)
+            except TemplateDriftError:
+                raise  # agent.drift: error stops the run, as asked
+            except Exception as err:  # e.g. a template that insists on alternating roles, after two tool results
+                return self._failed(
+                    ep, where, f"the chat template refused the conversation: {type(err).__name__}: {err}"
+                )
             if len(ep.prompt_ids) + len(ep.token_ids) + len(delta) >= lim.max_total_tokens:
                 return self._end(ep, "max_tokens")
             ep.messages += result.observation
@@ -305,6 +310,13 @@ class EpisodeRunner:
     @staticmethod
     def _end(ep: Episode, reason: EndReason) -> None:
         ep.end_reason = reason
+
+    @staticmethod
+    def _failed(ep: Episode, where: str, error: str) -> None:
+        """An environment turn that cannot go on: the episode ends (env_error), training goes on."""
+        ep.error = error
+        logger.warning("%s, turn %d: the episode ends (env_error): %s", where, ep.turns, error)
+        ep.end_reason = "env_error"
 
     async def _close(self, env: Any, where: str) -> None:
         close = getattr(env, "close", None)

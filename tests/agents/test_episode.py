@@ -291,6 +291,42 @@ def test_a_step_that_raises_ends_with_env_error_and_its_message(tokenizer, gener
     assert (ep.end_reason, ep.error, ep.turns, env.closed) == ("env_error", "ValueError: boom 42", 1, 1)
 
 
+@pytest.mark.parametrize("observation", [None, []], ids=["none", "empty"])
+def test_a_step_with_no_observation_that_is_not_done_ends_the_episode_not_the_run(observation, tokenizer, generate):
+    class SilentEnv(ScriptedEnv):
+        def step(self, action_text, action_token_ids):
+            return observation, 0.0, False, {}
+
+    env = SilentEnv()
+    ep = play(env, tokenizer, generate)
+    assert (ep.end_reason, ep.error, ep.turns, env.closed) == (
+        "env_error",
+        "step() returned no observation but done=False",
+        1,
+        1,
+    )
+
+
+def test_a_template_that_refuses_the_conversation_ends_the_episode_not_the_run(tokenizer, generate):
+    # A template that insists on alternating roles, as some do, meets two observation messages in a row.
+    strict = copy.copy(tokenizer)
+    strict.chat_template = (
+        "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+    class TwoMessagesEnv(ScriptedEnv):
+        def step(self, action_text, action_token_ids):
+            return [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], 0.0, False, {}
+
+    env = TwoMessagesEnv()
+    ep = play(env, strict, generate)
+    assert (ep.end_reason, ep.turns, env.closed) == ("env_error", 1, 1)
+    assert ep.error.startswith("the chat template refused the conversation: TemplateError: roles must alternate")
+
+
 def test_a_reset_that_raises_fails_the_episode_naming_it(tokenizer, generate):
     class BrokenResetEnv(ScriptedEnv):
         def reset(self, prompt, label, metadata):
