@@ -500,6 +500,12 @@ class RLConfig(Section):
                 f"train.prompts_per_step x sampling.n ({samples}) must split evenly over "
                 f"placement.reference_workers ({p.reference_workers})"
             )
+        if a.overlong_buffer > 0 and self.agent.enabled:
+            raise ValueError(
+                f"algorithm.overlong_buffer ({a.overlong_buffer}) measures one response against "
+                "sampling.max_new_tokens, but an agent episode's policy tokens span several turns, each with that "
+                "limit: set algorithm.overlong_buffer 0 (the dapo preset sets 16)"
+            )
         if a.overlong_buffer > s.max_new_tokens:
             raise ValueError(
                 f"algorithm.overlong_buffer ({a.overlong_buffer}) must not exceed "

@@ -415,6 +415,18 @@ def test_an_agent_run_takes_env_or_client_and_room_for_a_whole_episode(base, tmp
         resolve(tmp_path, data)
 
 
+def test_dapo_s_overlong_penalty_is_refused_for_agent_episodes_whose_turns_each_have_the_limit(base, tmp_path):
+    data = copy.deepcopy(base)
+    data["preset"] = "dapo"
+    data["sampling"] = {**data.get("sampling", {}), "max_new_tokens": 64}
+    data["agent"] = {"env": "raylign.agents.tools:CalculatorEnv", "max_total_tokens": 512}
+    data["train"] = {**data.get("train", {}), "micro_batch_tokens": 512}
+    with pytest.raises(ConfigError, match=r"overlong_buffer \(16\) .* several turns.*set algorithm.overlong_buffer 0"):
+        resolve(tmp_path, data)
+    data["algorithm"] = {**data.get("algorithm", {}), "overlong_buffer": 0}
+    assert resolve(tmp_path, data).algorithm.overlong_buffer == 0
+
+
 def test_a_4bit_policy_base_trains_on_local_fsdp2_or_zero2_and_is_refused_under_zero3(base, tmp_path):
     base["model"]["lora"] = {"rank": 4, "quantize_base": "nf4"}
     assert resolve(tmp_path, base).model.lora.quantize_base == "nf4"  # the local backend, one policy rank
