@@ -132,21 +132,32 @@ def episode_from_turns(turns: list[Turn], reward: float, limits: EpisodeLimits, 
         if k >= limits.max_turns:
             ep.end_reason = "max_turns"
             break
-        if len(so_far) + len(delta) + len(turn.response_token_ids) > limits.max_total_tokens:
+        response, logprobs = list(turn.response_token_ids), list(turn.response_logprobs)
+        versions = list(turn.token_versions or [turn.weight_version] * len(response))
+        room = limits.max_total_tokens - len(so_far) - len(delta)
+        cut = len(response) > room
+        if cut:
             ep.end_reason = "max_tokens"
-            break
+            if k > 0 or room <= 0:
+                break
+            # The first turn alone is too long (the endpoint does not know the limit): its first tokens,
+            # as sampled, are the episode rather than nothing.
+            response, logprobs, versions = response[:room], logprobs[:room], versions[:room]
         version = ep.versions[-1] if ep.versions else turn.weight_version
-        ep.token_ids += delta + list(turn.response_token_ids)
-        ep.from_policy += [False] * len(delta) + [True] * len(turn.response_token_ids)
-        ep.logprobs += [0.0] * len(delta) + list(turn.response_logprobs)
-        ep.versions += [version] * len(delta) + list(
-            turn.token_versions or [turn.weight_version] * len(turn.response_token_ids)
-        )
+        ep.token_ids += delta + response
+        ep.from_policy += [False] * len(delta) + [True] * len(response)
+        ep.logprobs += [0.0] * len(delta) + logprobs
+        ep.versions += [version] * len(delta) + versions
         ep.turns += 1
-        ep.finish_reason = turn.finish_reason
+        ep.finish_reason = "length" if cut else turn.finish_reason
         ep.messages.append({"role": "assistant", "content": turn.text})
+        if cut:
+            break
     if ep.turns == 0:
-        raise EnvironmentFailed(f"{where}: the first request alone exceeds agent.max_total_tokens")
+        raise EnvironmentFailed(
+            f"{where}: the first request's prompt alone ({len(first.prompt_token_ids)} tokens) fills "
+            f"agent.max_total_tokens ({limits.max_total_tokens})"
+        )
     last = max(i for i, p in enumerate(ep.from_policy) if p)
     ep.turn_rewards = [(last, reward)]
     return ep
