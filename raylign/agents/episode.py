@@ -279,6 +279,11 @@ class EpisodeRunner:
         fresh = self.render(ep.messages + observation, env, True)
         if fresh.startswith(so_far):
             return self.encode(fresh[len(so_far) :])
+        previous = self.render(ep.messages, env, False)
+        if self._ended_on_another_stop_token(ep, fresh) and fresh.startswith(previous):
+            # Not drift: the turn stopped on an end token of the model other than the template's (Qwen's
+            # <|endoftext|> beside <|im_end|>); the template's own turn end follows it.
+            return self.encode(self._turn_end(env, ep) + fresh[len(previous) :])
         ep.drift_turns += 1
         at = next((i for i, (a, b) in enumerate(zip(so_far, fresh)) if a != b), min(len(so_far), len(fresh)))
         message = (
@@ -289,9 +294,17 @@ class EpisodeRunner:
         if self.limits.drift == "error":
             raise TemplateDriftError(message + "; agent.drift=error")
         logger.warning("%s; continuing with the fresh render's new part", message)
-        previous = self.render(ep.messages, env, False)
         new_part = fresh[len(previous) :] if fresh.startswith(previous) else self.render(observation, env, True)
         return self.encode(self._turn_end(env, ep) + new_part)
+
+    def _ended_on_another_stop_token(self, ep: Episode, fresh: str) -> bool:
+        """Whether the last turn stopped on a special token that the template does not write there: the
+        fresh render then continues everything before that token, and differs only from it on."""
+        if ep.finish_reason != "stop" or not ep.from_policy or not ep.from_policy[-1]:
+            return False
+        if ep.token_ids[-1] not in set(self.tokenizer.all_special_ids):
+            return False
+        return fresh.startswith(self.decode(ep.prompt_ids + ep.token_ids[:-1]))
 
     def _turn_end(self, env: Any, ep: Episode) -> str:
         """What the template writes after the last assistant turn's content (its end-of-turn), less

@@ -212,6 +212,32 @@ def test_special_tokens_the_policy_samples_inside_a_turn_are_not_drift(tokenizer
     assert [ep.drift_turns for ep in episodes] == [0] * len(episodes)
 
 
+def test_a_turn_that_stops_on_another_end_token_of_the_model_is_not_drift(model_dir, tokenizer, tmp_path):
+    # A model with two end tokens (as Qwen2.5-Instruct: <|im_end|> and <|endoftext|>); here <|pad|> is
+    # the second. A turn that stops on it is followed by the template's own <|im_end|>, and is no drift.
+    import json
+    import shutil
+
+    folder = shutil.copytree(model_dir, tmp_path / "two-ends")
+    pad, im_end = tokenizer.convert_tokens_to_ids("<|pad|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [im_end, pad]}))
+    engine = HFEngine(str(folder), RolloutConfig(engine="hf", dtype="float32").model_dump())
+
+    async def generate(ids, sampling, index):
+        (completion,) = await engine.generate_group(ids, sampling, index)
+        return completion
+
+    limits = EpisodeLimits(max_total_tokens=400, drift="error")
+    episodes = [
+        play(ScriptedEnv(turns=2), tokenizer, generate, limits, sampling=SAMPLING.model_copy(update={"seed": seed}))
+        for seed in range(48)
+    ]
+    first_turns = [runs(ep, True)[0][1] for ep in episodes]
+    assert any(ids[-1] == pad and len(ids) < SAMPLING.max_new_tokens for ids in first_turns)  # stopped on <|pad|>
+    assert [ep.drift_turns for ep in episodes] == [0] * len(episodes)
+
+
 # ---- limits ---------------------------------------------------------------------------------
 
 
