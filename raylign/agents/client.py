@@ -14,8 +14,9 @@ recorded into the episode (:class:`raylign.agents.endpoint.EpisodeRecorder`); wh
 the recorded turns become one token sequence, as in :mod:`raylign.agents.episode`: each turn's
 prompt must begin with everything before it (the endpoint sees to that while the client sends
 back the conversation it was given), and the tokens in between are the environment's, masked. A
-turn whose prompt does not continue the episode (the client rewrote the history) ends the
-sequence there and counts as a drift turn. The reward, returned or posted, goes on the last
+turn's last tokens that the next prompt leaves out (a stop string, which the returned text does not
+hold) are dropped. A turn whose prompt does not continue the episode otherwise (the client rewrote
+the history) ends the sequence there and counts as a drift turn. The reward, returned or posted, goes on the last
 policy token.
 """
 
@@ -113,6 +114,17 @@ class ClientEpisodeRunner:
         return ep
 
 
+def _unseen_tail(so_far: list[int], prompt: list[int], last_response: int) -> int:
+    """How many of the last response's final tokens ``prompt`` leaves out while continuing all before
+    them: 0 when it continues all of ``so_far``. A stop string ends the text the endpoint returns (as
+    OpenAI's API does) but not the tokens sampled, so the next request goes on from before it."""
+    for unseen in range(min(last_response, len(so_far)) + 1):
+        kept = len(so_far) - unseen
+        if prompt[:kept] == so_far[:kept]:
+            return unseen
+    return 0
+
+
 def episode_from_turns(turns: list[Turn], reward: float, limits: EpisodeLimits, where: str = "episode") -> Episode:
     """One token sequence from a session's turns (module docstring); ``reward`` on the last policy token."""
     first = turns[0]
@@ -121,6 +133,11 @@ def episode_from_turns(turns: list[Turn], reward: float, limits: EpisodeLimits, 
         so_far = ep.prompt_ids + ep.token_ids
         delta: list[int] = []
         if k > 0:
+            unseen = _unseen_tail(so_far, turn.prompt_token_ids, len(turns[k - 1].response_token_ids))
+            if unseen:  # the client never saw them (a stop string the endpoint cut from its text): not trained
+                so_far = so_far[:-unseen]
+                for sequence in (ep.token_ids, ep.from_policy, ep.logprobs, ep.versions):
+                    del sequence[-unseen:]
             if turn.prompt_token_ids[: len(so_far)] != so_far:
                 ep.drift_turns += 1
                 message = f"{where}, turn {k + 1}: its prompt does not continue the tokens of the turns before it"

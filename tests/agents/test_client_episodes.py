@@ -35,3 +35,22 @@ def test_a_later_turn_over_the_limit_ends_the_episode_after_the_turns_before_it(
 def test_a_prompt_that_alone_fills_the_limit_names_both_sizes():
     with pytest.raises(EnvironmentFailed, match=r"prompt alone \(16 tokens\) fills agent.max_total_tokens \(16\)"):
         episode_from_turns([turn(list(range(16)), [1])], 1.0, EpisodeLimits(max_total_tokens=16))
+
+
+def test_a_stop_string_the_client_never_saw_is_dropped_and_the_next_turn_continues():
+    # Turn 1 sampled [4, 5, 6, 7], where 6 and 7 spell the stop string that the returned text leaves
+    # out; the client sends the conversation back, so turn 2's prompt goes on from [.., 4, 5].
+    first = turn([1, 2, 3], [4, 5, 6, 7])
+    second = turn([1, 2, 3, 4, 5, 9, 10], [11, 12])
+    ep = episode_from_turns([first, second], 1.0, EpisodeLimits(max_total_tokens=64))
+    assert ep.token_ids == [4, 5, 9, 10, 11, 12]
+    assert ep.from_policy == [True, True, False, False, True, True]
+    assert ep.logprobs == [-0.01, -0.02, 0.0, 0.0, -0.01, -0.02]
+    assert (ep.drift_turns, ep.turns, ep.turn_rewards) == (0, 2, [(5, 1.0)])
+
+
+def test_a_prompt_that_rewrites_earlier_turns_is_still_drift():
+    first = turn([1, 2, 3], [4, 5, 6, 7])
+    second = turn([1, 2, 8, 4, 5, 9], [11])  # the history itself changed, not only the last turn's tail
+    ep = episode_from_turns([first, second], 1.0, EpisodeLimits(max_total_tokens=64))
+    assert (ep.token_ids, ep.drift_turns, ep.turns) == ([4, 5, 6, 7], 1, 1)
