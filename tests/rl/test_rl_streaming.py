@@ -293,30 +293,36 @@ def test_max_staleness_zero_is_the_synchronous_loop(ray_session, rl_model_dir, p
         assert torch.allclose(tensor, batch_weights[name], atol=1e-6), name
 
 
-def test_dynamic_sampling_drops_uniform_groups_as_they_arrive(hf_engines, weights):
-    """Groups whose rewards are all equal carry no group advantage: they are dropped as they come
-    back and more are generated until the step has its quota. Here the even prompt positions are
-    uniform by construction (every sample scores 1), the odd ones are not."""
+def _even_prompts_uniform_feed(engines, max_staleness: int, max_uniform_per_step: int, **more) -> RolloutFeed:
+    """A feed with dynamic sampling whose even prompt positions are uniform by construction (every
+    sample scores 1) and whose odd ones are not."""
     from raylign.rl.stream import uniform_rewards
 
     def score(samples):
         for i, s in enumerate(samples):
             s.reward = 1.0 if s.prompt_text in {"p0", "p2", "p4", "p6"} else float(i % 2)
 
-    start = ray.get(hf_engines[0].weight_version_now.remote())
-    feed = RolloutFeed(
-        GroupStream(RolloutPool(hf_engines), timeout_s=120),
+    return RolloutFeed(
+        GroupStream(RolloutPool(engines), timeout_s=120),
         _prompts(),
         itertools.cycle(range(8)),
         SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3),
         PER_STEP,
-        1,
+        max_staleness,
         "drop",
         RLTrainer._group_samples,
         score,
         uniform=uniform_rewards,
-        max_uniform_per_step=30,
+        max_uniform_per_step=max_uniform_per_step,
+        **more,
     )
+
+
+def test_dynamic_sampling_drops_uniform_groups_as_they_arrive(hf_engines, weights):
+    """Groups whose rewards are all equal carry no group advantage: they are dropped as they come
+    back and more are generated until the step has its quota."""
+    start = ray.get(hf_engines[0].weight_version_now.remote())
+    feed = _even_prompts_uniform_feed(hf_engines, 1, 30)
     taken = _run_steps(feed, hf_engines, 4, weights, start_version=start)
     admitted = [g for _, step in taken for g in step.groups]
     assert len(admitted) == 4 * PER_STEP
@@ -333,27 +339,8 @@ def test_without_refill_rounds_uniform_groups_fill_their_step_and_none_is_replac
     its step (``padded_uniform``) and the step still waits for all of its groups. Positions cycle 0..7
     and the even ones are uniform: the steps hold positions 0-2, 3-5, 6,7,0 and 1-3 whatever order
     they come back in, with 2, 1, 2 and 1 of them uniform."""
-    from raylign.rl.stream import uniform_rewards
-
-    def score(samples):
-        for i, s in enumerate(samples):
-            s.reward = 1.0 if s.prompt_text in {"p0", "p2", "p4", "p6"} else float(i % 2)
-
     start = ray.get(hf_engines[0].weight_version_now.remote())
-    feed = RolloutFeed(
-        GroupStream(RolloutPool(hf_engines), timeout_s=120),
-        _prompts(),
-        itertools.cycle(range(8)),
-        SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3),
-        PER_STEP,
-        0,
-        "drop",
-        RLTrainer._group_samples,
-        score,
-        uniform=uniform_rewards,
-        max_uniform_per_step=0,
-        max_groups=4 * PER_STEP,
-    )
+    feed = _even_prompts_uniform_feed(hf_engines, 0, 0, max_groups=4 * PER_STEP)
     taken = _run_steps(feed, hf_engines, 4, weights, start_version=start)
     assert [[g.prompt_position for g in step.groups] for _, step in taken] == [
         [0, 1, 2],
