@@ -318,14 +318,29 @@ def token_balanced_shards(lengths: list[int], world_size: int) -> list[list[int]
 def micro_batches_for_ranks(samples: list[Sample], world_size: int, max_tokens: int) -> list[list[list[int]]]:
     """Split sample positions into ``world_size`` token-balanced shards (:func:`token_balanced_shards`),
     then each shard into token-balanced micro-batches; every rank gets the same number of
-    micro-batches (collectives need it)."""
+    micro-batches (collectives need it): a shard with fewer samples than its peers need micro-batches
+    is an error (the config's checks keep a step's shards even; :func:`own_micro_batches` is the plan
+    that lets a rank come up short)."""
+    plan, needed = own_micro_batches(samples, world_size, max_tokens)
+    for rank, micro in enumerate(plan):
+        if len(micro) < needed:
+            raise ValueError(
+                f"rank {rank} holds {len(micro)} samples, too few for the {needed} micro-batches its peers need"
+            )
+    return plan
+
+
+def own_micro_batches(samples: list[Sample], world_size: int, max_tokens: int) -> tuple[list[list[list[int]]], int]:
+    """Positions of ``samples`` per rank (token-balanced shards) and per micro-batch (token-balanced, at
+    most ``max_tokens`` each), every rank with as many micro-batches as the rank that needs the most, or
+    one per sample where it holds fewer samples than that; and that number."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     shards = token_balanced_shards(lengths, world_size)
     shard_lengths = [[lengths[i] for i in shard] for shard in shards]
-    plans = [balance_micro_batches(lens, max_tokens) for lens in shard_lengths]
-    count = max(len(p) for p in plans)
-    plans = [balance_micro_batches(lens, max_tokens, min_micro_batches=count) for lens in shard_lengths]
-    return [[[shard[j] for j in micro] for micro in plan] for shard, plan in zip(shards, plans)]
+    fewest = [balance_micro_batches(lens, max_tokens, min(1, len(lens))) for lens in shard_lengths]
+    needed = max(len(plan) for plan in fewest)
+    plans = [balance_micro_batches(lens, max_tokens, min(needed, len(lens))) for lens in shard_lengths]
+    return [[[shard[j] for j in micro] for micro in plan] for shard, plan in zip(shards, plans)], needed
 
 
 def reward_metrics(samples: list[Sample]) -> dict[str, float]:

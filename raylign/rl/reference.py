@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from raylign.data.collate import balance_micro_batches
-from raylign.rl.experience import Sample, pack_samples, token_balanced_shards
+from raylign.rl.experience import Sample, own_micro_batches, pack_samples
 
 
 @dataclass
@@ -89,17 +88,10 @@ class EarlyReference:
 
 
 def plan_with_stand_ins(samples: list[Sample], ranks: int, max_tokens: int) -> tuple[list[list[list[int]]], list[int]]:
-    """Positions of ``samples`` per rank and micro-batch (token-balanced, as a step's pass splits them),
-    every rank with as many micro-batches as the rank that needs the most; and per rank how many of
-    them hold its own samples. The rest, on a rank with fewer samples than that, each hold a stand-in:
-    the shortest sample, computed again and dropped."""
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    shards = token_balanced_shards(lengths, ranks)
-    needed = max(len(balance_micro_batches([lengths[i] for i in shard], max_tokens)) for shard in shards if shard)
-    stand_in = min(range(len(samples)), key=lambda i: (lengths[i], i))
-    plan, real = [], []
-    for shard in shards:
-        own = balance_micro_batches([lengths[i] for i in shard], max_tokens, min(needed, len(shard))) if shard else []
-        plan.append([[shard[j] for j in micro] for micro in own] + [[stand_in]] * (needed - len(own)))
-        real.append(len(own))
-    return plan, real
+    """Positions of ``samples`` per rank and micro-batch as a step's pass splits them
+    (:func:`~raylign.rl.experience.own_micro_batches`), and per rank how many micro-batches hold its own
+    samples. A rank with fewer samples than its peers need micro-batches runs, for each one it lacks, a
+    stand-in: the shortest sample, computed again and dropped."""
+    own, needed = own_micro_batches(samples, ranks, max_tokens)
+    stand_in = min(range(len(samples)), key=lambda i: (len(samples[i].prompt_ids) + len(samples[i].response_ids), i))
+    return [micro + [[stand_in]] * (needed - len(micro)) for micro in own], [len(micro) for micro in own]
