@@ -288,12 +288,13 @@ def _run(argv: list[str]) -> int:
         print(f"raylign: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     command = COMMANDS[name]
+    cls = command.config_cls()
     try:
         config_path, print_config, want_help, override_args = _split_args(rest)
         if want_help:
             print(command_help(name))
             return 0
-        cfg = resolve_config(command.config_cls(), config_path, overrides_from_argv(override_args))
+        cfg = resolve_config(cls, config_path, overrides_from_argv(cls, override_args))
     except ConfigError as err:
         print(f"raylign {name}: {err}", file=sys.stderr)
         return 2

@@ -155,19 +155,15 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[last] = value
 
 
-class CommandLineOverrides(dict[str, Any]):
-    """Overrides from the command line, each value read the way YAML reads it. ``as_typed`` keeps
-    each value's text exactly as given (None for a flag given without one), for
-    :func:`resolve_config` to check against the field's type."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.as_typed: dict[str, str | None] = {}
+def overrides_from_argv(cls: type[BaseModel], argv: list[str]) -> dict[str, Any]:
+    """Turn ``['--a.b', '1', '--c=x', '--flag']`` into ``{'a.b': 1, 'c': 'x', 'flag': True}``, each value
+    read by the type of the field of ``cls`` it sets (:func:`_command_line_value`)."""
+    return {key: _command_line_value(cls, key, text) for key, text in _split_overrides(argv).items()}
 
 
-def overrides_from_argv(argv: list[str]) -> CommandLineOverrides:
-    """Turn ``['--a.b', '1', '--c=x', '--flag']`` into ``{'a.b': 1, 'c': 'x', 'flag': True}``."""
-    result = CommandLineOverrides()
+def _split_overrides(argv: list[str]) -> dict[str, str | None]:
+    """Each ``--key value`` or ``--key=value`` as ``{key: value}``; a flag given alone as ``{key: None}``."""
+    result: dict[str, str | None] = {}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -184,8 +180,7 @@ def overrides_from_argv(argv: list[str]) -> CommandLineOverrides:
         else:
             text = None
             i += 1
-        result[key] = True if text is None else _parse_scalar(text)
-        result.as_typed[key] = text
+        result[key] = text
     return result
 
 
@@ -230,23 +225,25 @@ def _is_text_type(member: Any) -> bool:
     return isinstance(member, type) and issubclass(member, (str, PurePath))
 
 
-def _command_line_value(cls: type[BaseModel], dotted: str, text: str | None, read_as_yaml: Any) -> Any:
+def _command_line_value(cls: type[BaseModel], dotted: str, text: str | None) -> Any:
     """The value for ``--dotted`` given as ``text`` (None: the flag alone), by the field's type.
 
-    A text field takes the text exactly as typed, since YAML would drop what follows ' #' and turn
-    'Q: {input}' into a mapping or '2024' into a number; an optional one takes ``null`` as unset. A
-    field that also takes other types reads the text as YAML unless that drops part of it. A flag
-    alone means true, and only for a true/false field.
+    The text is read as YAML would read it ('1e-5' a number, '[a, b]' a list), except that a text
+    field takes it exactly as typed, since YAML would drop what follows ' #' and turn 'Q: {input}'
+    into a mapping or '2024' into a number; an optional one takes ``null`` as unset. A field that also
+    takes other types reads the text as YAML unless that drops part of it. A flag alone means true,
+    and only for a true/false field.
     """
     annotation = _field_annotation(cls, dotted)
-    if annotation is _NO_SUCH_FIELD:
-        return read_as_yaml
+    if annotation is _NO_SUCH_FIELD:  # validation names the unknown field
+        return True if text is None else _parse_scalar(text)
     if text is None:
         return _bare_flag_value(dotted, annotation)
     members = _union_members(annotation)
     values = [m for m in members if m is not type(None)]
     if values and all(_is_text_type(m) for m in values):
         return None if text == "null" and type(None) in members else text
+    read_as_yaml = _parse_scalar(text)
     if any(_is_text_type(m) for m in values) and _yaml_drops_text(text, read_as_yaml):
         return text
     return read_as_yaml
@@ -280,19 +277,15 @@ def resolve_config(
     overrides: dict[str, Any] | None = None,
     base: dict[str, Any] | None = None,
 ) -> T:
-    """Precedence, lowest first: schema defaults < ``base`` < YAML file < overrides (a schema may add
-    its own layer above its defaults in a ``mode="before"`` validator, as RL presets do).
-
-    Overrides from :func:`overrides_from_argv` are checked against the fields' types on the way in
-    (see :func:`_command_line_value`)."""
+    """Precedence, lowest first: schema defaults < ``base`` < YAML file < ``overrides`` (dotted keys:
+    the command line's, from :func:`overrides_from_argv`). A schema may add its own layer above its
+    defaults in a ``mode="before"`` validator, as RL presets do."""
     data: dict[str, Any] = copy.deepcopy(base or {})  # overrides below must not write into the caller's preset
     source = "defaults"
     if yaml_path is not None:
         data = deep_merge(data, load_yaml(yaml_path))
         source = str(yaml_path)
     for dotted, value in (overrides or {}).items():
-        if isinstance(overrides, CommandLineOverrides):
-            value = _command_line_value(cls, dotted, overrides.as_typed[dotted], value)
         set_dotted(data, dotted, value)
     if overrides:
         source += " + command-line overrides"

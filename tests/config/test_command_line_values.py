@@ -31,7 +31,7 @@ def write_text(tmp_path, text, name="run.yaml"):
 
 
 def resolve_argv(argv, base=MINIMAL, cls=SFTConfig):
-    return resolve_config(cls, None, overrides_from_argv(argv), base=base)
+    return resolve_config(cls, None, overrides_from_argv(cls, argv), base=base)
 
 
 # ---------------------------------------------------------------- text fields take the text as typed
@@ -59,7 +59,7 @@ def test_output_dir_that_yaml_reads_as_another_type_stays_text(text):
 
 def test_null_unsets_an_optional_text_field_the_config_file_set(tmp_path):
     path = write_yaml(tmp_path, {**MINIMAL, "model": {"path": "/models/tiny", "tokenizer_path": "/tokenizers/t"}})
-    cfg = resolve_config(SFTConfig, path, overrides_from_argv(["--model.tokenizer_path", "null"]))
+    cfg = resolve_config(SFTConfig, path, overrides_from_argv(SFTConfig, ["--model.tokenizer_path", "null"]))
     assert cfg.model.tokenizer_path is None
 
 
@@ -98,7 +98,7 @@ def test_cli_prints_a_prompt_template_with_a_hash_as_typed(tmp_path):
 
 def test_bare_flag_sets_a_true_false_field(tmp_path):
     path = write_yaml(tmp_path, {**MINIMAL, "data": {**MINIMAL["data"], "packing": False}})
-    cfg = resolve_config(SFTConfig, path, overrides_from_argv(["--data.packing"]))
+    cfg = resolve_config(SFTConfig, path, overrides_from_argv(SFTConfig, ["--data.packing"]))
     assert cfg.data.packing is True
 
 
@@ -126,13 +126,13 @@ def test_bare_flag_for_an_unknown_field_is_named_as_unknown():
 
 def test_section_given_as_a_mapping_keeps_the_config_files_other_fields(tmp_path):
     path = write_yaml(tmp_path, {**MINIMAL, "optim": {"lr": 1e-3, "warmup_steps": 5}})
-    cfg = resolve_config(SFTConfig, path, overrides_from_argv(["--optim", "{lr: 0.1}"]))
+    cfg = resolve_config(SFTConfig, path, overrides_from_argv(SFTConfig, ["--optim", "{lr: 0.1}"]))
     assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.max_grad_norm) == (0.1, 5, 1.0)
 
 
 def test_nested_section_given_as_a_mapping_is_merged_field_by_field(tmp_path):
     path = write_yaml(tmp_path, {**MINIMAL, "model": {"path": "/models/tiny", "lora": {"rank": 8, "alpha": 32.0}}})
-    cfg = resolve_config(SFTConfig, path, overrides_from_argv(["--model", "{lora: {rank: 4}}"]))
+    cfg = resolve_config(SFTConfig, path, overrides_from_argv(SFTConfig, ["--model", "{lora: {rank: 4}}"]))
     assert (cfg.model.path, cfg.model.lora.rank, cfg.model.lora.alpha) == ("/models/tiny", 4, 32.0)
 
 

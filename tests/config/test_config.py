@@ -27,7 +27,7 @@ def test_yaml_to_object_to_yaml_round_trip(tmp_path):
 
 def test_precedence_defaults_then_yaml_then_command_line(tmp_path):
     path = write_yaml(tmp_path, {**MINIMAL, "optim": {"lr": 1e-3, "warmup_steps": 5}})
-    cfg = resolve_config(SFTConfig, path, overrides_from_argv(["--optim.lr", "3e-4"]))
+    cfg = resolve_config(SFTConfig, path, overrides_from_argv(SFTConfig, ["--optim.lr", "3e-4"]))
     assert cfg.optim.lr == 3e-4  # command line beats YAML
     assert cfg.optim.warmup_steps == 5  # YAML beats default
     assert cfg.optim.max_grad_norm == 1.0  # default kept
@@ -40,8 +40,26 @@ def test_preset_base_is_lowest_precedence(tmp_path):
 
 
 def test_command_line_values_are_typed_like_yaml():
-    parsed = overrides_from_argv(["--a.lr", "1e-5", "--b=true", "--c", "[1, 2]", "--flag", "--d", "text"])
+    # Keys of no field: read as YAML reads them (validation then names them as unknown).
+    argv = ["--a.lr", "1e-5", "--b=true", "--c", "[1, 2]", "--flag", "--d", "text"]
+    parsed = overrides_from_argv(SFTConfig, argv)
     assert parsed == {"a.lr": 1e-5, "b": True, "c": [1, 2], "flag": True, "d": "text"}
+
+
+def test_command_line_values_are_read_like_yaml_by_the_fields_type(tmp_path):
+    path = write_yaml(tmp_path, MINIMAL)
+    argv = [
+        "--optim.lr",
+        "1e-5",
+        "--data.packing=false",
+        "--optim.max_grad_norm",
+        "0.5",
+        "--data.train",
+        "[{path: b.jsonl}]",
+    ]
+    cfg = resolve_config(SFTConfig, path, overrides_from_argv(SFTConfig, argv))
+    assert (cfg.optim.lr, cfg.data.packing, cfg.optim.max_grad_norm) == (1e-5, False, 0.5)
+    assert [str(d.path) for d in cfg.data.train] == ["b.jsonl"]
 
 
 def test_unknown_key_names_its_path():
