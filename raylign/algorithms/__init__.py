@@ -32,7 +32,12 @@ from raylign.algorithms.aggregation import (
 from raylign.algorithms.distillation import forward_kl_loss, generalized_jsd_loss, reverse_kl_loss
 from raylign.algorithms.groups import GroupStats, group_stats, resolve_group_ids
 from raylign.algorithms.kl import compute_kl_loss, compute_token_kl, kl_k1, kl_k2, kl_k3, kl_reward_penalty
-from raylign.algorithms.off_policy import importance_log_ratio, mask_by_importance_ratio, truncated_importance_weights
+from raylign.algorithms.off_policy import (
+    importance_log_ratio,
+    importance_ratio_sums,
+    mask_by_importance_ratio,
+    truncated_importance_weights,
+)
 from raylign.algorithms.policy_loss import (
     compute_entropy_bonus,
     compute_gspo_policy_loss,
@@ -135,6 +140,7 @@ __all__ = [
     "generalized_jsd_loss",
     "group_stats",
     "importance_log_ratio",
+    "importance_ratio_sums",
     "ipo_loss",
     "kimi_length_penalty",
     "kl_k1",

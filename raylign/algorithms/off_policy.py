@@ -47,16 +47,30 @@ def importance_log_ratio(
     return zero_masked(log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp), mask)
 
 
+def importance_ratio_sums(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """``[N, sum rho, sum rho^2]`` of the token ratios over ``mask``'s ``N`` counted tokens, detached.
+
+    The sums behind Kish's effective sample size fraction ``(sum rho)^2 / (N sum rho^2)``: those of
+    micro-batches and ranks add up to those of all their tokens, where their fractions do not average
+    to it (each micro-batch of equal ratios has fraction 1, whatever the spread between them).
+    """
+    rho = zero_masked(importance_log_ratio(old_logprobs, rollout_logprobs, mask).exp(), mask)
+    return torch.stack([mask.sum().to(rho.dtype), rho.sum(), (rho**2).sum()])
+
+
 def _mismatch_metrics(
     old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    token = (zero_masked(old_logprobs, mask) - zero_masked(rollout_logprobs, mask)).detach().clamp(-20, 20)
+    token = importance_log_ratio(old_logprobs, rollout_logprobs, mask)
     # samples come from the rollout policy: k3 of KL(rollout || old) with ratio old / rollout
-    rho = zero_masked(token.exp(), mask)
+    kl = masked_mean(torch.expm1(token) - token, mask)
     # Kish's effective sample size of the token ratios, as a fraction of the tokens counted:
-    # (sum rho)^2 / (N sum rho^2), 1 when every ratio is equal, 1/N when one token carries all weight.
-    ess = rho.sum() ** 2 / (mask.sum().clamp(min=1) * (rho**2).sum().clamp(min=1e-30))
-    return {"mismatch_kl": masked_mean(torch.expm1(token) - token, mask), "is_ess_fraction": ess}
+    # 1 when every ratio is equal, 1/N when one token carries all weight.
+    count, rho_sum, rho_sq_sum = importance_ratio_sums(old_logprobs, rollout_logprobs, mask)
+    ess = rho_sum**2 / (count.clamp(min=1) * rho_sq_sum.clamp(min=1e-30))
+    return {"mismatch_kl": kl, "is_ess_fraction": ess}
 
 
 @OFF_POLICY_CORRECTIONS.register("truncated_is")

@@ -33,13 +33,14 @@ from raylign.algorithms import (
     compute_kl_loss,
     compute_loss_scale,
     compute_value_loss,
+    importance_ratio_sums,
     mask_by_importance_ratio,
     truncated_importance_weights,
 )
 from raylign.config.rl import AlgorithmConfig, RLConfig
 from raylign.hardware import flush_denormals
 from raylign.rl.experience import MicroBatch, gather_responses
-from raylign.rl.metric import Metric, combine
+from raylign.rl.metric import Metric, combine, effective_sample_size
 
 # ``correct(batch) -> (loss mask, token weights or None, statistics)`` for the trainer-vs-engine gap.
 OffPolicyCorrection = Callable[[MicroBatch], tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]]
@@ -249,7 +250,7 @@ class ModelWorker:
         for batch in micro_batches:
             mask, token_weights, correction_stats = self.correct_off_policy(batch)
             corrected.append((mask, token_weights))
-            stats.append(_token_means(correction_stats, batch.mask))
+            stats.append(_correction_metrics(correction_stats, batch))
         scale = self._scale([mask for mask, _ in corrected])
         self.module.train()
         losses = []
@@ -667,6 +668,17 @@ def _token_means(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str
         name: Metric(float(value), "max") if name in MAXIMA else Metric(float(value), "mean", tokens)
         for name, value in stats.items()
     }
+
+
+def _correction_metrics(stats: dict[str, torch.Tensor], batch: MicroBatch) -> dict[str, Metric]:
+    """The off-policy correction's statistics of one micro-batch as token means, but for the effective
+    sample size fraction: carried as its sums, so that the step logs that of all its tokens, over
+    micro-batches, ranks and updates (a mean of the micro-batches' fractions overstates it)."""
+    metrics = _token_means(stats, batch.mask)
+    if "is_ess_fraction" in stats:
+        sums = importance_ratio_sums(batch.old_logprobs, batch.rollout_logprobs, batch.mask)
+        metrics["is_ess_fraction"] = effective_sample_size(*sums.tolist())
+    return metrics
 
 
 def _engine_mismatch(rollout_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, Metric]:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from raylign.algorithms import mask_by_importance_ratio, truncated_importance_weights
+from raylign.algorithms import importance_ratio_sums, mask_by_importance_ratio, truncated_importance_weights
 
 from .helpers import fill_masked
 
@@ -35,6 +35,13 @@ def test_token_level_truncated_weights_are_min_of_ratio_and_cap():
     counted = [3.0, 0.5, 1.5, 0.25, 1.0]  # Kish: (sum rho)^2 / (N sum rho^2), of the uncapped ratios
     assert metrics["is_ess_fraction"].item() == pytest.approx(sum(counted) ** 2 / (5 * sum(r * r for r in counted)))
     assert not weights.requires_grad
+
+
+def test_importance_ratio_sums_count_only_the_masked_tokens():
+    old, rollout, mask = inputs()
+    counted = [3.0, 0.5, 1.5, 0.25, 1.0]  # N, sum rho, sum rho^2: what adds up over micro-batches and ranks
+    expected = [5.0, sum(counted), sum(r * r for r in counted)]
+    assert importance_ratio_sums(old, rollout, mask).tolist() == pytest.approx(expected)
 
 
 def test_sequence_and_geometric_levels_use_product_and_geometric_mean():

@@ -14,11 +14,13 @@ import random
 import pytest
 import torch
 
+from raylign.config.rl import AlgorithmConfig
 from raylign.models.packed_attention import ONE_ROW
 from raylign.rl.experience import Experience, behaviour_for, pack_samples, response_tensor
 from raylign.rl.group import WorkerGroup
 from raylign.rl.metric import Metric, average_updates, combine
 from raylign.rl.trainer import RLTrainer
+from raylign.rl.worker import _correction_metrics, bind_off_policy_correction
 from raylign.trainers.guard import SkippedSteps
 
 from .rl_helpers import fp32_model, make_sample, resolve, response_logprobs, rl_config_data
@@ -189,6 +191,55 @@ def test_metrics_combine_as_they_say():
     assert step == {"clip": pytest.approx((0.2 * 8 + 0.6 * 2) / 10), "ratio_max": 1.5, "loss": pytest.approx(0.5)}
     with pytest.raises(ValueError, match="clip"):
         combine([{"clip": Metric(0.5, "mean")}, {"clip": Metric(0.5, "max")}])
+
+
+# Importance ratios old / rollout of each rank's micro-batches, one list per sample (rows of unequal
+# length: the padding must not count). Within each micro-batch every ratio is equal.
+RATIOS_BY_RANK = [
+    [[[1.0, 1.0, 1.0], [1.0]], [[3.0, 3.0], [3.0, 3.0]]],
+    [[[0.5, 0.5], [0.5]], [[2.0], [2.0, 2.0]]],
+]
+
+
+def _correction_batch(ratios: list[list[float]]):
+    """A micro-batch whose ratio ``exp(old - rollout)`` at each response token is the given one."""
+    samples = [make_sample([1, 2], list(range(3, 3 + len(row)))) for row in ratios]
+    old = response_tensor([[math.log(r) - 1.0 for r in row] for row in ratios])
+    rollout = response_tensor([[-1.0] * len(row) for row in ratios])
+    return pack_samples(samples, {"old_logprobs": old, "rollout_logprobs": rollout}, behaviour="engine")
+
+
+def _rank_metrics(micro_batches: list[list[list[float]]]) -> dict[str, Metric]:
+    """One rank's metrics of an update, combined over its micro-batches as ``train_policy`` does."""
+    correct = bind_off_policy_correction(AlgorithmConfig(off_policy="truncated_is", tis_cap=2.0))
+    parts = []
+    for ratios in micro_batches:
+        batch = _correction_batch(ratios)
+        parts.append(_correction_metrics(correct(batch)[2], batch))
+    return combine(parts)
+
+
+def _kish_fraction(ratios: list[float]) -> float:
+    """``(sum rho)^2 / (N sum rho^2)``, written out."""
+    return sum(ratios) ** 2 / (len(ratios) * sum(r * r for r in ratios))
+
+
+def test_is_ess_fraction_is_that_of_all_the_tokens_of_the_micro_batches():
+    # rank 0: 4 tokens of ratio 1 and 4 of ratio 3: (4 + 12)^2 / (8 (4 + 36)) = 0.8, not the
+    # fraction 1 of either micro-batch.
+    metric = _rank_metrics(RATIOS_BY_RANK[0])["is_ess_fraction"]
+    assert metric.value == pytest.approx(0.8, rel=1e-6)
+
+
+def test_is_ess_fraction_is_that_of_all_the_tokens_of_the_ranks_and_updates():
+    per_rank = [_rank_metrics(micro_batches) for micro_batches in RATIOS_BY_RANK]
+    pooled = [r for micro_batches in RATIOS_BY_RANK for ratios in micro_batches for row in ratios for r in row]
+    expected = _kish_fraction(pooled)  # 14 tokens: 23.5^2 / (14 * 52.75) = 0.748
+    assert expected == pytest.approx(552.25 / 738.5)
+    update = combine(per_rank)  # the controller's combination of the ranks' answers
+    assert update["is_ess_fraction"].value == pytest.approx(expected, rel=1e-6)
+    # A second epoch over the same tokens (the ratios are fixed for the step) leaves the fraction alone.
+    assert average_updates([update, update])["is_ess_fraction"] == pytest.approx(expected, rel=1e-6)
 
 
 # ---- the logged losses -----------------------------------------------------------------------
