@@ -94,6 +94,39 @@ def test_bf16_model_updates_fp32_master_weights():
     assert moved_in_fp32 > 0.9 and moved_in_bf16 < 0.5
 
 
+def test_bf16_micro_batch_gradients_reach_the_optimizer_summed_in_fp32():
+    """With master weights, the optimizer sees the fp32 sum of the micro-batches' bf16 gradients, as
+    fsdp2 and DeepSpeed give it: summed in bf16, every addition would round to 8 significant bits."""
+    micro_batches = 32
+    model = tiny_model(dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    cfg = OptimConfig(lr=1e-5, scheduler="constant", weight_decay=0.0, max_grad_norm=0.0)
+    engine = create_engine(model, local_cfg(), cfg, total_steps=1)
+    seen: dict[str, torch.Tensor] = {}
+    engine.optimizer.register_step_pre_hook(
+        lambda *_: seen.update({name: m.grad.clone() for name, m in engine.master.named_masters})
+    )
+    for seed in range(micro_batches):
+        ids = token_batch(seed)
+        engine.backward(engine.module(input_ids=ids, labels=ids).loss / micro_batches)
+    engine.step()
+
+    names, params = zip(*reference.named_parameters(), strict=True)
+    fp32_sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    bf16_sums = [torch.zeros_like(p) for p in params]
+    for seed in range(micro_batches):
+        ids = token_batch(seed)
+        grads = torch.autograd.grad(reference(input_ids=ids, labels=ids).loss / micro_batches, params)
+        for fp32_sum, bf16_sum, g in zip(fp32_sums, bf16_sums, grads, strict=True):
+            fp32_sum += g.float()
+            bf16_sum += g
+    for name, fp32_sum in zip(names, fp32_sums, strict=True):
+        torch.testing.assert_close(seen[name], fp32_sum, atol=1e-12, rtol=1e-6, msg=name)
+    bf16_error = math.sqrt(sum(float((b.float() - f).square().sum()) for b, f in zip(bf16_sums, fp32_sums)))
+    fp32_norm = math.sqrt(sum(float(f.square().sum()) for f in fp32_sums))
+    assert bf16_error / fp32_norm > 1e-3, "bf16 accumulation must be measurably off for the test to tell"
+
+
 def test_export_reloads_with_trained_weights_and_generates(tiny_model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert model.config.tie_word_embeddings
