@@ -7,7 +7,7 @@ at it::
         client = ctx.openai_client()          # base_url, key and session id already set
         reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": ctx.prompt}])
         ...
-        return reward                          # or None, and POST /v1/sessions/{id}/reward
+        return reward                          # a number (numpy's too), or None and POST /v1/sessions/{id}/reward
 
 It is called once per episode. Every request it makes is sampled by the rollout engines and
 recorded into the episode (:class:`raylign.agents.endpoint.EpisodeRecorder`); when it returns,
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raylign.agents.endpoint import EpisodeRecorder, Turn
-from raylign.agents.env import call
+from raylign.agents.env import as_number, call
 from raylign.agents.episode import EnvironmentFailed, Episode, EpisodeLimits, TemplateDriftError
 
 logger = logging.getLogger(__name__)
@@ -102,9 +102,11 @@ class ClientEpisodeRunner:
                 f"{where}: the agent function made no request to the endpoint "
                 f"({reason}{': ' + error if error else ''}); nothing to train on"
             )
-        if returned is not None and not isinstance(returned, (int, float)):
-            raise TypeError(f"{where}: the agent function returned {returned!r:.60}; return a number or None")
-        reward = float(returned) if returned is not None else float(posted or 0.0)
+        if returned is None:
+            reward = float(posted or 0.0)
+        else:
+            name = getattr(self.agent_fn, "__qualname__", type(self.agent_fn).__name__)
+            reward = as_number(returned, f"{where}: the agent function {name} returned")
         ep = episode_from_turns(turns, reward, self.limits, where)
         if ep.end_reason == "done":
             ep.end_reason = reason  # type: ignore[assignment]

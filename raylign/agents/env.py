@@ -12,10 +12,10 @@ An environment is a Python class; one instance plays one episode::
 Either method may be ``async``; a blocking one runs in a thread, so a slow episode never holds
 back the others. An observation is a message (``{"role", "content"}``), a list of messages, or a
 plain string (a user message); a step that ends the episode may return ``None``. ``reward`` is
-this turn's reward; the episode's reward is the sum of its turns'. ``info`` is a dict of counts for
-the logs; two keys mean something: ``tool_calls`` (how many tools the turn called) and
-``tool_failures`` (a list of failure kinds, e.g. ``["timeout"]``). ``close()``, if defined, is
-called once when the episode ends, however it ends.
+this turn's reward, a number (numpy scalars too); the episode's reward is the sum of its turns'.
+``info`` is a dict of counts for the logs; two keys mean something: ``tool_calls`` (how many tools
+the turn called) and ``tool_failures`` (a list of failure kinds, e.g. ``["timeout"]``).
+``close()``, if defined, is called once when the episode ends, however it ends.
 
 ``agent.env`` names the class: ``path/to/env.py:ClassName`` or ``package.module:ClassName``.
 """
@@ -23,6 +23,7 @@ called once when the episode ends, however it ends.
 from __future__ import annotations
 
 import inspect
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,13 +86,24 @@ def as_step_result(value: Any, where: str) -> StepResult:
     if not isinstance(value, tuple) or len(value) != 4:
         raise TypeError(f"{where}: step() must return (observation, reward, done, info), got {value!r:.80}")
     observation, reward, done, info = value
-    try:
-        reward = float(reward)
-    except (TypeError, ValueError):
-        raise TypeError(f"{where}: step() returned reward {reward!r:.40}; it must be a number") from None
+    reward = as_number(reward, f"{where}: step() returned reward")
     if info is not None and not isinstance(info, dict):
         raise TypeError(f"{where}: step() returned info of type {type(info).__name__}; it must be a dict")
     return StepResult(as_messages(observation, where), reward, bool(done), dict(info or {}))
+
+
+def as_number(value: Any, what: str) -> float:
+    """``value`` as a float: a Python or numpy number or bool (``np.float32``, ``np.int64``, ``np.bool_``:
+    what user code computing a reward with numpy returns). Anything else (a string, a list, None) is a
+    TypeError that starts with ``what`` (the function that returned it) and shows the value."""
+    import numpy as np
+
+    # numpy registers its integer and floating types as numbers.Real, but not np.bool_.
+    if isinstance(value, (numbers.Real, np.bool_)):
+        return float(value)
+    raise TypeError(
+        f"{what} {value!r:.60}; it must be a number (int, float, bool or a numpy scalar), not {type(value).__name__}"
+    )
 
 
 async def call(method: Any, *args: Any) -> Any:

@@ -21,9 +21,14 @@ new part, and what was trained stays what was sampled.
 
 Limits end an episode with a recorded reason, never a hang: ``max_turns`` policy turns,
 ``max_total_tokens`` (prompt and every turn), ``episode_timeout_s`` of wall time, and
-``step_timeout_s`` for one call of the environment. A turn being generated when the wall time runs
-out is finished first (it is bounded by ``sampling.max_new_tokens``). A blocking ``step`` that
-hangs is abandoned in its thread (Python cannot stop a thread); an ``async`` one is cancelled.
+``step_timeout_s`` for one call of the environment. Every turn the policy wrote is graded by its
+``step``, with the whole ``step_timeout_s``, however the episode then ends: as the last turn of
+``max_turns`` is, so is the turn being generated when the wall time runs out (it is finished first,
+bounded by ``sampling.max_new_tokens``); the episode then ends with ``timeout``, unless the step
+ended it. Only a step that fails leaves its turn without a reward (``step_timeout``,
+``env_error``). A blocking ``step`` that hangs is abandoned in its thread (Python cannot stop a
+thread); an ``async`` one is cancelled. An environment that declares ``step_budget_s``, the time its
+``step`` may take (the tool environments do), must keep it below ``step_timeout_s``.
 """
 
 from __future__ import annotations
@@ -132,6 +137,7 @@ class EpisodeRunner:
     ):
         self.env_factory, self.tokenizer, self.limits = env_factory, tokenizer, limits
         self.generate_timeout_s = generate_timeout_s
+        self.special_ids = frozenset(tokenizer.all_special_ids)
 
     def render(self, messages: list[Message], env: Any, generation_prompt: bool) -> str:
         kwargs: dict[str, Any] = {}
@@ -164,6 +170,7 @@ class EpisodeRunner:
         deadline = start + lim.episode_timeout_s
         env = self.env_factory()
         try:
+            self._check_step_budget(env, where)
             try:
                 first = await asyncio.wait_for(call(env.reset, prompt, label, metadata), lim.step_timeout_s)
             except TimeoutError:
@@ -208,16 +215,13 @@ class EpisodeRunner:
                 self.generate_timeout_s,
             )
             self._append_policy(ep, completion)
-            step_timeout = min(lim.step_timeout_s, deadline - time.perf_counter())
-            if step_timeout <= 0:
-                return self._end(ep, "timeout")
-            try:
+            try:  # the whole step_timeout_s even past the wall time: the turn is trained, so it is graded
                 raw = await asyncio.wait_for(
-                    call(env.step, completion.text, list(completion.response_token_ids)), step_timeout
+                    call(env.step, completion.text, list(completion.response_token_ids)), lim.step_timeout_s
                 )
                 result = as_step_result(raw, f"{where}, turn {ep.turns}")
             except TimeoutError:
-                return self._end(ep, "step_timeout" if step_timeout == lim.step_timeout_s else "timeout")
+                return self._end(ep, "step_timeout")
             except Exception as err:  # the environment's own failure: the episode ends, training goes on
                 return self._failed(ep, where, f"{type(err).__name__}: {err}")
             ep.turn_rewards.append((len(ep.token_ids) - 1, result.reward))
@@ -261,7 +265,7 @@ class EpisodeRunner:
         # own (a random policy may sample <|pad|>, before its end-of-turn token or last of a turn
         # cut at its token limit): a render without them would not be a prefix match.
         end = len(ids)
-        if c.finish_reason == "stop" and end and ids[-1] in set(self.tokenizer.all_special_ids):
+        if c.finish_reason == "stop" and end and ids[-1] in self.special_ids:
             end -= 1
         content = self.decode(ids[:end])
         ep.messages.append({"role": "assistant", "content": content})
@@ -302,7 +306,7 @@ class EpisodeRunner:
         fresh render then continues everything before that token, and differs only from it on."""
         if ep.finish_reason != "stop" or not ep.from_policy or not ep.from_policy[-1]:
             return False
-        if ep.token_ids[-1] not in set(self.tokenizer.all_special_ids):
+        if ep.token_ids[-1] not in self.special_ids:
             return False
         return fresh.startswith(self.decode(ep.prompt_ids + ep.token_ids[:-1]))
 
@@ -312,13 +316,23 @@ class EpisodeRunner:
         marker = "\x00raylign-turn-end\x00"
         closed = self.render(ep.messages[:-1] + [{"role": "assistant", "content": marker}], env, False)
         after = closed[closed.rfind(marker) + len(marker) :] if marker in closed else ""
-        special = set(self.tokenizer.all_special_ids)
         end = len(ep.token_ids)
-        while end and ep.from_policy[end - 1] and ep.token_ids[end - 1] in special:
+        while end and ep.from_policy[end - 1] and ep.token_ids[end - 1] in self.special_ids:
             end -= 1
         sampled = self.decode(ep.token_ids[end:])  # the turn's trailing special tokens, e.g. "<|im_end|>"
         overlap = next(k for k in range(len(after), -1, -1) if sampled.endswith(after[:k]))
         return after[overlap:]
+
+    def _check_step_budget(self, env: Any, where: str) -> None:
+        """An environment's ``step_budget_s`` must fit in ``step_timeout_s``: a step that used it would be
+        cut off, its turn unrewarded, in every episode that needs it."""
+        budget = getattr(env, "step_budget_s", None)
+        if isinstance(budget, (int, float)) and budget >= self.limits.step_timeout_s:
+            raise EnvironmentFailed(
+                f"{where}: {type(env).__name__}'s step_budget_s={budget:g} s is not below agent.step_timeout_s="
+                f"{self.limits.step_timeout_s:g} s, which would end the episode without the turn's reward; lower "
+                "agent.env_args.step_budget_s or raise agent.step_timeout_s"
+            )
 
     @staticmethod
     def _end(ep: Episode, reason: EndReason) -> None:

@@ -11,7 +11,9 @@ their own there is a shorter tagged form, ``<calculator>123 * 456</calculator>``
 the tag around its one argument (tools with exactly one required parameter). Each call's
 result comes back as a ``tool`` message. A tool that raises, times out or is called wrongly
 gives the model an error message as its result and counts as a failed call of that kind; the
-episode and the training step go on.
+episode and the training step go on. A turn's calls run one after another and share one time
+budget (``step_budget_s``), kept below ``agent.step_timeout_s`` so that a turn of slow calls ends
+with results the model can read rather than the step's timeout, which cuts the turn off unrewarded.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import inspect
 import json
 import operator
 import re
+import time
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from raylign.agents.env import Environment, Message
+from raylign.agents.env import Environment, Message, as_number
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
@@ -165,7 +168,12 @@ class ToolEnv(Environment):
     error result. ``tool_role`` is the role of result messages ("tool"; "user" for templates
     without one). ``call_format``: "json" (``<tool_call>`` blocks) or "tagged" (module docstring).
     ``template_tools``: hand the tools' schemas to the chat template (``tools``) instead of describing
-    them in the system message, for models whose template renders tools itself (Qwen, Hermes)."""
+    them in the system message, for models whose template renders tools itself (Qwen, Hermes).
+
+    Each call may take ``tool_timeout_s``, and the calls of one turn together ``step_budget_s``: a
+    call gets what is left of it (a call cut short, or not run because nothing is left, is a failed
+    call of kind ``step_budget``). The episode runner refuses a budget that is not below
+    ``agent.step_timeout_s``, whose timeout would end the episode without the turn's reward."""
 
     def __init__(
         self,
@@ -177,6 +185,7 @@ class ToolEnv(Environment):
         answer_reward: Callable[[str, Any], float] = numeric_match,
         call_format: Literal["json", "tagged"] = "json",
         template_tools: bool = False,
+        step_budget_s: float = 25.0,
     ):
         if call_format not in ("json", "tagged"):
             raise ValueError(f"call_format must be 'json' or 'tagged', got {call_format!r}")
@@ -188,6 +197,7 @@ class ToolEnv(Environment):
             system_prompt = "" if template_tools else self.describe()
         self.system_prompt = system_prompt
         self.max_tool_calls, self.tool_timeout_s, self.tool_role = max_tool_calls, tool_timeout_s, tool_role
+        self.step_budget_s = step_budget_s
         self.answer_reward = answer_reward
         self.calls = 0
         self.label: Any = None
@@ -218,28 +228,38 @@ class ToolEnv(Environment):
         else:
             calls, errors = parse_tool_calls(action_text)
         if not calls and not errors:  # an answer
-            return None, float(self.answer_reward(action_text, self.label)), True, {}
+            name = getattr(self.answer_reward, "__qualname__", type(self.answer_reward).__name__)
+            reward = as_number(self.answer_reward(action_text, self.label), f"answer_reward {name} returned")
+            return None, reward, True, {}
         results, failures = [], ["bad_call"] * len(errors)
         results += [f"error: {e}" for e in errors]
+        deadline = time.monotonic() + self.step_budget_s
         for call in calls:
-            result, failure = await self._run(call)
+            result, failure = await self._run(call, deadline)
             results.append(result)
             if failure:
                 failures.append(failure)
         observation = [{"role": self.tool_role, "content": r} for r in results]
         return observation, 0.0, False, {"tool_calls": len(calls) + len(errors), "tool_failures": failures}
 
-    async def _run(self, call: ToolCall) -> tuple[str, str | None]:
-        """A call's result text, and its failure kind (None when it worked)."""
+    async def _run(self, call: ToolCall, deadline: float) -> tuple[str, str | None]:
+        """A call's result text, and its failure kind (None when it worked); ``deadline`` (time.monotonic)
+        ends the turn's budget."""
         self.calls += 1
         if self.calls > self.max_tool_calls:
             return f"error: no more tool calls in this episode (at most {self.max_tool_calls})", "too_many"
         chosen = self.tool_list.get(call.name)
         if chosen is None:
             return f"error: unknown tool {call.name!r}; tools: {', '.join(self.tool_list)}", "unknown_tool"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return self._over_budget(f"{call.name} was not run")
+        timeout = min(self.tool_timeout_s, left)
         try:
-            result = await asyncio.wait_for(chosen(call.arguments), self.tool_timeout_s)
+            result = await asyncio.wait_for(chosen(call.arguments), timeout)
         except TimeoutError:
+            if timeout < self.tool_timeout_s:
+                return self._over_budget(f"{call.name} was stopped after {timeout:.1f} s")
             return f"error: {call.name} did not finish within {self.tool_timeout_s:g} s", "timeout"
         except TypeError as err:
             return f"error: wrong arguments for {call.name}: {err}", "bad_arguments"
@@ -248,6 +268,9 @@ class ToolEnv(Environment):
         except Exception as err:
             return f"error: {call.name} failed: {type(err).__name__}: {err}", "error"
         return str(result), None
+
+    def _over_budget(self, what: str) -> tuple[str, str]:
+        return f"error: {what}: the tool calls of one turn may take {self.step_budget_s:g} s in all", "step_budget"
 
 
 class ToolError(Exception):
@@ -323,6 +346,7 @@ class CalculatorEnv(ToolEnv):
         tool_role: str = "tool",
         call_format: Literal["json", "tagged"] = "json",
         template_tools: bool = False,
+        step_budget_s: float = 25.0,
     ):
         super().__init__(
             [calculator],
@@ -331,6 +355,7 @@ class CalculatorEnv(ToolEnv):
             tool_role=tool_role,
             call_format=call_format,
             template_tools=template_tools,
+            step_budget_s=step_budget_s,
         )
 
 
@@ -340,7 +365,9 @@ class CalculatorEnv(ToolEnv):
 class PythonEnv(ToolEnv):
     """Questions answered with the help of a Python interpreter that runs in a sandbox
     (:mod:`raylign.agents.sandbox`: no network, a scratch folder, limits on time, memory and
-    processes). What the code prints is the tool's result; a sandbox failure is a failed call."""
+    processes). What the code prints is the tool's result; a sandbox failure is a failed call.
+    A call may take ``wall_time_s`` (and a few seconds to start and stop the sandbox); the calls
+    of one turn together ``step_budget_s`` (see :class:`ToolEnv`)."""
 
     def __init__(
         self,
@@ -351,6 +378,7 @@ class PythonEnv(ToolEnv):
         wall_time_s: float = 10.0,
         memory_mb: int = 512,
         template_tools: bool = False,
+        step_budget_s: float = 25.0,
     ):
         from raylign.agents.sandbox import SandboxLimits, run_python_async
 
@@ -370,4 +398,5 @@ class PythonEnv(ToolEnv):
             tool_timeout_s=wall_time_s + 5,
             tool_role=tool_role,
             template_tools=template_tools,
+            step_budget_s=step_budget_s,
         )

@@ -1,12 +1,21 @@
-"""Turning an endpoint session's recorded turns into one episode (``episode_from_turns``), at the token limit."""
+"""Turning an endpoint session's recorded turns into one episode (``episode_from_turns``), at the token
+limit; and whole client episodes: an agent function talking to the endpoint in front of the real ``hf``
+engine (the tiny tied Qwen2 of ``tests/conftest.py``), and the text the endpoint returns."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
-from raylign.agents.client import episode_from_turns
-from raylign.agents.endpoint import Turn
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from raylign.agents.client import ClientEpisodeRunner, episode_from_turns
+from raylign.agents.endpoint import EndpointServer, EpisodeRecorder, SpecialTokens, Turn, build_app, client_text
 from raylign.agents.episode import EnvironmentFailed, EpisodeLimits
+from raylign.config.rollout import RolloutConfig
+from raylign.rollout.base import Completion
+from raylign.rollout.hf_engine import HFEngine
 
 
 def turn(prompt: list[int], response: list[int]) -> Turn:
@@ -54,3 +63,127 @@ def test_a_prompt_that_rewrites_earlier_turns_is_still_drift():
     second = turn([1, 2, 8, 4, 5, 9], [11])  # the history itself changed, not only the last turn's tail
     ep = episode_from_turns([first, second], 1.0, EpisodeLimits(max_total_tokens=64))
     assert (ep.token_ids, ep.drift_turns, ep.turns) == ([4, 5, 6, 7], 1, 1)
+
+
+# ---- client episodes through the endpoint ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tied_model_dir):
+    return AutoTokenizer.from_pretrained(str(tied_model_dir))
+
+
+@pytest.fixture(scope="module")
+def recorder():
+    return EpisodeRecorder()
+
+
+@pytest.fixture(scope="module")
+def server(tied_model_dir, tokenizer, recorder):
+    engine = HFEngine(str(tied_model_dir), RolloutConfig(engine="hf", dtype="float32").model_dump())
+
+    async def generate(prompt_token_ids, sampling):
+        (completion,) = await engine.generate_group(prompt_token_ids, sampling, 0)
+        return completion
+
+    with EndpointServer(build_app(generate, tokenizer, recorder)) as server:
+        yield server
+
+
+def play_client(agent_fn, server, recorder):
+    runner = ClientEpisodeRunner(agent_fn, recorder, server.url, "unused", EpisodeLimits(max_total_tokens=400))
+    return asyncio.run(runner.run("hi", None, {}))
+
+
+def two_turns(seed: int, received: list):
+    """An agent that asks twice, sending back the conversation as it received it; ``received`` gets the choices."""
+
+    def run(ctx):
+        client = ctx.openai_client(max_retries=0)
+        messages = [{"role": "user", "content": ctx.prompt}]
+        for _ in range(2):
+            reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=6, seed=seed)
+            received.append(reply.choices[0])
+            answer = reply.choices[0].message.content
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "more"}]
+        return 1.0
+
+    return run
+
+
+def test_special_tokens_the_model_samples_come_back_in_the_text_and_the_turn_is_trained_whole(
+    server, recorder, tokenizer
+):
+    # The random model samples <|im_start|> first in its first turn with seed 3, and <|pad|> fifth with
+    # seed 4 (the hf engine); neither is an end of turn. The text sent back must render to those tokens.
+    specials = ["<|im_start|>", "<|pad|>"]
+    special_ids = set(tokenizer.convert_tokens_to_ids(specials))
+    with_special = 0
+    for seed in range(6):
+        received: list = []
+        ep = play_client(two_turns(seed, received), server, recorder)
+        sampled = [choice.model_extra["token_ids"] for choice in received]
+        if special_ids & set(sampled[0]):
+            with_special += 1
+            names = tokenizer.convert_ids_to_tokens(sampled[0])
+            assert [received[0].message.content.count(s) for s in specials] == [names.count(s) for s in specials]
+        policy = [t for t, p in zip(ep.token_ids, ep.from_policy) if p]
+        assert (ep.drift_turns, ep.turns, policy) == (0, 2, sampled[0] + sampled[1]), seed
+    assert with_special >= 2
+
+
+def answer_once(ctx, value):
+    ctx.openai_client(max_retries=0).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": ctx.prompt}], max_tokens=2, seed=0
+    )
+    return value
+
+
+@pytest.mark.parametrize(("returned", "reward"), [(np.float32(0.25), 0.25), (np.int64(2), 2.0), (np.bool_(True), 1.0)])
+def test_an_agent_function_may_return_a_numpy_reward(returned, reward, server, recorder):
+    def numpy_agent(ctx):
+        return answer_once(ctx, returned)
+
+    ep = play_client(numpy_agent, server, recorder)
+    assert (ep.reward, type(ep.reward)) == (reward, float)
+
+
+def test_an_agent_function_returning_no_number_is_a_type_error_naming_it(server, recorder):
+    def reward_as_text(ctx):
+        return answer_once(ctx, "1.5")
+
+    message = r"the agent function .*reward_as_text returned '1\.5'; it must be a number .*not str"
+    with pytest.raises(TypeError, match=message):
+        play_client(reward_as_text, server, recorder)
+
+
+# ---- the text the endpoint returns -------------------------------------------------------------
+
+
+def completion(tokenizer, pieces: list[str], finish_reason: str, engine_text: str) -> Completion:
+    """A completion of the tokens of ``pieces`` (special tokens by name, text tokenised), with the text the
+    engines give it: without special tokens."""
+    ids = [i for piece in pieces for i in tokenizer(piece, add_special_tokens=False).input_ids]
+    return Completion(0, 0, [1], ids, [-1.0] * len(ids), finish_reason, engine_text)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "finish_reason", "engine_text", "stop", "expected"),
+    [
+        (["ab", "<|pad|>", "cd", "<|im_end|>"], "stop", "abcd", [], "ab<|pad|>cd"),  # the end token is left out
+        (["<|im_start|>", "ab", "<|pad|>"], "length", "ab", [], "<|im_start|>ab<|pad|>"),  # cut: all kept
+        (["x", "<|pad|>", "END"], "stop", "xEND", ["END"], "x<|pad|>"),  # the stop string is left out
+        (["ab", "cd", "<|im_end|>"], "stop", "abcd", [], "abcd"),
+    ],
+)
+def test_the_returned_text_keeps_sampled_special_tokens_but_not_the_end(
+    tokenizer, pieces, finish_reason, engine_text, stop, expected
+):
+    sampled = completion(tokenizer, pieces, finish_reason, engine_text)
+    assert client_text(tokenizer, SpecialTokens.of(tokenizer), sampled, stop) == expected
+
+
+def test_the_returned_text_is_the_engines_when_the_tokens_do_not_spell_it(tokenizer):
+    # An engine text that the tokens do not spell (another detokenizer): returned as it is, stop string cut.
+    sampled = completion(tokenizer, ["ab", "<|pad|>", "END"], "stop", "a b END")
+    assert client_text(tokenizer, SpecialTokens.of(tokenizer), sampled, ["END"]) == "a b "

@@ -8,6 +8,7 @@ import copy
 import threading
 import time
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -238,6 +239,32 @@ def test_a_turn_that_stops_on_another_end_token_of_the_model_is_not_drift(model_
     assert [ep.drift_turns for ep in episodes] == [0] * len(episodes)
 
 
+class CountingTokenizer:
+    """The real tokenizer, counting the reads of its ``all_special_ids`` (a list built at each read)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.special_id_reads = tokenizer, 0
+
+    @property
+    def all_special_ids(self):
+        self.special_id_reads += 1
+        return self.tokenizer.all_special_ids
+
+    def __call__(self, *args, **kwargs):
+        return self.tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_the_runner_reads_the_special_token_ids_once_not_at_every_turn(drifting_tokenizer, generate):
+    # Each drifting environment turn looks at the policy's trailing special tokens.
+    counting = CountingTokenizer(drifting_tokenizer)
+    ep = play(ScriptedEnv(turns=3), counting, generate, EpisodeLimits(max_total_tokens=400))
+    assert (ep.turns, ep.drift_turns) == (3, 2)
+    assert counting.special_id_reads == 1
+
+
 # ---- limits ---------------------------------------------------------------------------------
 
 
@@ -305,6 +332,47 @@ def test_episode_timeout_ends_a_slow_endless_episode(tokenizer, generate):
     assert (ep.end_reason, env.closed) == ("timeout", 1)
     assert ep.turns < 100
     assert time.perf_counter() - start < 10
+
+
+class SlowResetEnv(ScriptedEnv):
+    """Spends 0.2 s in reset: more than the wall time the tests below give the whole episode."""
+
+    def reset(self, prompt, label, metadata):
+        time.sleep(0.2)
+        return super().reset(prompt, label, metadata)
+
+
+@pytest.mark.parametrize(("turns", "end_reason"), [(1, "done"), (3, "timeout")])
+def test_the_turn_generated_when_the_wall_time_runs_out_is_graded_by_its_step(turns, end_reason, tokenizer, generate):
+    # The wall time (0.1 s) is over before the first turn is generated; that turn is trained, so its step
+    # grades it (reward 1.0 for turn 1), as the last turn of max_turns is, and the episode ends there.
+    env = SlowResetEnv(turns=turns)
+    ep = play(env, tokenizer, generate, EpisodeLimits(max_total_tokens=400, episode_timeout_s=0.1))
+    assert (ep.end_reason, ep.turns, len(env.actions), env.closed) == (end_reason, 1, 1, 1)
+    assert ep.from_policy == [True] * len(ep.token_ids)
+    assert ep.turn_rewards == [(len(ep.token_ids) - 1, 1.0)]
+
+
+def test_a_step_that_runs_past_the_wall_time_has_its_whole_step_timeout(tokenizer, generate):
+    class SlowStepEnv(ScriptedEnv):
+        async def step(self, action_text, action_token_ids):
+            await asyncio.sleep(0.4)  # past the episode's 0.2 s, well within the step's 5 s
+            return ScriptedEnv.step(self, action_text, action_token_ids)
+
+    env = SlowStepEnv(turns=3)
+    limits = EpisodeLimits(max_total_tokens=400, episode_timeout_s=0.2, step_timeout_s=5.0)
+    ep = play(env, tokenizer, generate, limits)
+    assert (ep.end_reason, ep.turns, len(env.actions)) == ("timeout", 1, 1)
+    assert ep.turn_rewards == [(len(ep.token_ids) - 1, 1.0)]
+
+
+def test_an_environment_whose_step_budget_does_not_fit_the_step_timeout_is_refused(tokenizer, generate):
+    # Its tool calls may take 30 s in a turn; a step of 30 s would be cut off with the turn unrewarded.
+    env = CalculatorEnv(system_prompt="", step_budget_s=30.0)
+    message = r"CalculatorEnv's step_budget_s=30 s is not below agent.step_timeout_s=30 s"
+    with pytest.raises(EnvironmentFailed, match=message):
+        play(env, tokenizer, generate, EpisodeLimits(max_total_tokens=400, step_timeout_s=30.0))
+    assert play(CalculatorEnv(system_prompt="", step_budget_s=29.0), tokenizer, generate).turns >= 1
 
 
 def test_a_step_that_raises_ends_with_env_error_and_its_message(tokenizer, generate):
@@ -457,10 +525,20 @@ def test_as_step_result_checks_the_tuple():
     assert as_step_result(("obs", 1, 0, None), "w") == StepResult([{"role": "user", "content": "obs"}], 1.0, False, {})
     with pytest.raises(TypeError, match="w: step\\(\\) returned reward 'high'; it must be a number"):
         as_step_result(("obs", "high", False, {}), "w")
+    with pytest.raises(TypeError, match="w: step\\(\\) returned reward '1.5'; it must be a number .*not str"):
+        as_step_result(("obs", "1.5", False, {}), "w")  # a number written as text is not one
     with pytest.raises(TypeError, match="must return \\(observation, reward, done, info\\)"):
         as_step_result(("obs", 1.0, False), "w")
     with pytest.raises(TypeError, match="info of type list"):
         as_step_result(("obs", 1.0, False, []), "w")
+
+
+@pytest.mark.parametrize(
+    ("reward", "expected"), [(np.float32(0.25), 0.25), (np.int64(2), 2.0), (np.bool_(True), 1.0), (True, 1.0)]
+)
+def test_a_step_may_return_a_numpy_or_bool_reward(reward, expected):
+    result = as_step_result(("obs", reward, np.bool_(False), {}), "w")
+    assert (result.reward, type(result.reward), result.done) == (expected, float, False)
 
 
 ENV_FILE = """

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import time
 
+import numpy as np
 import pytest
 
 from raylign.agents.tools import (
@@ -13,6 +16,7 @@ from raylign.agents.tools import (
     PythonEnv,
     Tool,
     ToolCall,
+    ToolEnv,
     ToolError,
     calculator,
     evaluate_arithmetic,
@@ -21,6 +25,7 @@ from raylign.agents.tools import (
     parse_tool_calls,
     tool,
 )
+from raylign.config.agent import AgentConfig
 
 
 def call_block(name: str, arguments) -> str:
@@ -370,6 +375,49 @@ def test_an_unparseable_call_is_a_bad_call():
     assert (done, info) == (False, {"tool_calls": 1, "tool_failures": ["bad_call"]})
 
 
+@pytest.mark.parametrize(("reward", "expected"), [(np.float32(0.5), 0.5), (np.int64(1), 1.0), (np.bool_(False), 0.0)])
+def test_an_answer_reward_may_be_a_numpy_scalar(reward, expected):
+    env = ToolEnv([calculator], system_prompt="", answer_reward=lambda answer, label: reward)
+    env.reset("q", 1, {})
+    assert step(env, "1") == (None, expected, True, {})
+
+
+def test_an_answer_reward_that_is_not_a_number_is_a_type_error_naming_it():
+    def graded_in_words(answer, label):
+        return "correct"
+
+    env = ToolEnv([calculator], system_prompt="", answer_reward=graded_in_words)
+    env.reset("q", 1, {})
+    message = r"answer_reward .*graded_in_words returned 'correct'; it must be a number"
+    with pytest.raises(TypeError, match=message):
+        step(env, "1")
+
+
+@tool
+async def wait(seconds: float) -> str:
+    """Wait, then say so."""
+    await asyncio.sleep(seconds)
+    return f"waited {seconds:g} s"
+
+
+def test_the_tool_calls_of_a_turn_share_its_budget_and_a_call_cut_short_says_so():
+    # 0.5 s for the turn: the first call (0.2 s) runs, the second (5 s) is stopped when the budget is
+    # spent, the third is not run. Each call alone would have had tool_timeout_s (10 s).
+    env = ToolEnv([wait], system_prompt="", tool_timeout_s=10.0, step_budget_s=0.5)
+    env.reset("q", 1, {})
+    text = "".join(call_block("wait", {"seconds": s}) for s in (0.2, 5, 0.01))
+    start = time.monotonic()
+    observation, reward, done, info = step(env, text)
+    seconds = time.monotonic() - start
+    first, cut, not_run = (m["content"] for m in observation)
+    assert first == "waited 0.2 s"
+    budget = "the tool calls of one turn may take 0.5 s in all"
+    assert re.fullmatch(r"error: wait was stopped after 0\.\d s: " + re.escape(budget), cut)
+    assert not_run == f"error: wait was not run: {budget}"
+    assert (reward, done, info) == (0.0, False, {"tool_calls": 3, "tool_failures": ["step_budget", "step_budget"]})
+    assert 0.5 <= seconds < 1.0
+
+
 # ---- PythonEnv (a real sandbox) ----------------------------------------------------------------
 
 
@@ -404,3 +452,25 @@ def test_template_tools_hands_the_schemas_to_the_chat_template_instead_of_the_sy
     described = CalculatorEnv()
     assert described.tools is None
     assert '"name": "calculator"' in described.reset("q", 0, {})[0]["content"]
+
+
+def test_slow_python_calls_stop_within_the_turns_budget():
+    # Three calls of 1.5 s each, a budget of 2.5 s: the first prints, the second is stopped (its sandbox
+    # killed) when the budget is spent, the third is not run. Before the budget, each call could take
+    # wall_time_s + 5 s, and a turn of several outlasted agent.step_timeout_s.
+    env = PythonEnv(system_prompt="", wall_time_s=5.0, step_budget_s=2.5)
+    env.reset("q", 1, {})
+    code = "import time; time.sleep(1.5); print('slept')"
+    start = time.monotonic()
+    observation, _, _, info = step(env, call_block("python", {"code": code}) * 3)
+    seconds = time.monotonic() - start
+    first, cut, not_run = (m["content"] for m in observation)
+    assert first == "slept\n"
+    assert cut.startswith("error: python was stopped after ") and not_run.startswith("error: python was not run: ")
+    assert info["tool_failures"] == ["step_budget", "step_budget"]
+    assert seconds < 2.5 + 1.0
+
+
+def test_the_default_budget_of_a_turns_tool_calls_fits_the_default_step_timeout():
+    assert PythonEnv().step_budget_s < AgentConfig().step_timeout_s
+    assert CalculatorEnv().step_budget_s < AgentConfig().step_timeout_s
