@@ -2,8 +2,9 @@
 
 The reward sources are those of ``raylign rl`` (:func:`raylign.rollout.rewards.build_reward`):
 reward = sum_i weight_i * reward_i over the sources. Each source sees what it sees in RL: the
-prompt as the model saw it (``prompt_text``), the response, the row's ``label``, and the row's
-other keys as metadata (a conversation prompt also as ``prompt_messages``, for reward models).
+prompt as the model saw it (``prompt_text``), the response, the row's ``label``, and as metadata
+the row's data ``source`` and other keys (a conversation prompt also as ``prompt_messages``, for
+reward models); see :meth:`~raylign.pipeline.files.GeneratedRow.reward_metadata`.
 Rows are scored ``batch_size`` at a time, all responses of a row in the same call.
 """
 

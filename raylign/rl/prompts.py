@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from raylign.config.data import DatasetSpec
@@ -65,10 +66,10 @@ def load_prompts(specs: list[DatasetSpec], cfg: RLDataConfig, tokenizer) -> list
                     f"prompt has {len(ids)} tokens, more than data.max_prompt_length ({cfg.max_prompt_length})",
                     "too_long",
                 )
-            source = row.get(cfg.source_key) or _default_source(spec.path)
+            source = data_source(row, cfg.source_key, spec.path)
             raw = row.get(spec.input_key)
             metadata = {k: v for k, v in row.items() if k not in (spec.input_key, spec.label_key)}
-            prompts.append(Prompt(text, ids, row.get(spec.label_key), str(source), where, raw, metadata))
+            prompts.append(Prompt(text, ids, row.get(spec.label_key), source, where, raw, metadata))
             count += 1
             if spec.max_samples is not None and count >= spec.max_samples:
                 break
@@ -77,7 +78,7 @@ def load_prompts(specs: list[DatasetSpec], cfg: RLDataConfig, tokenizer) -> list
     return prompts
 
 
-def _default_source(path: str) -> str:
-    from pathlib import Path
-
-    return Path(path).stem
+def data_source(row: dict[str, Any], source_key: str, path: str) -> str:
+    """The data source a row of the file ``path`` belongs to: its ``source_key`` field, else the file's name
+    without its suffix. Reward sources get it as the ``source`` metadata (a row's own ``source`` field wins)."""
+    return str(row.get(source_key) or Path(path).stem)

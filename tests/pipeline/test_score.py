@@ -143,3 +143,20 @@ def test_conversation_prompts_reach_reward_functions_as_messages(tmp_path):
     (row,) = read_jsonl(tmp_path / "scored.jsonl")
     assert row["rewards"] == [2.0]
     assert row["reward_metrics"]["turns/prompt_is_last_turn"] == [1.0]
+
+
+def test_reward_functions_get_the_data_source_as_in_rl(tmp_path):
+    """Every sample has a ``source``, as in ``raylign rl``: the row's own ``source`` field, else its ``data_source``
+    (what ``raylign generate`` copies from the prompt row), else the name of the file without its suffix."""
+    reward_file = tmp_path / "by_source.py"
+    reward_file.write_text(
+        "def reward_func(prompts, responses, labels, source):\n"
+        "    return [{'gsm8k': 1.0, 'generations': 2.0, 'set_b': 3.0}[s] for s in source]\n"
+    )
+    rows = [
+        {"prompt": "a", "responses": ["x"], "data_source": "gsm8k"},
+        {"prompt": "b", "responses": ["y", "z"]},  # no field naming its source: the file's name, generations
+        {"prompt": "c", "responses": ["w"], "data_source": "gsm8k", "source": "set_b"},
+    ]
+    score(tmp_path, rows, [{"kind": "function", "path": str(reward_file)}])
+    assert [row["rewards"] for row in read_jsonl(tmp_path / "scored.jsonl")] == [[1.0], [2.0, 2.0], [3.0]]
