@@ -15,7 +15,9 @@ class LoraConfig(Section):
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        description="Module names that get LoRA adapters.",
+        description="Module names that get LoRA adapters. Not embed_tokens or lm_head of a model whose config ties "
+        "them (tie_word_embeddings, as SmolLM2's): PEFT would adapt one without the other, which a tied export or "
+        "rollout engine cannot compute; the model is refused at load.",
     )
     quantize_base: Literal["none", "nf4", "fp4"] = Field(
         "none",

@@ -250,15 +250,20 @@ def merge_adapter_folder(
     dtype: torch.dtype | str = "auto",
 ) -> PreTrainedModel:
     """The base model in ``base`` (``model_class``, a causal LM by default, built with ``config`` when
-    given) loaded in ``dtype``, with the PEFT adapter folder ``adapter`` merged into its weights."""
+    given) loaded in ``dtype``, with the PEFT adapter folder ``adapter`` merged into its weights. An adapter
+    on the embedding or head of a base that ties them is refused (:func:`check_tied_head_unadapted`)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    from raylign.models.loading import check_tied_head_unadapted
 
     kwargs: dict[str, Any] = {"dtype": dtype}
     if config is not None:
         kwargs["config"] = config
     model = (model_class or AutoModelForCausalLM).from_pretrained(base, **kwargs)
-    return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    adapted = PeftModel.from_pretrained(model, str(adapter))
+    check_tied_head_unadapted(adapted, f"the target_modules of {Path(adapter) / 'adapter_config.json'}")
+    return adapted.merge_and_unload()
 
 
 def write_hf_folder(

@@ -227,6 +227,7 @@ def apply_training_options(model: PreTrainedModel, cfg: ModelConfig, task_type: 
         task_type=task_type,
     )
     peft_model = get_peft_model(model, lora)
+    check_tied_head_unadapted(peft_model, "model.lora.target_modules")
     adapters = {name: param for name, param in peft_model.named_parameters() if is_lora_weight(name)}
     if any(param.is_meta for param in adapters.values()):  # an empty model: the engine fills them shard by shard
         fresh = dict(getattr(model, "fresh_weights", {}))
@@ -237,6 +238,38 @@ def apply_training_options(model: PreTrainedModel, cfg: ModelConfig, task_type: 
             for name, param in adapters.items():
                 fresh_adapter_weight(name, param)
     return peft_model
+
+
+def check_tied_head_unadapted(model: torch.nn.Module, setting: str) -> None:
+    """Raise naming ``setting`` when LoRA adapts the input embedding or the output head of a model whose
+    config ties the two (``tie_word_embeddings``).
+
+    PEFT adapts the one without the other (LoRA on the embedding changes the lookup only; the head stays
+    the base embedding), so the trained model's head and embedding differ. A tied model holds one matrix
+    for both: its export, a merge of the adapter and the rollout engines would compute another policy
+    than the one trained."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    get_base = getattr(model, "get_base_model", None)  # a peft wrapper
+    base = cast(PreTrainedModel, get_base() if callable(get_base) else model)
+    head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    if head is None or not getattr(base.config.get_text_config(), "tie_word_embeddings", False):
+        return  # untied, or no head to tie (a score model)
+    adapted = [
+        name.rsplit(".", 1)[-1]
+        for name, module in base.named_modules()
+        if isinstance(module, BaseTunerLayer) and (module is head or module is embedding)
+    ]
+    if adapted:
+        names = " and ".join(adapted)
+        raise ValueError(
+            f"LoRA adapts {names} ({setting}) of {base.config._name_or_path}, whose config ties the output head to "
+            "the input embedding (tie_word_embeddings: true). PEFT adapts the one without the other, but a tied "
+            "model holds one matrix for both: its export, a merged model and the rollout engines would compute "
+            f"another policy than the one trained. Leave {names} out of {setting}, or use a copy of the model "
+            "with untied embeddings (tie_word_embeddings: false in its config.json, lm_head.weight saved as a "
+            "copy of the embedding)."
+        )
 
 
 def is_lora_weight(name: str) -> bool:

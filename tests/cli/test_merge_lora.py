@@ -71,3 +71,58 @@ def test_merge_lora_names_what_is_missing(tied_model_dir, tmp_path):
             MergeLoraConfig(adapter=str(adapter), base=str(tmp_path / "missing-base"), output_dir=str(tmp_path / "o"))
         )
     assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()
+
+
+def embedding_adapter(model_dir, folder):
+    """A PEFT adapter on ``model_dir``'s embedding (and q_proj), saved to ``folder``, with random values in
+    both its matrices; returns the adapted model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    model.save_pretrained(str(folder))
+    return model
+
+
+def untied_copy(model_dir, folder):
+    """``model_dir``'s model with its output head saved as a copy of the embedding, untied."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def test_merge_lora_refuses_an_adapter_on_a_tied_embedding(tied_model_dir, tmp_path):
+    """Merged into a tied model, the adapted embedding would serve as the output head, which the adapter on its
+    base computes from the unadapted embedding: the merged model would be another model."""
+    embedding_adapter(tied_model_dir, tmp_path / "adapter")
+    cfg = MergeLoraConfig(adapter=str(tmp_path / "adapter"), output_dir=str(tmp_path / "merged"))
+    with pytest.raises(ValueError, match=r"LoRA adapts embed_tokens .*adapter_config\.json.*tie_word_embeddings"):
+        run_merge_lora(cfg)
+    assert not (tmp_path / "merged").exists()
+
+
+def test_an_embedding_adapter_merged_onto_an_untied_copy_computes_what_it_computes_on_its_tied_base(
+    tied_model_dir, tmp_path
+):
+    """What the refusal advises: the untied copy keeps the base embedding as the head, as PEFT's forward does."""
+    from transformers import AutoModelForCausalLM
+
+    model = embedding_adapter(tied_model_dir, tmp_path / "adapter")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 40, 41]])
+    with torch.no_grad():
+        expected_logits = model(ids).logits
+    base = untied_copy(tied_model_dir, tmp_path / "untied")
+    run_merge_lora(MergeLoraConfig(adapter=str(tmp_path / "adapter"), base=str(base), output_dir=str(tmp_path / "m")))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, expected_logits, atol=1e-5, rtol=0)

@@ -234,3 +234,18 @@ def test_tokenizer_folder_without_tokenizer_files(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="holds no tokenizer files"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("adapted", ["embed_tokens", "lm_head"])
+def test_lora_on_a_tied_embedding_or_head_is_refused_naming_the_setting(tiny_qwen2, adapted):
+    """PEFT adapts the embedding lookup without the tied head (or the head without the lookup), which a tied
+    export or rollout engine, one matrix for both, cannot compute: the model is refused at load."""
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", adapted])
+    with pytest.raises(ValueError, match=rf"LoRA adapts {adapted} .*model\.lora\.target_modules.*tie_word_embeddings"):
+        load_causal_lm(config(tiny_qwen2, dtype="float32", lora=lora))
+
+
+def test_lora_on_an_untied_embedding_loads(tiny_llama):
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "embed_tokens"])
+    model = load_causal_lm(config(tiny_llama, dtype="float32", lora=lora))
+    assert any(".embed_tokens.lora_embedding_A." in name for name, _ in model.named_parameters())
