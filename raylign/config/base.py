@@ -250,13 +250,11 @@ def _command_line_value(cls: type[BaseModel], dotted: str, text: str | None) -> 
 
 
 def _bare_flag_value(dotted: str, annotation: Any) -> bool:
-    """True for a flag given alone, if the field takes true/false; any other field needs a value."""
-    if bool in _union_members(annotation):
+    """True for a flag given alone, if the field takes true/false or is a key of a free-form mapping
+    (``--agent.env_args.verbose``, as a switch of the user's own code reads); any other field needs a value."""
+    if annotation is Any or bool in _union_members(annotation):
         return True
-    if _section_model(annotation) is not None:
-        takes = "a mapping of its fields"
-    else:
-        takes = "any YAML value" if annotation is Any else _type_text(annotation)
+    takes = "a mapping of its fields" if _section_model(annotation) is not None else _type_text(annotation)
     raise ConfigError(
         f"--{dotted} is given without a value: give one ({dotted} takes {takes}), "
         f"as in --{dotted} VALUE; only a true/false field may be given alone, meaning true"

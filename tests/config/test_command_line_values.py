@@ -107,6 +107,12 @@ def test_bare_flag_sets_a_field_of_true_false_or_a_word():
     assert cfg.train.early_reference is True
 
 
+def test_bare_flag_sets_a_key_of_a_free_form_mapping_to_true():
+    argv = ["--agent.env_args.verbose", "--agent.env_args.retries", "3"]
+    cfg = resolve_argv(argv, base={**MINIMAL_RL, "agent": {"env": "my_envs:Env"}}, cls=RLConfig)
+    assert cfg.agent.env_args == {"verbose": True, "retries": 3}
+
+
 def test_bare_flag_for_a_number_field_is_refused_naming_the_flag():
     with pytest.raises(ConfigError) as caught:
         resolve_argv(["--train.max_steps", "--optim.lr", "0.1"])
