@@ -116,11 +116,12 @@ class ClientEpisodeRunner:
         return ep
 
 
-def _unseen_tail(so_far: list[int], prompt: list[int], last_response: int) -> int:
+def _unseen_tail(so_far: list[int], prompt: list[int], hidden: int) -> int:
     """How many of the last response's final tokens ``prompt`` leaves out while continuing all before
-    them: 0 when it continues all of ``so_far``. A stop string ends the text the endpoint returns (as
-    OpenAI's API does) but not the tokens sampled, so the next request goes on from before it."""
-    for unseen in range(min(last_response, len(so_far)) + 1):
+    them, at most the ``hidden`` ones the client never saw (:attr:`Turn.hidden_tail`): 0 when it
+    continues all of ``so_far``, or leaves out more (drift). A stop string ends the text the endpoint
+    returns (as OpenAI's API does) but not the tokens sampled, so the next request goes on from before it."""
+    for unseen in range(min(hidden, len(so_far)) + 1):
         kept = len(so_far) - unseen
         if prompt[:kept] == so_far[:kept]:
             return unseen
@@ -135,7 +136,7 @@ def episode_from_turns(turns: list[Turn], reward: float, limits: EpisodeLimits, 
         so_far = ep.prompt_ids + ep.token_ids
         delta: list[int] = []
         if k > 0:
-            unseen = _unseen_tail(so_far, turn.prompt_token_ids, len(turns[k - 1].response_token_ids))
+            unseen = _unseen_tail(so_far, turn.prompt_token_ids, turns[k - 1].hidden_tail)
             if unseen:  # the client never saw them (a stop string the endpoint cut from its text): not trained
                 so_far = so_far[:-unseen]
                 for sequence in (ep.token_ids, ep.from_policy, ep.logprobs, ep.versions):

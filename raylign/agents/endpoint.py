@@ -95,6 +95,9 @@ class Turn:
     weight_version: int
     finish_reason: str
     text: str
+    # How many of the response's last tokens the text returned to the client leaves out (the end token
+    # or the stop string that ended it, :func:`hidden_tail`): the next request may go on from before them.
+    hidden_tail: int = 0
 
 
 @dataclass
@@ -131,8 +134,8 @@ class EpisodeRecorder:
         with self._lock:
             self._raise_if_closed(session_id)
 
-    def record(self, session_id: str, completion: Completion) -> None:
-        """Append ``completion`` as the next turn of ``session_id``."""
+    def record(self, session_id: str, completion: Completion, hidden_tail: int = 0) -> None:
+        """Append ``completion`` as the next turn of ``session_id``; ``hidden_tail``: see :class:`Turn`."""
         turn = Turn(
             prompt_token_ids=list(completion.prompt_token_ids),
             response_token_ids=list(completion.response_token_ids),
@@ -141,6 +144,7 @@ class EpisodeRecorder:
             weight_version=completion.weight_version,
             finish_reason=completion.finish_reason,
             text=completion.text,
+            hidden_tail=hidden_tail,
         )
         with self._lock:
             self._open(session_id).turns.append(turn)
@@ -358,6 +362,25 @@ def client_text(tokenizer: Any, special: SpecialTokens, completion: Completion, 
     return with_special_tokens(full, plain, special.pattern) or plain
 
 
+def hidden_tail(tokenizer: Any, special: SpecialTokens, completion: Completion, stop: list[str]) -> int:
+    """How many of the response's last tokens the text returned to the client (:func:`client_text`)
+    leaves out: the end-of-sequence token, or the fewest last tokens that spell the stop string that
+    ended it (a token only partly in it included). 0 when nothing was left out, or when no last tokens
+    spell the stop string (another detokenizer): the next prompt must then go on from every token."""
+    ids = list(completion.response_token_ids)
+    if completion.finish_reason != "stop" or not ids:
+        return 0
+    if ids[-1] in special.ids:
+        return 1
+    ended_on = next((s for s in stop if s and completion.text.endswith(s)), None)
+    if ended_on is None:
+        return 0
+    spells = (
+        m for m in range(1, len(ids) + 1) if tokenizer.decode(ids[-m:], skip_special_tokens=True).endswith(ended_on)
+    )
+    return next(spells, 0)
+
+
 def with_special_tokens(full: str, plain: str, special: re.Pattern[str]) -> str | None:
     """``plain`` with the special tokens of ``full`` where they are in it: ``full`` read up to where
     ``plain`` ends (a stop string may follow), and the special tokens right after. None when
@@ -460,7 +483,7 @@ def build_app(
                 recorder.check_open(session_id)
             completion = await sample(generate, prompt, sampling, param)
             if session_id is not None:
-                recorder.record(session_id, completion)
+                recorder.record(session_id, completion, hidden_tail(tokenizer, special, completion, sampling.stop))
         except SessionClosedError as err:
             raise ApiError(409, str(err), "session_id") from None
         return completion, client_text(tokenizer, special, completion, sampling.stop)

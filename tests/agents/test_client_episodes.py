@@ -11,16 +11,24 @@ import pytest
 from transformers import AutoTokenizer
 
 from raylign.agents.client import ClientEpisodeRunner, episode_from_turns
-from raylign.agents.endpoint import EndpointServer, EpisodeRecorder, SpecialTokens, Turn, build_app, client_text
+from raylign.agents.endpoint import (
+    EndpointServer,
+    EpisodeRecorder,
+    SpecialTokens,
+    Turn,
+    build_app,
+    client_text,
+    hidden_tail,
+)
 from raylign.agents.episode import EnvironmentFailed, EpisodeLimits
 from raylign.config.rollout import RolloutConfig
 from raylign.rollout.base import Completion
 from raylign.rollout.hf_engine import HFEngine
 
 
-def turn(prompt: list[int], response: list[int]) -> Turn:
+def turn(prompt: list[int], response: list[int], hidden_tail: int = 0) -> Turn:
     logprobs = [-0.01 * (i + 1) for i in range(len(response))]
-    return Turn(prompt, response, logprobs, [0] * len(response), 0, "stop", "text")
+    return Turn(prompt, response, logprobs, [0] * len(response), 0, "stop", "text", hidden_tail)
 
 
 def test_a_first_turn_longer_than_the_limit_keeps_its_first_tokens_as_sampled():
@@ -49,7 +57,7 @@ def test_a_prompt_that_alone_fills_the_limit_names_both_sizes():
 def test_a_stop_string_the_client_never_saw_is_dropped_and_the_next_turn_continues():
     # Turn 1 sampled [4, 5, 6, 7], where 6 and 7 spell the stop string that the returned text leaves
     # out; the client sends the conversation back, so turn 2's prompt goes on from [.., 4, 5].
-    first = turn([1, 2, 3], [4, 5, 6, 7])
+    first = turn([1, 2, 3], [4, 5, 6, 7], hidden_tail=2)
     second = turn([1, 2, 3, 4, 5, 9, 10], [11, 12])
     ep = episode_from_turns([first, second], 1.0, EpisodeLimits(max_total_tokens=64))
     assert ep.token_ids == [4, 5, 9, 10, 11, 12]
@@ -58,8 +66,17 @@ def test_a_stop_string_the_client_never_saw_is_dropped_and_the_next_turn_continu
     assert (ep.drift_turns, ep.turns, ep.turn_rewards) == (0, 2, [(5, 1.0)])
 
 
+def test_a_prompt_that_leaves_out_more_of_the_last_turn_than_the_client_was_not_shown_is_drift():
+    # Only 7 (a one-token stop string) was left out of the text returned; a prompt that goes on from
+    # before 6 changed what the client saw, so the episode is trained up to turn 1, whole.
+    first = turn([1, 2, 3], [4, 5, 6, 7], hidden_tail=1)
+    second = turn([1, 2, 3, 4, 5, 9, 10], [11, 12])
+    ep = episode_from_turns([first, second], 1.0, EpisodeLimits(max_total_tokens=64))
+    assert (ep.token_ids, ep.drift_turns, ep.turns) == ([4, 5, 6, 7], 1, 1)
+
+
 def test_a_prompt_that_rewrites_earlier_turns_is_still_drift():
-    first = turn([1, 2, 3], [4, 5, 6, 7])
+    first = turn([1, 2, 3], [4, 5, 6, 7], hidden_tail=2)
     second = turn([1, 2, 8, 4, 5, 9], [11])  # the history itself changed, not only the last turn's tail
     ep = episode_from_turns([first, second], 1.0, EpisodeLimits(max_total_tokens=64))
     assert (ep.token_ids, ep.drift_turns, ep.turns) == ([4, 5, 6, 7], 1, 1)
@@ -181,6 +198,23 @@ def test_the_returned_text_keeps_sampled_special_tokens_but_not_the_end(
 ):
     sampled = completion(tokenizer, pieces, finish_reason, engine_text)
     assert client_text(tokenizer, SpecialTokens.of(tokenizer), sampled, stop) == expected
+
+
+@pytest.mark.parametrize(
+    ("pieces", "finish_reason", "engine_text", "stop", "hidden_pieces"),
+    [
+        (["ab", "<|pad|>", "END"], "stop", "abEND", ["END"], ["END"]),  # the stop string's tokens
+        (["ab", "cd", "<|im_end|>"], "stop", "abcd", [], ["<|im_end|>"]),  # the end token
+        (["ab", "END"], "length", "abEND", ["END"], []),  # cut at the token limit: the client saw it all
+        (["ab", "cd"], "stop", "abcd", ["zz"], []),  # no stop string ends the text: nothing hidden
+    ],
+)
+def test_the_recorded_turn_counts_the_tokens_the_returned_text_leaves_out(
+    tokenizer, pieces, finish_reason, engine_text, stop, hidden_pieces
+):
+    sampled = completion(tokenizer, pieces, finish_reason, engine_text)
+    expected = sum(len(tokenizer(piece, add_special_tokens=False).input_ids) for piece in hidden_pieces)
+    assert hidden_tail(tokenizer, SpecialTokens.of(tokenizer), sampled, stop) == expected
 
 
 def test_the_returned_text_is_the_engines_when_the_tokens_do_not_spell_it(tokenizer):
