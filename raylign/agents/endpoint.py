@@ -364,9 +364,9 @@ def client_text(tokenizer: Any, special: SpecialTokens, completion: Completion, 
 
 def hidden_tail(tokenizer: Any, special: SpecialTokens, completion: Completion, stop: list[str]) -> int:
     """How many of the response's last tokens the text returned to the client (:func:`client_text`)
-    leaves out: the end-of-sequence token, or the fewest last tokens that spell the stop string that
-    ended it (a token only partly in it included). 0 when nothing was left out, or when no last tokens
-    spell the stop string (another detokenizer): the next prompt must then go on from every token."""
+    does not hold whole: the end-of-sequence token, or the tokens from the one where the stop string
+    that ended it begins (the engines cut their text right after the stop string, which may end inside
+    a token). 0 when nothing was left out: the next prompt must then go on from every token."""
     ids = list(completion.response_token_ids)
     if completion.finish_reason != "stop" or not ids:
         return 0
@@ -375,10 +375,11 @@ def hidden_tail(tokenizer: Any, special: SpecialTokens, completion: Completion, 
     ended_on = next((s for s in stop if s and completion.text.endswith(s)), None)
     if ended_on is None:
         return 0
-    spells = (
-        m for m in range(1, len(ids) + 1) if tokenizer.decode(ids[-m:], skip_special_tokens=True).endswith(ended_on)
+    shown = completion.text[: -len(ended_on)]
+    whole = next(
+        k for k in range(len(ids), -1, -1) if shown.startswith(tokenizer.decode(ids[:k], skip_special_tokens=True))
     )
-    return next(spells, 0)
+    return len(ids) - whole
 
 
 def with_special_tokens(full: str, plain: str, special: re.Pattern[str]) -> str | None:
