@@ -256,7 +256,11 @@ class RLTrainConfig(Section):
         "non-finite loss or gradient norm (counted in skipped_steps) before the run "
         "stops with a diagnostic; 0 stops at the first.",
     )
-    resume: bool = Field(True, description="Continue from the newest complete checkpoint.")
+    resume: bool = Field(
+        True,
+        description="Continue from the newest complete checkpoint; false starts over, and this run's saves "
+        "replace the checkpoints already there.",
+    )
     export: bool = Field(True, description="Export the final policy to <output_dir>/final.")
     seed: int = Field(42, description="Seed of model init and sampling.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metric sinks and console output.")

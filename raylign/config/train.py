@@ -31,7 +31,9 @@ class TrainConfig(Section):
     save_every: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0 saves only at the end.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep; older ones are deleted.")
     resume: bool = Field(
-        True, description="Continue from the newest complete checkpoint in output_dir if there is one."
+        True,
+        description="Continue from the newest complete checkpoint in output_dir if there is one; false starts "
+        "over, and this run's saves replace the checkpoints already there.",
     )
     export: bool = Field(True, description="Export the final model as a plain Hugging Face folder <output_dir>/final.")
     log_every: int = Field(1, ge=1, description="Log training metrics every N optimizer steps.")

@@ -117,15 +117,27 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
+def prune_checkpoints(root: str | Path, keep_last: int, newest: int | None = None) -> list[Path]:
     """Delete all but the ``keep_last`` newest complete checkpoints and leftover temp folders.
 
-    Rank 0 only; call it when no save is in progress. ``keep_last <= 0`` keeps everything.
+    ``newest``: the step just saved. Checkpoints of later steps are deleted first: they belong to a
+    run this one started over from in the same folder (``train.resume: false``; a resumed run starts
+    from the newest), and kept they would push the checkpoints of this run out (the one just written
+    first) and be what the next resume continues.
+
+    Rank 0 only; call it when no save is in progress. ``keep_last <= 0`` keeps everything else.
     """
     removed: list[Path] = []
     root = Path(root)
+    checkpoints = complete_checkpoints(root)
+    if newest is not None:
+        for step, folder in checkpoints:
+            if step > newest:
+                shutil.rmtree(folder)
+                removed.append(folder)
+        checkpoints = [(step, folder) for step, folder in checkpoints if step <= newest]
     if keep_last > 0:
-        for _, folder in complete_checkpoints(root)[:-keep_last]:
+        for _, folder in checkpoints[:-keep_last]:
             shutil.rmtree(folder)
             removed.append(folder)
     for pattern in (".step_*.tmp", ".step_*.old"):  # left by crashes during a save or a replace
@@ -305,11 +317,12 @@ def check_world_size(directory: Path, meta: dict[str, Any], backend: str) -> Non
 def save_step_checkpoint(
     engine: TrainEngine, root: str | Path, step: int, client_state: dict[str, Any], keep_last: int = 0
 ) -> Path:
-    """Collective: save ``<root>/step_<step>`` atomically, then prune to the ``keep_last`` newest."""
+    """Collective: save ``<root>/step_<step>`` atomically, then prune to the ``keep_last`` newest (and drop
+    any of a later step, see :func:`prune_checkpoints`)."""
     final = step_directory(root, step)
     engine.save_checkpoint(final, client_state)
     if is_main_process():
-        prune_checkpoints(root, keep_last)
+        prune_checkpoints(root, keep_last, newest=step)
     barrier()
     return final
 

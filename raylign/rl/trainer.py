@@ -863,7 +863,7 @@ class RLTrainer:
             torch.save(state, tmp / "controller.pt")
 
         path = write_atomically(step_directory(root, self.step), write, {"step": self.step})
-        prune_checkpoints(root, self.cfg.train.keep_last)
+        prune_checkpoints(root, self.cfg.train.keep_last, newest=self.step)
         log.info("saved checkpoint %s", path)
         return path
 

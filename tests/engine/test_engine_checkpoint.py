@@ -127,3 +127,16 @@ def test_loading_a_checkpoint_of_another_world_size_is_refused(tmp_path):
     meta_file.write_text(json.dumps({"backend": "local", "world_size": 2, "format_version": 1}))
     with pytest.raises(CheckpointError, match="written by 2 ranks; this run has 1"):
         engine.load_checkpoint(tmp_path / "step_1")
+
+
+def test_a_run_started_over_in_the_same_folder_keeps_its_checkpoint_and_drops_the_later_ones_it_replaces(tmp_path):
+    replaced = make_engine()
+    for step in (4, 5):  # a run that got further, then started over with train.resume false
+        save_step_checkpoint(replaced, tmp_path, step, {"run": "replaced"}, keep_last=2)
+    again = make_engine(seed=1)
+    train_step(again, 1)
+    save_step_checkpoint(again, tmp_path, 1, {"run": "again"}, keep_last=2)
+    # Kept among the two newest, step_4 and step_5 would push out the checkpoint just written, and a
+    # resume would continue the replaced run's weights.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+    assert make_engine().load_checkpoint(latest_checkpoint(tmp_path)) == {"run": "again"}
