@@ -108,10 +108,15 @@ def tokenize_conversation(
     except TemplateError as err:
         raise where.error(key, f"the chat template rejected this conversation: {err}", "template_error") from None
     if encoded is None:
-        raise DataError(
-            f"{where.source}, row {where.row}: the tokenizer's chat template renders this conversation differently "
-            "from its beginnings, so assistant turns cannot be located; use a template with {% generation %} "
-            "markers or data.format 'plain'"
+        # A row error, not a dataset error: the text of one row can cause it (a reply starting with a newline
+        # merges with the newline ending the assistant header in tokenizers such as Qwen's), so
+        # data.skip_bad_rows skips and counts such rows.
+        raise where.error(
+            key,
+            "the tokenizer's chat template renders this conversation differently from its beginnings (a reply "
+            "whose first characters merge into one token with the end of the assistant header?), so assistant "
+            "turns cannot be located; use a template with {% generation %} markers or data.format 'plain'",
+            "template_mismatch",
         )
     ids, mask = encoded
     assistant_turns = sum(m["role"] == "assistant" for m in messages)

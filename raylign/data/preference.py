@@ -187,10 +187,13 @@ def _chat_side(
 ) -> Side:
     ids, mask = tokenize_conversation(tokenizer, prompt + reply, key, where)
     if ids[: len(prompt_ids)] != prompt_ids:
-        raise DataError(
-            f"{where.source}, row {where.row}: the tokenizer's chat template renders the prompt with a generation "
-            "prompt differently from the start of the whole conversation, so the reply cannot be located; "
-            "use data.format 'plain'"
+        # A row error: one row's text can cause it (see tokenize_conversation), so skip_bad_rows can skip it.
+        raise where.error(
+            key,
+            "the tokenizer's chat template renders the prompt with a generation prompt differently from the start "
+            "of the whole conversation (a reply whose first characters merge into one token with the end of the "
+            "assistant header?), so the reply cannot be located; use data.format 'plain'",
+            "template_mismatch",
         )
     return Side(ids[len(prompt_ids) :], mask[len(prompt_ids) :])
 

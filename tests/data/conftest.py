@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raylign.models.tiny import build_tiny_model, build_tiny_tokenizer
+from raylign.models.tiny import CHAT_TEMPLATE, build_tiny_model, build_tiny_tokenizer
 
 torch.set_num_threads(1)
 
@@ -25,6 +25,26 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def newline_merging_tokenizer():
+    """Byte tokens plus one merge, of two newlines into one token (Qwen's tokenizers merge them too), and
+    ChatML without generation markers: a reply that starts with a newline merges with the newline ending
+    the assistant header, so the rendered conversation no longer starts with the rendered prompt."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: i for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["ĊĊ"] = len(vocab)  # byte-level "\n\n"
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("Ċ", "Ċ")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|pad|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    assert tokenizer.tokenize("a\n\nb") == ["a", "ĊĊ", "b"]
+    return tokenizer
 
 
 @pytest.fixture(scope="session")

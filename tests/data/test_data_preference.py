@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from raylign.config.data import DataConfig
 from raylign.data import RowError
 from raylign.data.preference import build_pair_datasets, collate_pairs
+from raylign.models.tiny import CHAT_TEMPLATE
 
 EOS = "<|im_end|>"
 
@@ -184,6 +186,20 @@ def test_skip_bad_rows_keeps_the_good_pairs_and_counts_each_reason(write_dataset
     assert [p.row for p in data.train] == [1, 4]
     assert data.stats.skipped == {"identical_pair": 1, "missing_key": 1, "empty_text": 1}
     assert (data.stats.rows_read, data.stats.rows_kept) == (5, 2)
+
+
+@pytest.mark.parametrize("generation_markers", [False, True])
+def test_skip_bad_rows_skips_a_pair_whose_reply_start_merges_with_the_assistant_header(
+    write_dataset, newline_merging_tokenizer, generation_markers
+):
+    # The chosen reply's first "\n" merges with the "\n" ending the generation prompt (see the fixture).
+    tokenizer = copy.deepcopy(newline_merging_tokenizer)
+    if generation_markers:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    rows = [GOOD, {"prompt": "hi", "chosen": "\nyes", "rejected": "no"}, {**GOOD, "prompt": "hey"}]
+    data = build_pair_datasets(_config(write_dataset(rows), skip_bad_rows=True), tokenizer)
+    assert [p.row for p in data.train] == [1, 3]
+    assert data.stats.skipped == {"template_mismatch": 1}
 
 
 # --- length policy ----------------------------------------------------------------------

@@ -93,8 +93,26 @@ def test_template_whose_prefixes_differ_is_reported_with_file_and_row(write_data
     plain_template = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     counting = "{{ messages|length }}\n" + plain_template
     path = write_dataset([{"messages": MULTI_TURN}])
-    with pytest.raises(DataError, match=rf"{path}, row 1: the tokenizer's chat template renders this conversation"):
+    with pytest.raises(
+        RowError, match=rf"{path}, row 1, key 'messages': the tokenizer's chat template renders this conversation"
+    ):
         build_sft_datasets(_config(path), _with_template(tokenizer, counting))
+
+
+def test_skip_bad_rows_skips_a_reply_whose_start_merges_with_the_assistant_header(
+    write_dataset, newline_merging_tokenizer
+):
+    # "\n" ending "<|im_start|>assistant\n" and the reply's first "\n" become one token in the whole
+    # conversation, so this row's reply cannot be located; the other rows are fine.
+    rows = [
+        {"prompt": "hi", "completion": "ok"},
+        {"prompt": "hi", "completion": "\nstarts with a newline"},
+        {"prompt": "yo", "completion": "fine"},
+    ]
+    data = build_sft_datasets(_config(write_dataset(rows), skip_bad_rows=True), newline_merging_tokenizer)
+    assert [s.row for s in data.train] == [1, 3]
+    assert [_targets(newline_merging_tokenizer, s) for s in data.train] == ["ok" + EOS, "fine" + EOS]
+    assert data.stats.skipped == {"template_mismatch": 1}
 
 
 def test_tokenizer_without_chat_template_points_to_plain_format(write_dataset, tokenizer):
