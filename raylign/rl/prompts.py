@@ -29,7 +29,9 @@ def _render(
     value = require_key(row, spec.input_key, where)
     if cfg.format == "plain":
         text = cfg.prompt_template.format(input=check_text(value, spec.input_key, where))
-        return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+        # With the tokenizer's own special tokens (a BOS where it adds one), as the offline trainers'
+        # plain prompts (raylign.data.formatting.encode_plain): a model tuned there is sampled as trained.
+        return text, tokenizer(text, add_special_tokens=True)["input_ids"]
     if isinstance(value, list):
         messages = validate_messages(value, spec.input_key, where)
         if messages[-1]["role"] == "assistant":  # the model would answer with a second assistant turn

@@ -46,6 +46,28 @@ def test_weighted_train_files_mix_into_their_shares(rl_model_dir, tmp_path):
     assert len(big_rows) == 2 and all(counts[text] == 1 for text in big_rows)
 
 
+def test_a_plain_prompt_starts_with_the_bos_its_tokenizer_adds_as_in_sft(tmp_path):
+    from tokenizers import processors
+
+    from raylign.data.formatting import encode_plain
+    from raylign.models.tiny import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    bos = "<|endoftext|>"
+    tokenizer.bos_token = bos
+    bos_id = tokenizer.convert_tokens_to_ids(bos)
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, bos_id)]
+    )
+    path = write_rows(tmp_path / "plain.jsonl", [{"prompt": "two plus two"}])
+    cfg = RLDataConfig(train=[path], format="plain", prompt_template="Q: {input}\nA:")
+    (prompt,) = load_train_prompts(cfg, tokenizer)
+    body = tokenizer("Q: two plus two\nA:", add_special_tokens=False)["input_ids"]
+    assert prompt.token_ids == [bos_id, *body]
+    sft_ids, sft_prompt_length = encode_plain(tokenizer, "Q: two plus two\nA:", " 4", add_eos=False)
+    assert prompt.token_ids == sft_ids[:sft_prompt_length]
+
+
 def test_a_weight_on_some_train_files_only_is_refused():
     with pytest.raises(ConfigError, match="weight on every train dataset or on none"):
         parse_config(RLDataConfig, {"train": [{"path": "a.jsonl", "weight": 2.0}, "b.jsonl"]})
