@@ -123,25 +123,34 @@ def collate_packed(samples: Sequence[TokenSample], pad_token_id: int, row_tokens
 
 
 def _fill_bins(lengths: Sequence[int], num_bins: int, max_tokens: int) -> list[list[int]] | None:
-    """Longest-first greedy: each sample goes to the least-loaded bin; None if one would overflow."""
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    loads = [0] * num_bins
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        target = min(range(num_bins), key=lambda b: (loads[b], b))
-        if loads[target] + lengths[index] > max_tokens:
-            return None
-        bins[target].append(index)
-        loads[target] += lengths[index]
-    return bins
+    """Longest first, each sample into the least-loaded bin (balanced); where that would overflow, into
+    the first bin it fits (first-fit decreasing: 3,3,2,2,2 in two bins of 6 go 3+3 and 2+2+2, which
+    balancing alone misses). None if the samples do not fit in ``num_bins`` non-empty bins that way."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    for spread in (True, False):
+        bins: list[list[int]] = [[] for _ in range(num_bins)]
+        loads = [0] * num_bins
+        for index in order:
+            fits = [b for b in range(num_bins) if loads[b] + lengths[index] <= max_tokens]
+            if not fits:
+                break
+            target = min(fits, key=lambda b: (loads[b], b)) if spread else fits[0]
+            bins[target].append(index)
+            loads[target] += lengths[index]
+        else:
+            if all(bins):  # every micro-batch runs a forward pass: none may be empty
+                return bins
+    return None
 
 
 def balance_micro_batches(lengths: Sequence[int], max_tokens: int, min_micro_batches: int = 1) -> list[list[int]]:
-    """Group sample indices into the fewest micro-batches of at most ``max_tokens`` tokens, balanced by tokens.
+    """Group sample indices into few micro-batches of at most ``max_tokens`` tokens, balanced by tokens.
 
     Uses at least ``min_micro_batches`` groups (data-parallel ranks must run the same number
     of forward passes: pass the maximum over ranks). Groups are filled longest sample first
-    into the least-loaded group, each group's indices are sorted, and groups are ordered by
-    their first index. A sample longer than ``max_tokens`` is an error.
+    into the least-loaded group, or where that overflows into the first group with room
+    (:func:`_fill_bins`); each group's indices are sorted, and groups are ordered by their
+    first index. A sample longer than ``max_tokens`` is an error.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")

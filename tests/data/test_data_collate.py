@@ -91,6 +91,12 @@ def test_micro_batches_use_more_groups_when_the_minimum_does_not_fit_and_honour_
     assert balance_micro_batches([1, 1, 1, 1], max_tokens=100, min_micro_batches=2) == [[0, 2], [1, 3]]
 
 
+def test_micro_batches_that_balancing_cannot_fill_pack_first_fit_instead_of_adding_one():
+    # 12 tokens in groups of 6: balancing puts a 3 in each group and the last 2 fits in neither, but
+    # 3+3 and 2+2+2 fill two groups exactly; a third forward pass would be wasted.
+    assert balance_micro_batches([3, 3, 2, 2, 2], max_tokens=6) == [[0, 1], [2, 3, 4]]
+
+
 def test_a_sample_over_the_token_budget_is_an_error():
     with pytest.raises(ValueError, match="sample 1 has 12 tokens, over the micro-batch budget of 10 tokens"):
         balance_micro_batches([3, 12], max_tokens=10)
