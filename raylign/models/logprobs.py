@@ -91,7 +91,10 @@ def entropy_from_logits(
 
 
 def _entropy(shifted: torch.Tensor) -> torch.Tensor:
-    return torch.logsumexp(shifted, dim=-1) - (torch.softmax(shifted, dim=-1) * shifted).sum(-1)
+    # A masked logit (-inf) has p = 0 and adds nothing; clamped to the dtype's lowest finite value so that
+    # 0 * -inf does not make the sum NaN.
+    finite = shifted.clamp(min=torch.finfo(shifted.dtype).min)
+    return torch.logsumexp(shifted, dim=-1) - (torch.softmax(shifted, dim=-1) * finite).sum(-1)
 
 
 def _align_to_inputs(next_token_values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

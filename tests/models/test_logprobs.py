@@ -86,6 +86,16 @@ def test_entropy_of_large_equal_logits_is_log_vocab_to_float32_precision():
     assert abs(got.item() - math.log(2)) < 1e-6
 
 
+def test_entropy_of_logits_with_masked_entries_is_that_of_the_others():
+    # Two of four logits masked to -inf (top-k, or a vocabulary cut): the other two are equal, so the
+    # entropy is log 2, and its gradient is finite.
+    logits = torch.tensor([[[1.0, float("-inf"), 1.0, float("-inf")]]], requires_grad=True)
+    entropy = entropy_from_logits(logits)
+    assert entropy.item() == pytest.approx(math.log(2), abs=1e-6)
+    entropy.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+
+
 def test_entropy_keeps_float32_for_half_precision_logits():
     assert entropy_from_logits(torch.zeros(1, 2, 4, dtype=torch.bfloat16)).dtype == torch.float32
 
