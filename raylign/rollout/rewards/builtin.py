@@ -51,23 +51,36 @@ def _math_verify_timeouts() -> dict[str, int | None]:
     return {"parsing_timeout": 5 if on_main else None, "timeout_seconds": 5 if on_main else None}
 
 
-def _parse_math(text: str, bare_latex: bool = False) -> list:
-    """math-verify's parse of ``text``; with ``bare_latex`` (labels), LaTeX written without ``$`` too."""
+# A "$" that delimits math; "\$" is LaTeX for the dollar sign itself (MATH writes money answers as "\$18.90").
+_MATH_DELIMITER = re.compile(r"(?<!\\)\$")
+
+
+def _has_expression(parsed: list) -> bool:
+    """Whether math-verify's parse holds an expression, not only its raw-text fallback."""
+    return any(not isinstance(item, str) for item in parsed)
+
+
+def _parse_math(text: str, label: bool = False) -> list:
+    """math-verify's parse of ``text``. A ``label`` written bare (no ``$`` delimiters, no box) is read as
+    the content of a ``\\boxed{}``, the way a response's answer is, so '2\\sqrt{3}' is 2*sqrt(3) and '1,2'
+    the pair {1, 2}; the plain-text parse would take their leading numbers (2, 1.2). Plain text only
+    where LaTeX finds no expression."""
     from math_verify import parse
 
-    timeouts = _math_verify_timeouts()
-    parsed = parse(text, parsing_timeout=timeouts["parsing_timeout"])
-    if not parsed and bare_latex and "$" not in text and "\\boxed" not in text:
-        parsed = parse(f"${text}$", parsing_timeout=timeouts["parsing_timeout"])
-    return parsed
+    timeout = _math_verify_timeouts()["parsing_timeout"]
+    if label and not _MATH_DELIMITER.search(text) and not any(o in text for o in _BOXED_OPENERS):
+        parsed = parse("\\boxed{" + text + "}", parsing_timeout=timeout)
+        if _has_expression(parsed):
+            return parsed
+    return parse(text, parsing_timeout=timeout)
 
 
 def math_answer_is_correct(response: str, label: Any) -> tuple[bool, bool]:
     """(answer found, answer equals label) by math-verify; ValueError when the label cannot be parsed."""
     from math_verify import verify
 
-    gold = _parse_math(str(label), bare_latex=True)
-    if not any(not isinstance(item, str) for item in gold):  # only the raw-text fallback: no expression
+    gold = _parse_math(str(label), label=True)
+    if not _has_expression(gold):
         raise ValueError(f"math-verify cannot parse the label {str(label)!r:.80}")
     answer = extract_math_answer(response)
     if answer is None:
@@ -82,7 +95,8 @@ class MathReward(RewardSource):
     """1.0 when the response's final answer (last ``\\boxed{}``, else its last expression) equals the label.
 
     Equality is math-verify's (Hugging Face, 2025): symbolic and numeric, so '1/2' equals '0.5'
-    and '\\frac{1}{2}'. Metric ``answer_found``: 1.0 when the response had an answer to check.
+    and '\\frac{1}{2}'. A label without ``$`` delimiters is read as LaTeX, like a boxed answer
+    ('2\\sqrt{3}', '\\$18.90', '-2, 1'). Metric ``answer_found``: 1.0 when the response had an answer to check.
     """
 
     description = "math reward"

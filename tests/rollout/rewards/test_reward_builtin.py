@@ -58,6 +58,22 @@ def test_math_reward_hand_checked_batch():
     assert result.metrics["answer_found"] == [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
 
 
+def test_a_latex_label_without_dollar_signs_is_read_whole_not_as_its_leading_number():
+    # By hand: 2*sqrt(3) != 2, 4*pi != 4, 2^10 = 1024 != 2, the solutions {-2, 1} != 1, the pair {1, 2} != 1.2.
+    labels = ["2\\sqrt{3}", "4\\pi", "2^{10}", "-2, 1", "1,2"]
+    right = ["\\boxed{2\\sqrt{3}}", "\\boxed{4\\pi}", "\\boxed{1024}", "\\boxed{-2, 1}", "\\boxed{1,2}"]
+    leading_number = ["\\boxed{2}", "\\boxed{4}", "\\boxed{2}", "\\boxed{1}", "\\boxed{1.2}"]
+    prompts = [f"q{i}" for i in range(5)]
+    assert MathReward().score(prompts, right, labels).rewards == [1.0] * 5
+    assert MathReward().score(prompts, leading_number, labels).rewards == [0.0] * 5
+
+
+def test_a_label_with_an_escaped_dollar_sign_is_an_amount_not_an_unreadable_label():
+    # "\$18.90" is LaTeX for the amount $18.90 (as MATH writes money answers), not a "$" math delimiter.
+    responses = ["So it costs \\boxed{\\$18.90}.", "So it costs \\boxed{18.90}.", "So it costs \\boxed{19}."]
+    assert MathReward().score(["q"] * 3, responses, ["\\$18.90"] * 3).rewards == [1.0, 1.0, 0.0]
+
+
 def test_math_reward_works_off_the_main_thread():
     # math-verify's own timeouts use SIGALRM, which only the main thread may set.
     out = {}
