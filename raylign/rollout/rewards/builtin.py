@@ -12,15 +12,16 @@ from typing import Any
 
 from raylign.rollout.rewards.base import RewardError, RewardResult, RewardSource, describe_sample
 
-_BOXED_OPENERS = ("\\boxed{", "\\fbox{")
+# "\boxed{" or "\fbox{"; LaTeX allows spaces before the brace ("\boxed {5}").
+_BOXED_OPENER = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 def last_boxed_content(text: str) -> str | None:
     """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced; None if none."""
-    position, opener = max((text.rfind(o), o) for o in _BOXED_OPENERS)
-    if position < 0:
+    openers = list(_BOXED_OPENER.finditer(text))
+    if not openers:
         return None
-    start = position + len(opener)
+    start = openers[-1].end()
     depth = 1
     for i in range(start, len(text)):
         if text[i] == "{":
@@ -36,7 +37,7 @@ def extract_math_answer(response: str) -> str | None:
     """What a response's final answer is read from: its last ``\\boxed{}``; the whole response when it
     has no box (math-verify then takes its last expression, LaTeX or plain: '$\\frac{1}{2}$' is 1/2,
     '1,000' is 1000); None when the last box is left open (the response was cut off inside it)."""
-    if not any(opener in response for opener in _BOXED_OPENERS):
+    if not _BOXED_OPENER.search(response):
         return response
     boxed = last_boxed_content(response)
     if boxed is None or not boxed.strip():
@@ -68,7 +69,7 @@ def _parse_math(text: str, label: bool = False) -> list:
     from math_verify import parse
 
     timeout = _math_verify_timeouts()["parsing_timeout"]
-    if label and not _MATH_DELIMITER.search(text) and not any(o in text for o in _BOXED_OPENERS):
+    if label and not _MATH_DELIMITER.search(text) and not _BOXED_OPENER.search(text):
         parsed = parse("\\boxed{" + text + "}", parsing_timeout=timeout)
         if _has_expression(parsed):
             return parsed

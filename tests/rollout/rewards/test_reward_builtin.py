@@ -74,6 +74,14 @@ def test_a_label_with_an_escaped_dollar_sign_is_an_amount_not_an_unreadable_labe
     assert MathReward().score(["q"] * 3, responses, ["\\$18.90"] * 3).rewards == [1.0, 1.0, 0.0]
 
 
+def test_a_box_with_a_space_before_its_brace_is_the_answer():
+    # LaTeX reads "\boxed {5}" as "\boxed{5}": the answer is 5, after the 7 the working ended on.
+    responses = ["7 - 2 gives \\boxed {5}", "7 - 2 gives \\fbox  {5}", "so 7 \\boxed {5"]
+    result = MathReward().score(["q"] * 3, responses, ["5"] * 3)
+    assert result.rewards == [1.0, 1.0, 0.0]
+    assert result.metrics["answer_found"] == [1.0, 1.0, 0.0]
+
+
 def test_math_reward_works_off_the_main_thread():
     # math-verify's own timeouts use SIGALRM, which only the main thread may set.
     out = {}
