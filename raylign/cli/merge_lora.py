@@ -16,7 +16,8 @@ log = logging.getLogger("raylign")
 
 class MergeLoraConfig(Section):
     """raylign merge-lora: a LoRA adapter folder (adapter_config.json, adapter_model.safetensors; raylign
-    writes one in <output_dir>/final/adapter of a LoRA run) merged into its base model."""
+    writes one in <output_dir>/final/adapter of a LoRA run) merged into its base model; a reward model's adapter
+    (task_type SEQ_CLS) gives a sequence-classification folder with the score head the adapter holds."""
 
     adapter: str = Field(..., description="The PEFT adapter folder.")
     base: str | None = Field(
@@ -44,9 +45,29 @@ def adapter_base(adapter: Path, given: str | None) -> str:
     return str(base)
 
 
+def score_head_outputs(adapter: Path) -> int | None:
+    """Outputs of the score head a sequence-classification adapter holds (``task_type: SEQ_CLS``: a reward
+    model's, trained whole beside the LoRA matrices); None for any other adapter (a causal LM's)."""
+    from safetensors import safe_open
+
+    from raylign.models.heads import HEAD_NAME
+
+    if json.loads((adapter / "adapter_config.json").read_text()).get("task_type") != "SEQ_CLS":
+        return None
+    weights = adapter / "adapter_model.safetensors"
+    with safe_open(str(weights), framework="pt") as tensors:
+        for name in tensors.keys():  # noqa: SIM118 (a safetensors file handle is not iterable)
+            if name.endswith(f".{HEAD_NAME}.weight"):
+                return int(tensors.get_slice(name).get_shape()[0])
+    raise ValueError(
+        f"{weights}: a sequence-classification adapter (task_type SEQ_CLS) without its '{HEAD_NAME}' head; "
+        "merged, the head would be random"
+    )
+
+
 def run_merge_lora(cfg: MergeLoraConfig) -> str:
     import torch
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from raylign.engine.export import merge_adapter_folder
     from raylign.models import resolve_model_path
@@ -54,9 +75,15 @@ def run_merge_lora(cfg: MergeLoraConfig) -> str:
     adapter = Path(cfg.adapter)
     base_path = resolve_model_path(adapter_base(adapter, cfg.base))
     dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-    merged = merge_adapter_folder(adapter, base_path, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(base_path)
+    labels = score_head_outputs(adapter)
+    if labels is None:
+        merged = merge_adapter_folder(adapter, base_path, dtype=dtype)
+    else:  # a reward model: its head comes from the adapter, and padded batches need the pad id in the config
+        config = AutoConfig.from_pretrained(base_path, num_labels=labels, pad_token_id=tokenizer.pad_token_id)
+        merged = merge_adapter_folder(adapter, base_path, AutoModelForSequenceClassification, config, dtype)
     output = Path(cfg.output_dir)
     merged.save_pretrained(output)
-    AutoTokenizer.from_pretrained(base_path).save_pretrained(output)
+    tokenizer.save_pretrained(output)
     log.info("merged the adapter %s into %s: written to %s", adapter, base_path, output)
     return str(output)

@@ -126,3 +126,44 @@ def test_an_embedding_adapter_merged_onto_an_untied_copy_computes_what_it_comput
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, expected_logits, atol=1e-5, rtol=0)
+
+
+def reward_model_lora(model_dir, folder):
+    """A PEFT LoRA reward model on ``model_dir`` (one-output ``score`` head, trained whole beside the adapters,
+    as in ``raylign rm``) with random adapter and head values, saved to ``folder``; returns the model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    base = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32)
+    base.config.pad_token_id = AutoTokenizer.from_pretrained(str(model_dir)).pad_token_id
+    model = get_peft_model(base, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                param.copy_(torch.randn(param.shape, generator=generator))
+    model.save_pretrained(str(folder), save_embedding_layers=False)
+    return model.eval()
+
+
+def test_a_reward_model_adapter_merges_into_a_reward_model_with_its_trained_head(tied_model_dir, tmp_path):
+    """The adapter of a LoRA reward model carries the score head it trained: the merged folder is a reward
+    model that scores as the adapter on its base does, padded batches included (its config names the pad)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = reward_model_lora(tied_model_dir, tmp_path / "adapter")
+    sequences = [[5, 6, 7, 8, 9, 40, 41], [12, 13, 14]]
+    with torch.no_grad():  # each sequence alone, no padding
+        expected = torch.cat([model(input_ids=torch.tensor([ids])).logits[:, 0] for ids in sequences])
+    run_merge_lora(MergeLoraConfig(adapter=str(tmp_path / "adapter"), output_dir=str(tmp_path / "merged")))
+
+    merged, info = AutoModelForSequenceClassification.from_pretrained(
+        str(tmp_path / "merged"), dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"]  # the trained head is in the folder
+    assert merged.config.num_labels == 1
+    pad = merged.config.pad_token_id
+    padded = torch.tensor([sequences[0], sequences[1] + [pad] * 4])
+    with torch.no_grad():
+        scores = merged.eval()(input_ids=padded, attention_mask=(padded != pad).long()).logits[:, 0]
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
