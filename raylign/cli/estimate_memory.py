@@ -82,6 +82,9 @@ def run_estimate_memory(cfg: EstimateMemoryConfig) -> dict[str, float]:
         print(memory_table())
         return {}
     shape = model_shape(cfg.model)
+    # fsdp2 offloads through one CPUOffloadPolicy, whichever flag asks (raylign.engine.fsdp2.offload_policy):
+    # weights, gradients and optimizer state leave the device together.
+    fsdp2_offload = cfg.backend == "fsdp2" and (cfg.offload_params or cfg.offload_optimizer)
     layout = Layout(
         dtype=cfg.dtype,
         backend=cfg.backend,
@@ -92,8 +95,8 @@ def run_estimate_memory(cfg: EstimateMemoryConfig) -> dict[str, float]:
         micro_batch_tokens=cfg.micro_batch_tokens,
         gradient_checkpointing=cfg.gradient_checkpointing,
         master_weights=cfg.master_weights,
-        offload_params=cfg.offload_params,
-        offload_optimizer=cfg.offload_optimizer,
+        offload_params=cfg.offload_params or fsdp2_offload,
+        offload_optimizer=cfg.offload_optimizer or fsdp2_offload,
         reshard_after_forward=cfg.reshard_after_forward,
         shard_activations=cfg.tensor_parallel_shard_activations,
     )
