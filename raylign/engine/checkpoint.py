@@ -2,10 +2,12 @@
 
 Layout: the checkpoint of optimizer step N is ``<root>/step_<N>/``. It is written into
 ``<root>/.step_<N>.tmp/`` and renamed into place only once every rank has finished and rank 0
-has written ``COMPLETE`` inside it. A crash at any point before the rename leaves only the
-hidden temp folder, which :func:`latest_checkpoint` ignores, so resume always picks a whole
-checkpoint. The folder must be on a filesystem all ranks share (the RL controller checks that
-at start when its workers span several nodes).
+has written ``COMPLETE`` inside it. A crash at any point before ``COMPLETE`` leaves only an
+unmarked temp folder, which :func:`latest_checkpoint` ignores, so resume always picks a whole
+checkpoint; one after it, before the rename (while an older checkpoint of the same step is moved
+aside), leaves a marked temp folder, which counts as that step's checkpoint. The folder must be on
+a filesystem all ranks share (the RL controller checks that at start when its workers span several
+nodes).
 
 Inside a checkpoint, besides the backend's own files (``engine_state.pt`` for ``local``, a
 DCP folder for ``fsdp2``, DeepSpeed's files for ``deepspeed``):
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 COMPLETE_MARKER = "COMPLETE"
 META_FILE = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TEMP_DIR = re.compile(r"^\.step_(\d+)\.tmp$")
 
 
 class CheckpointError(RuntimeError):
@@ -99,16 +102,19 @@ def is_complete(directory: str | Path) -> bool:
 
 
 def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every complete checkpoint under ``root``, oldest first."""
+    """``(step, folder)`` of every complete checkpoint under ``root``, oldest first: the marked
+    ``step_<N>`` folders, and a marked ``.step_<N>.tmp`` where its save stopped before renaming it
+    into place (the ``step_<N>`` it replaced already moved aside)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = []
+    found: dict[int, Path] = {}
+    unrenamed: dict[int, Path] = {}
     for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir() and is_complete(child):
-            found.append((int(match.group(1)), child))
-    return sorted(found)
+        named, temp = _STEP_DIR.match(child.name), _TEMP_DIR.match(child.name)
+        if (named or temp) and child.is_dir() and is_complete(child):
+            (found if named else unrenamed)[int((named or temp).group(1))] = child  # type: ignore[union-attr]
+    return sorted({**unrenamed, **found}.items())
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -140,10 +146,12 @@ def prune_checkpoints(root: str | Path, keep_last: int, newest: int | None = Non
         for _, folder in checkpoints[:-keep_last]:
             shutil.rmtree(folder)
             removed.append(folder)
+    kept = {folder for _, folder in checkpoints}
     for pattern in (".step_*.tmp", ".step_*.old"):  # left by crashes during a save or a replace
         for stale in root.glob(pattern):
-            shutil.rmtree(stale, ignore_errors=True)
-            removed.append(stale)
+            if stale not in kept and stale.exists():
+                shutil.rmtree(stale, ignore_errors=True)
+                removed.append(stale)
     return removed
 
 

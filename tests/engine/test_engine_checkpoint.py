@@ -47,7 +47,7 @@ def test_latest_checkpoint_ignores_temp_unmarked_and_foreign_folders(tmp_path):
     make_complete(tmp_path / "step_2")
     make_complete(tmp_path / "step_10")
     (tmp_path / "step_11").mkdir()  # no COMPLETE marker
-    make_complete(tmp_path / ".step_12.tmp")  # an interrupted save, even if its files were all written
+    (tmp_path / ".step_12.tmp").mkdir()  # an interrupted save, never marked complete
     make_complete(tmp_path / "step_final")
     (tmp_path / "step_13").write_text("a file, not a folder")
     assert latest_checkpoint(tmp_path) == tmp_path / "step_10"  # numeric, not lexical, order
@@ -79,6 +79,24 @@ def test_saving_the_same_step_again_replaces_it(tmp_path):
     save_step_checkpoint(engine, tmp_path, 1, {"version": "second"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
     assert make_engine().load_checkpoint(tmp_path / "step_1") == {"version": "second"}
+
+
+def test_a_save_stopped_while_replacing_its_step_leaves_a_checkpoint_that_resume_finds(tmp_path):
+    # Saving step 1 again: the new copy was marked complete, the old one moved aside to .step_1.old,
+    # and the run stopped before the new one was renamed into place. The new copy is whole.
+    engine = make_engine()
+    train_step(engine, 1)
+    save_step_checkpoint(engine, tmp_path, 1, {"version": "first"})
+    train_step(engine, 2)
+    save_step_checkpoint(engine, tmp_path, 1, {"version": "second"})
+    (tmp_path / "step_1").rename(tmp_path / ".step_1.tmp")
+    make_complete(tmp_path / ".step_1.old")
+    assert latest_checkpoint(tmp_path) == tmp_path / ".step_1.tmp"
+    assert make_engine().load_checkpoint(latest_checkpoint(tmp_path)) == {"version": "second"}
+    # A later save keeps it among the keep_last newest; only the moved-aside copy is let go.
+    train_step(engine, 3)
+    save_step_checkpoint(engine, tmp_path, 2, {"version": "third"}, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step_1.tmp", "step_2"]
 
 
 def test_resume_continues_bitwise_like_an_uninterrupted_run(tmp_path):
