@@ -140,12 +140,17 @@ class RolloutFeed:
         while self.restarting:
             self._submit(*self.restarting.pop(0), version)
             self._restarted += 1
+        while self._room() > 0:
+            self._submit(self.started, self.requeued.pop(0) if self.requeued else next(self.positions), version)
+            self.started += 1
+
+    def _room(self) -> int:
+        """How many more groups may be started (or taken back from those dropped) within the bound: the
+        groups that can still be trained on in time, less those started and not discarded."""
         wanted = self.trained + (self.k + 1) * self.per_step
         if self.max_groups is not None:
             wanted = min(wanted, self.max_groups)
-        while self.started - self.discarded < wanted:
-            self._submit(self.started, self.requeued.pop(0) if self.requeued else next(self.positions), version)
-            self.started += 1
+        return wanted - (self.started - self.discarded)
 
     def _submit(self, seq: int, position: int, version: int) -> None:
         """Start group ``seq`` (its start order numbers its requests, so seeds follow it) of ``position``."""
@@ -164,9 +169,11 @@ class RolloutFeed:
                 self._admit(self.ready.pop(0), version, step, uniform)
             if uniform and (budget_spent or len(uniform) > self.max_uniform_per_step):
                 # The refill budget is spent: uniform groups count towards the step from now on (the
-                # first dropped first), and none is replaced; the step still waits for the rest.
+                # first dropped first), and none is replaced; the step still waits for the rest. Only as
+                # many as the bound has room for: the replacements already started for them stay this
+                # step's (with max_staleness 0 none may be left generating across the weight update).
                 budget_spent = True
-                take = uniform[: self.per_step - len(step.groups)]
+                take = uniform[: min(self.per_step - len(step.groups), max(self._room(), 0))]
                 del uniform[: len(take)]
                 step.groups += take
                 step.padded_uniform += len(take)

@@ -353,6 +353,62 @@ def test_without_refill_rounds_uniform_groups_fill_their_step_and_none_is_replac
     assert feed.started == 4 * PER_STEP and feed.discarded == 0
 
 
+class DelayingEngine(HFEngine):
+    """The hf engine, except that the group started ``delayed_seq``-th comes back ``delay_s`` seconds late."""
+
+    def __init__(self, model_path, config, delayed_seq: int, delay_s: float):
+        super().__init__(model_path, config)
+        self.delayed_seq, self.delay_s = delayed_seq, delay_s
+
+    async def generate_group(self, prompt_token_ids, sampling, prompt_index=0):
+        completions = await super().generate_group(prompt_token_ids, sampling, prompt_index)
+        if prompt_index == self.delayed_seq:
+            await asyncio.sleep(self.delay_s)
+        return completions
+
+
+def test_a_spent_refill_budget_leaves_no_group_in_flight_across_a_synchronous_weight_update(
+    ray_session, rl_model_dir, weights
+):
+    """max_staleness 0 with dynamic sampling, one refill round (3 groups) and every group uniform: a
+    synchronous step generates groups 0-2, drops them, refills with 3-5, drops those too, and then
+    fills itself with the first three dropped (0, 1, 2). The refill group 5 comes back late; the step
+    must still wait for it, so that nothing generates across the weight update and no group of the
+    next step is too old. Each step: 3 padded, 3 dropped, none stale, none in flight."""
+    from raylign.rl.stream import uniform_rewards
+
+    def score(samples):
+        for s in samples:
+            s.reward = 1.0
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    actor = ray.remote(DelayingEngine).options(num_cpus=0, runtime_env={"env_vars": ENV})
+    engine = actor.remote(str(rl_model_dir), RolloutConfig(engine="hf", dtype="float32").model_dump(), 5, 3.0)
+    try:
+        feed = RolloutFeed(
+            GroupStream(RolloutPool([engine]), timeout_s=120),
+            _prompts(),
+            itertools.cycle(range(8)),
+            SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=3),
+            PER_STEP,
+            0,
+            "drop",
+            RLTrainer._group_samples,
+            score,
+            uniform=uniform_rewards,
+            max_uniform_per_step=PER_STEP,
+            max_groups=2 * PER_STEP,
+        )
+        taken = _run_steps(feed, [engine], 2, weights)
+        assert [[g.seq for g in step.groups] for _, step in taken] == [[0, 1, 2], [6, 7, 8]]
+        assert [step.in_flight for _, step in taken] == [0, 0]
+        assert [step.dropped_stale for _, step in taken] == [0, 0]
+        assert [(step.padded_uniform, step.dropped_uniform) for _, step in taken] == [(3, 3), (3, 3)]
+        assert (feed.started, feed.discarded, feed.trained, len(feed.stream)) == (12, 6, 6, 0)
+    finally:
+        stop_engines([engine])
+
+
 def test_groups_with_non_finite_rewards_are_dropped_and_replaced(hf_engines, weights):
     """``reward.non_finite: drop``: a group holding a NaN or infinite reward never enters a step;
     it is counted and another group takes its place. Prompts p1 and p3 score NaN and inf here."""
