@@ -223,8 +223,8 @@ class RolloutFeed:
             if step.dropped_non_finite > MAX_NON_FINITE_PER_STEP * self.per_step:
                 text = self.prompts[group.prompt_position].text
                 raise RuntimeError(
-                    f"reward: {step.dropped_non_finite} prompt groups in a row had a NaN or infinite "
-                    f"reward while gathering one step (the last for training prompt "
+                    f"reward: {step.dropped_non_finite} prompt groups had a NaN or infinite "
+                    f"reward while gathering one step of {self.per_step} (the last for training prompt "
                     f"{group.prompt_position}, {text[:80]!r}); the reward source looks broken"
                 )
             return

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from raylign.agents.episode import episode_metrics
-from raylign.cluster import start_ray, start_together
+from raylign.cluster import get_within, start_ray, start_together
 from raylign.config.base import save_yaml
 from raylign.config.rl import RLConfig
 from raylign.data import ResumableSampler
@@ -292,7 +292,13 @@ class RLTrainer:
         if p.ray_address is not None:  # a cluster's node may offer Ray fewer CPUs than it has
             offered = {n["NodeID"]: n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]}
             cores = {node: min(n, offered.get(node, n)) for node, n in cores.items()}
-        engine_nodes = ray.get([e.node_id.remote() for e in self.engines], timeout=p.startup_timeout_s)
+        engine_nodes = get_within(
+            [e.node_id.remote() for e in self.engines],
+            p.startup_timeout_s,
+            "rollout engines' node_id (where each runs, to share its node's cores)",
+            "placement.startup_timeout_s",
+            [f"engine {i}" for i in range(len(self.engines))],
+        )
         threads = {
             role: phase_threads(self.cfg, [info["node"] for info in ranks], cores, engine_nodes, has_gpus)
             for role, ranks in infos.items()

@@ -458,7 +458,7 @@ def test_a_reward_that_is_never_finite_stops_the_run_naming_a_prompt(hf_engines,
     # The limit: 4 steps' worth (12 groups) dropped while gathering one step; the 13th stops the run.
     with pytest.raises(
         RuntimeError,
-        match=r"13 prompt groups in a row had a NaN or infinite reward .* training "
+        match=r"13 prompt groups had a NaN or infinite reward while gathering one step of 3 .* training "
         r"prompt (\d), 'p\1'",
     ):
         feed.take_step(0)
