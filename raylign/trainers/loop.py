@@ -228,14 +228,14 @@ class OfflineTrainer:
 
     def _total_steps(self) -> int:
         t = self.train_cfg
-        if t.max_steps:
-            return t.max_steps
         per_epoch = len(self.train_samples) // t.global_batch_size
-        if per_epoch == 0:
+        if per_epoch == 0:  # whether the steps are counted in epochs or given
             raise ValueError(
                 f"train.global_batch_size ({t.global_batch_size}) is larger than the training set "
                 f"({len(self.train_samples)} samples)"
             )
+        if t.max_steps:
+            return t.max_steps
         return max(1, math.floor(t.epochs * per_epoch))
 
     def _maybe_resume(self) -> bool:

@@ -238,6 +238,16 @@ def test_a_warm_up_longer_than_the_run_is_refused_before_the_model_loads(tmp_pat
     assert trainer.loaded == 0  # a large model's load would have been wasted
 
 
+def test_a_batch_larger_than_the_data_names_the_setting_whether_steps_are_given_or_counted(tmp_path, tiny_model_dir):
+    train_file = write_jsonl(tmp_path / "train.jsonl", make_string_rows("reverse", 5, seed=0))
+    for steps in ({"max_steps": 3}, {"epochs": 1.0}):
+        cfg = sft_config(tiny_model_dir, train_file, tmp_path / "run", **steps)
+        with pytest.raises(
+            ValueError, match=r"train.global_batch_size \(8\) is larger than the training set \(5 samples\)"
+        ):
+            SFTTrainer(cfg).run()
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_loss_runs_the_output_layer_at_the_trained_tokens_only(tiny_model_dir, packed):
     """Two samples of 7 and 4 tokens whose last 3 and 2 tokens are trained: the output layer computes 5
