@@ -10,6 +10,7 @@ file renamed when complete), so a step can be rerun alone.
      "responses": [<n response texts>],
      "finish_reasons": [<"stop" | "length" per response>],
      "label": <the dataset's label, or null>,
+     "data_source": <the row's data_source, else the prompt file's name without its suffix>,
      ...<passthrough keys of the dataset row>}
 
 ``raylign score`` (:mod:`raylign.pipeline.score`) adds to every row::

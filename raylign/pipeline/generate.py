@@ -50,15 +50,17 @@ def passthrough(row: dict[str, Any], spec: DatasetSpec, keys: list[str] | None) 
 def load_dataset_prompts(
     spec: DatasetSpec, data: PromptDataConfig, tokenizer: PreTrainedTokenizerBase
 ) -> list[tuple[Prompt, dict[str, Any]]]:
-    """Each rendered prompt of ``spec`` with the start of its output row (prompt as written, label, passthrough)."""
+    """Each rendered prompt of ``spec`` with the start of its output row: the prompt as written, its label, its
+    data source as ``raylign rl`` names it (the row's ``data_source``, else the prompt file's name; ``raylign
+    score`` passes it to reward functions as ``source``), and the passthrough keys."""
     prompts = load_prompts([spec], prompt_loading_config(data), tokenizer)
     wanted = {p.where.row for p in prompts}
     rows = {number: row for number, row in read_rows(spec.path, split=spec.split) if number in wanted}
     out = []
     for p in prompts:
         row = rows[p.where.row]
-        head = {"prompt": row[spec.input_key], "prompt_text": p.text}
-        out.append((p, {**head, "label": p.label, **passthrough(row, spec, data.passthrough_keys)}))
+        head = {"prompt": row[spec.input_key], "prompt_text": p.text, "label": p.label, "data_source": p.source}
+        out.append((p, {**head, **passthrough(row, spec, data.passthrough_keys)}))
     return out
 
 

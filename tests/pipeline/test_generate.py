@@ -20,7 +20,7 @@ CONVERSATION = [{"role": "system", "content": "answer"}, {"role": "user", "conte
 PROMPT_ROWS = [
     {"prompt": "reverse: a b c", "label": "c b a", "id": 1},
     {"prompt": CONVERSATION, "label": "d e", "id": 2},
-    {"prompt": "copy: f", "id": 3},
+    {"prompt": "copy: f", "id": 3, "data_source": "copying"},
 ]
 # ChatML of the tiny tokenizer, written out by hand.
 PROMPT_TEXTS = [
@@ -67,7 +67,9 @@ def greedy_reference(model_dir, prompt_text: str) -> tuple[str, str]:
 
 def check_greedy_file(path, model_dir, n: int) -> None:
     rows = read_jsonl(path)
-    assert [list(row) for row in rows] == [["prompt", "prompt_text", "responses", "finish_reasons", "label", "id"]] * 3
+    keys = ["prompt", "prompt_text", "responses", "finish_reasons", "label", "data_source", "id"]
+    assert [list(row) for row in rows] == [keys] * 3
+    assert [row["data_source"] for row in rows] == ["prompts", "prompts", "copying"]  # the file's name, else the row's
     assert [row["prompt"] for row in rows] == [r["prompt"] for r in PROMPT_ROWS]
     assert [row["prompt_text"] for row in rows] == PROMPT_TEXTS
     assert [row["label"] for row in rows] == ["c b a", "d e", None]
@@ -104,7 +106,8 @@ def test_hf_generate_plain_template_sampling_and_chosen_passthrough_keys(tmp_pat
     out = read_jsonl(cfg.output_path)
     assert [row["prompt_text"] for row in out] == ["Q: reverse: a b\nA:", "Q: copy: c d\nA:"]
     assert [row["label"] for row in out] == ["b a", "c d"]
-    assert [sorted(row) for row in out] == [["finish_reasons", "id", "label", "prompt", "prompt_text", "responses"]] * 2
+    keys = ["data_source", "finish_reasons", "id", "label", "prompt", "prompt_text", "responses"]
+    assert [sorted(row) for row in out] == [keys] * 2
     assert [len(row["responses"]) for row in out] == [4, 4]
     assert all(reason in ("stop", "length") for row in out for reason in row["finish_reasons"])
 
