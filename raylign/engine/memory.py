@@ -52,12 +52,17 @@ class ModelShape:
     tied: bool = False
     head_dim: int = 0  # 0: hidden // heads
     qkv_bias: bool = False
+    output_bias: bool = False  # the attention output projection's bias (Llama, Qwen3 ``attention_bias``)
+    mlp_bias: bool = False  # Llama's ``mlp_bias``: gate, up and down projections
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of the queries and of the keys (head_dim each)
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
         """The shape of a transformers config (Llama, Qwen2/Qwen3, Mistral and alike)."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
+        qwen2 = text.model_type == "qwen2"  # biases on q, k and v only, whatever the config says
+        attention_bias = bool(getattr(text, "attention_bias", False))
         return cls(
             hidden=text.hidden_size,
             layers=text.num_hidden_layers,
@@ -67,7 +72,10 @@ class ModelShape:
             vocab=text.vocab_size,
             tied=bool(getattr(text, "tie_word_embeddings", False)),
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            qkv_bias=text.model_type == "qwen2" or bool(getattr(text, "attention_bias", False)),
+            qkv_bias=qwen2 or attention_bias,
+            output_bias=attention_bias and not qwen2,
+            mlp_bias=bool(getattr(text, "mlp_bias", False)),
+            qk_norm=text.model_type == "qwen3",
         )
 
     @property
@@ -79,12 +87,20 @@ class ModelShape:
         return self.kv_heads * self.dim
 
     def layer_params(self) -> tuple[int, int]:
-        """One decoder layer's parameters: (in matrices tensor parallel splits, the rest: norms)."""
+        """One decoder layer's parameters: (in what tensor parallel splits, the rest: norms and the
+        biases of row-split projections, which every rank keeps whole)."""
         q, kv = self.heads * self.dim, self.kv_width
         split = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+        rest = 2 * self.hidden
         if self.qkv_bias:
             split += q + 2 * kv
-        return split, 2 * self.hidden
+        if self.output_bias:
+            rest += self.hidden
+        if self.mlp_bias:
+            split, rest = split + 2 * self.intermediate, rest + self.hidden
+        if self.qk_norm:
+            rest += 2 * self.dim
+        return split, rest
 
     def embedding_params(self) -> int:
         """The input embedding and, untied, the output head."""

@@ -28,6 +28,24 @@ def test_the_shape_counts_the_parameters_the_model_has(tmp_path, arch, tied):
     assert ModelShape.from_config(model.config).params() == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize(
+    "arch, extra",
+    [
+        ("qwen3", {}),  # q_norm and k_norm: head_dim weights each, in every layer
+        ("qwen3", {"attention_bias": True}),  # biases on q, k, v and the output projection
+        ("llama", {"attention_bias": True}),
+        ("llama", {"mlp_bias": True}),  # biases on gate, up and down
+    ],
+)
+def test_the_shape_counts_norms_and_biases_beyond_qwen2s(arch, extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=100)
+    config = AutoConfig.for_model(arch, num_key_value_heads=2, head_dim=24, **sizes, **extra)
+    model = AutoModelForCausalLM.from_config(config)
+    assert ModelShape.from_config(config).params() == sum(p.numel() for p in model.parameters())
+
+
 def test_the_known_sizes_are_the_models_they_name():
     # Parameter counts of the Qwen2.5 models, as their model cards give them.
     expected = {"0.5b": 494_032_768, "1.5b": 1_543_714_304, "7b": 7_615_616_512, "32b": 32_763_876_352}
