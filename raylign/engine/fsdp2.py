@@ -27,6 +27,7 @@ weights alone.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
@@ -173,13 +175,14 @@ def _weight_files(folder: Path) -> dict[str, Path]:
 
 
 def build_meshes(
-    device_type: str, world_size: int, tensor_parallel: int, shard_size: int | None
+    device_type: str, world_size: int, tensor_parallel: int, shard_size: int | None, timeout_s: int
 ) -> tuple[DeviceMesh, DeviceMesh]:
     """The engine's device mesh and the part of it FSDP2 shards over.
 
     Ranks ``r*t .. r*t+t-1`` form one tensor-parallel group (``t = tensor_parallel``); the data-parallel
     ranks (``world_size / t``) shard over groups of ``shard_size`` (None: all of them), which replicate
-    one another when there are several (HSDP: FSDP2 given a 2-D ``("replicate", "shard")`` mesh)."""
+    one another when there are several (HSDP: FSDP2 given a 2-D ``("replicate", "shard")`` mesh). The
+    collectives of every group of the mesh give up after ``timeout_s`` (``engine.dist_timeout_s``)."""
     data_parallel = world_size // tensor_parallel
     if world_size % tensor_parallel:
         raise ValueError(f"engine.tensor_parallel_size ({tensor_parallel}) must divide the ranks ({world_size})")
@@ -196,6 +199,12 @@ def build_meshes(
         mesh = init_device_mesh(device_type, (world_size,))  # plain FSDP over every rank
         return mesh, mesh
     mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+    # init_device_mesh makes the groups of a dimension that is not the whole world with torch's default
+    # timeout (30 minutes on gloo, 10 on nccl), not the default group's: a rank whose partner is gone would
+    # wait that long instead of engine.dist_timeout_s.
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for dim in range(mesh.ndim):
+        _set_pg_timeout(timeout, mesh.get_group(dim))
     return mesh, (mesh["replicate", "shard"] if replicate > 1 else mesh["shard"])
 
 
@@ -384,7 +393,11 @@ class FSDP2Engine(TrainEngine):
         if not isinstance(self.offload_policy, CPUOffloadPolicy) and not empty:
             model.to(self.device)
         self.mesh, data_mesh = build_meshes(
-            self.device.type, self.world_size, engine_cfg.tensor_parallel_size, engine_cfg.data_parallel_shard_size
+            self.device.type,
+            self.world_size,
+            engine_cfg.tensor_parallel_size,
+            engine_cfg.data_parallel_shard_size,
+            engine_cfg.dist_timeout_s,
         )
         if engine_cfg.tensor_parallel_size > 1:
             apply_tensor_parallel(model, self.mesh["tp"], engine_cfg.tensor_parallel_shard_activations)

@@ -1,0 +1,27 @@
+"""fsdp2's device mesh keeps ``engine.dist_timeout_s`` in the groups it makes beside the default one
+(tensor parallel, HSDP's shard groups): a rank whose partner never joins a collective fails after that
+long, not after torch's default 30 minutes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.spawned_ranks import import_worker, spawn_and_join
+
+worker = import_worker(__file__, "mesh_timeout_worker")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tensor_parallel, shard_size", [(2, None), (1, 2)], ids=["tensor_parallel", "hsdp"])
+def test_a_collective_of_a_mesh_group_times_out_after_the_engines_timeout(tmp_path, tensor_parallel, shard_size):
+    out = tmp_path / "rank0.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(Path(__file__).parent))  # the spawned ranks import the worker by name
+        # Without the engine's timeout rank 0 would wait 30 minutes, and the ranks be killed here first.
+        spawn_and_join(worker.run_rank, (str(out), tensor_parallel, shard_size), worker.WORLD_SIZE, 90, "mesh ranks")
+    result = json.loads(out.read_text())
+    assert "Timed out" in result["error"]
+    assert worker.TIMEOUT_S <= result["waited_s"] < 3 * worker.TIMEOUT_S
