@@ -30,8 +30,11 @@ from raylign.algorithms.stats import masked_whiten
 
 
 def sequence_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[batch]`` rewards: given outcome rewards as they are, per-token rewards summed over counted tokens."""
+    """``[batch]`` rewards: given outcome rewards as they are, per-token rewards summed over counted tokens
+    (integer or boolean rewards as the default float dtype)."""
     check_token_mask(mask)
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
     if rewards.dim() == 1 and rewards.shape[0] == mask.shape[0]:
         return rewards
     check_like_mask("rewards", rewards, mask)
@@ -45,8 +48,11 @@ def last_token_positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 def token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[batch, seq]`` rewards: an outcome reward ``[batch]`` goes on the last counted token of its row."""
+    """``[batch, seq]`` rewards: an outcome reward ``[batch]`` goes on the last counted token of its row
+    (integer or boolean rewards as the default float dtype)."""
     check_token_mask(mask)
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
     if rewards.dim() == 2:
         check_like_mask("rewards", rewards, mask)
         return zero_masked(rewards, mask)

@@ -176,6 +176,19 @@ def test_grpo_group_mean_and_unbiased_std_by_hand():
     assert torch.equal(adv, ret)
 
 
+@pytest.mark.parametrize("rewards", [torch.tensor([1, 0, 0, 1]), torch.tensor([True, False, False, True])])
+def test_integer_and_boolean_rewards_are_read_as_their_float_values(rewards):
+    # A verifier's 0/1 (or True/False) outcome. GRPO: +-0.5 / std, std = sqrt(4 * 0.25 / 3); RLOO: the
+    # mean of the other three is 1/3 for a 1 and 2/3 for a 0, so +-2/3.
+    mask = torch.ones(4, 1)
+    grpo, _ = compute_grpo_advantages(rewards, mask, group_size=4, eps=0.0)
+    rloo, _ = alg.compute_rloo_advantages(rewards, mask, group_size=4)
+    a = 0.5 / math.sqrt(1 / 3)
+    assert grpo.dtype == rloo.dtype == torch.float32
+    assert grpo[:, 0].tolist() == pytest.approx([a, -a, -a, a])
+    assert rloo[:, 0].tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+
+
 def test_grpo_without_std_and_dr_grpo_subtract_the_mean_only():
     mask = torch.ones(3, 1)
     rewards = torch.tensor([3.0, 0.0, 0.0])
