@@ -32,7 +32,6 @@ from typing import Any, Literal
 
 from raylign.agents.env import Environment, Message, as_number
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
 
@@ -92,7 +91,8 @@ class ToolCall:
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
     """The ``<tool_call>`` blocks of ``text``: the calls that parse, and an error for each one that does not."""
     calls, errors = [], []
-    for block in TOOL_CALL.findall(text):
+    blocks, rest = split_calls(text, ["tool_call"])
+    for block in (inner.strip() for _, inner in blocks):
         try:
             value = json.loads(block)
         except json.JSONDecodeError as err:
@@ -112,7 +112,7 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
             errors.append(f"tool call arguments must be an object: {block[:80]}")
             continue
         calls.append(ToolCall(value["name"], arguments))
-    return calls, errors + unclosed_calls(TOOL_CALL.sub("", text), ["tool_call"])
+    return calls, errors + unclosed_calls(rest, ["tool_call"])
 
 
 def parse_tagged_calls(text: str, tools: dict[str, Tool]) -> tuple[list[ToolCall], list[str]]:
@@ -122,10 +122,35 @@ def parse_tagged_calls(text: str, tools: dict[str, Tool]) -> tuple[list[ToolCall
     single = {name: t.parameters["required"][0] for name, t in tools.items() if len(t.parameters["required"]) == 1}
     if not single:
         return calls, []
-    pattern = re.compile(r"<(" + "|".join(re.escape(n) for n in single) + r")>(.*?)</\1>", re.DOTALL)
-    for name, argument in pattern.findall(text):
+    blocks, rest = split_calls(text, list(single))
+    for name, argument in blocks:
         calls.append(ToolCall(name, {single[name]: argument.strip()}))
-    return calls, unclosed_calls(pattern.sub("", text), list(single))
+    return calls, unclosed_calls(rest, list(single))
+
+
+def split_calls(text: str, tags: list[str]) -> tuple[list[tuple[str, str]], str]:
+    """The complete ``<tag>...</tag>`` blocks of ``text`` in order, as (tag, inner text) with each
+    block ending at its tag's first closing, and the text without them.
+
+    A scan, not a regex such as ``<tool_call>\\s*(.*?)\\s*</tool_call>``: a regex searches on to the end
+    of the text from every unclosed opening, and its ``\\s*`` backtracks over runs of whitespace, so a
+    degenerate turn (thousands of openings, or one before thousands of spaces) took seconds to minutes.
+    Once a tag has no closing after some point, its later openings are not searched again."""
+    opening = re.compile("<(" + "|".join(re.escape(tag) for tag in tags) + ")>")
+    blocks, kept, start, closed_nowhere = [], [], 0, set()
+    search_from = 0
+    while match := opening.search(text, search_from):
+        tag = match.group(1)
+        end = -1 if tag in closed_nowhere else text.find(f"</{tag}>", match.end())
+        if end < 0:
+            closed_nowhere.add(tag)
+            search_from = match.start() + 1
+            continue
+        kept.append(text[start : match.start()])
+        blocks.append((tag, text[match.end() : end]))
+        start = search_from = end + len(tag) + 3
+    kept.append(text[start:])
+    return blocks, "".join(kept)
 
 
 def unclosed_calls(rest: str, tags: list[str]) -> list[str]:

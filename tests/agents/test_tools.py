@@ -22,6 +22,7 @@ from raylign.agents.tools import (
     evaluate_arithmetic,
     last_number,
     numeric_match,
+    parse_tagged_calls,
     parse_tool_calls,
     tool,
 )
@@ -145,6 +146,49 @@ def test_a_bad_call_next_to_a_good_one_keeps_the_good_one():
     calls, errors = parse_tool_calls(text)
     assert calls == [ToolCall("calculator", {"expression": "4"})]
     assert len(errors) == 1
+
+
+def test_an_unclosed_call_followed_by_a_long_run_of_whitespace_is_parsed_quickly():
+    # A degenerate turn (an opening tag, then thousands of spaces and newlines) must not stall the
+    # event loop that parses it: the time has to grow linearly with the text, not with its cube.
+    text = "<tool_call>" + " \n" * 1500
+    started = time.monotonic()
+    calls, errors = parse_tool_calls(text)
+    assert time.monotonic() - started < 1.0
+    assert calls == []
+    assert errors == ["tool call is not closed (no </tool_call>): <tool_call>" + " \n" * 34 + " "]
+
+
+def test_thousands_of_unclosed_openings_are_parsed_quickly():
+    # "<tool_call>" is one token in Qwen's vocabulary: a degenerate turn may repeat it thousands of times.
+    text = "<tool_call>" * 8000
+    started = time.monotonic()
+    calls, errors = parse_tool_calls(text)
+    assert time.monotonic() - started < 1.0
+    assert calls == []
+    assert len(errors) == 8000
+    assert errors[0] == "tool call is not closed (no </tool_call>): " + "<tool_call>" * 7 + "<to"
+    assert errors[-1] == "tool call is not closed (no </tool_call>): <tool_call>"
+
+
+def test_thousands_of_unclosed_tagged_openings_are_parsed_quickly():
+    text = "<calculator>" * 8000
+    started = time.monotonic()
+    calls, errors = parse_tagged_calls(text, {"calculator": calculator})
+    assert time.monotonic() - started < 1.0
+    assert (calls, len(errors)) == ([], 8000)
+
+
+def test_a_tagged_call_after_unclosed_openings_still_runs():
+    text = "<calculator>oops <calculator> 2*3 </calculator> <calculator>"
+    calls, errors = parse_tagged_calls(text, {"calculator": calculator})
+    assert calls == [ToolCall("calculator", {"expression": "oops <calculator> 2*3"})]
+    assert errors == ["tool call is not closed (no </calculator>): <calculator>"]
+
+
+def test_whitespace_around_the_json_of_a_call_is_ignored():
+    text = "<tool_call>\n\t " + '{"name": "calculator", "arguments": {"expression": "1+2"}}' + " \n\n</tool_call>"
+    assert parse_tool_calls(text) == ([ToolCall("calculator", {"expression": "1+2"})], [])
 
 
 # ---- evaluate_arithmetic -----------------------------------------------------------------------
