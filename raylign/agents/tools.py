@@ -163,15 +163,18 @@ def unclosed_calls(rest: str, tags: list[str]) -> list[str]:
     ]
 
 
+# A number: thousands grouped by commas (1,000 or 12,345.5), else digits with a fraction or exponent;
+# a Unicode minus (U+2212, as models trained on typeset text write) counts as a sign.
+_NUMBER = re.compile(r"[-\u2212]?(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)")
+
+
 def last_number(text: str) -> float | None:
-    """The last number written in ``text`` (commas between digit groups allowed), or None."""
-    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    """The last number written in ``text``, or None: '1,000' is 1000, but '1,2,3' ends with 3 and
+    '(3,4)' with 4; '1e5' is 100000."""
+    found = _NUMBER.findall(text)
     if not found:
         return None
-    try:
-        return float(found[-1].replace(",", ""))
-    except ValueError:
-        return None
+    return float(found[-1].replace(",", "").replace("\u2212", "-"))
 
 
 def numeric_match(answer: str, label: Any) -> float:

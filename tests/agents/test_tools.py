@@ -268,6 +268,11 @@ def test_unparseable_text_is_refused():
         ("first 3, then 4.5", 4.5),
         ("it is -12 degrees", -12.0),
         ("no numbers here", None),
+        ("the roots are 1,2,3", 3.0),  # a list, not one thousand-grouped number (123)
+        ("the point (3,4)", 4.0),
+        ("about 1e5 atoms", 100000.0),
+        ("it is \u22127 degrees", -7.0),  # a Unicode minus sign
+        ("12,345.5 in all", 12345.5),
     ],
 )
 def test_last_number(text, number):
