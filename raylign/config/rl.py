@@ -52,8 +52,10 @@ class AlgorithmConfig(Section):
     aggregation: str = registered(
         "LOSS_AGGREGATIONS", LOSS_AGGREGATIONS, "token_mean", "How token losses become the batch loss."
     )
-    constant_normalizer: float | None = Field(
-        None, gt=0, description="constant_normalizer aggregation: divide token sums by this (default max_new_tokens)."
+    constant_normalizer: int | None = Field(
+        None,
+        gt=0,
+        description="constant_normalizer aggregation: divide token sums by this many tokens (default max_new_tokens).",
     )
     kl_mode: Literal["none", "reward", "loss"] = Field(
         "loss", description="KL to the reference policy: none, a per-token reward penalty, or a loss term."

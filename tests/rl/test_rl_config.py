@@ -153,6 +153,15 @@ def test_ppo_with_more_samples_per_prompt_keeps_the_critic(base, tmp_path):
 # ---- impossible combinations -----------------------------------------------------------------
 
 
+def test_a_constant_normalizer_with_a_fraction_is_refused_naming_the_field(base, tmp_path):
+    # A token count: 1000.5 was cut to 1000 without a word.
+    base["algorithm"] = {"aggregation": "constant_normalizer", "constant_normalizer": 1000.5}
+    with pytest.raises(ConfigError, match=r"algorithm\.constant_normalizer: Input should be a valid integer"):
+        resolve(tmp_path, base)
+    base["algorithm"]["constant_normalizer"] = 1000
+    assert resolve(tmp_path, base).algorithm.constant_normalizer == 1000
+
+
 def test_critic_with_grpo_is_refused(base, tmp_path):
     base["critic"]["path"] = str(base["model"]["path"])
     message = _error(tmp_path, base)
