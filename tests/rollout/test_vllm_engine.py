@@ -152,6 +152,7 @@ def _sync_and_check(ray, engine, model_dir, named_tensors_of):
     trainer = load_fp32(model_dir)
     assert_logprobs_match(before, trainer)  # engine and trainer start equal
     perturb_(trainer)
+    logs_before = worker_log_sizes()
     sender = WeightSyncSender([engine], bucket_mb=0.05, timeout_s=60)
     sender.connect()
     stats = sender.sync(named_tensors_of(trainer))
@@ -162,21 +163,33 @@ def _sync_and_check(ray, engine, model_dir, named_tensors_of):
     after = generate(ray, engine, [LONG_PROMPT, PROMPTS[0]], temperature=0.0, max_new_tokens=6)
     assert_logprobs_match(after, trainer)
     assert after[0].response_logprobs != pytest.approx(before[0].response_logprobs, abs=1e-3)
-    assert reload_warnings() == []
+    assert reload_warnings(since=logs_before) == []
     return before, after
 
 
-def reload_warnings() -> list[str]:
-    """vLLM's "<layer>: Failed to load weights" lines in the logs of this Ray session's workers, which hold
-    the engines' output (and their vLLM workers'). vLLM writes it for a layer whose weights a reload did
-    not receive; a rotary embedding never gets any (its cos/sin cache is computed, and vLLM keeps it), so
-    the engines leave that one out: otherwise every sync would warn of a failure that is not one."""
+def worker_log_paths() -> list[str]:
+    """The logs of this Ray session's workers, which hold the engines' output (and their vLLM workers')."""
     logs = ray_session_logs()
     assert logs is not None, "no Ray session logs to read"
+    return glob.glob(os.path.join(logs, "worker-*.out")) + glob.glob(os.path.join(logs, "worker-*.err"))
+
+
+def worker_log_sizes() -> dict[str, int]:
+    return {path: os.path.getsize(path) for path in worker_log_paths()}
+
+
+def reload_warnings(since: dict[str, int]) -> list[str]:
+    """vLLM's "<layer>: Failed to load weights" lines written to the workers' logs after ``since`` (their
+    sizes then). vLLM writes it for a layer whose weights a reload did not receive; a rotary embedding never
+    gets any (its cos/sin cache is computed, and vLLM keeps it), so the engines leave that one out: otherwise
+    every sync would warn of a failure that is not one. Only what this sync wrote counts: other tests in the
+    same Ray session end syncs midway on purpose, and their engines rightly warn."""
     lines = []
-    for path in glob.glob(os.path.join(logs, "worker-*.out")) + glob.glob(os.path.join(logs, "worker-*.err")):
-        with open(path, errors="replace") as f:
-            lines += [line.strip() for line in f if "Failed to load weights" in line]
+    for path in worker_log_paths():
+        with open(path, "rb") as f:
+            f.seek(since.get(path, 0))
+            text = f.read().decode(errors="replace")
+        lines += [line.strip() for line in text.splitlines() if "Failed to load weights" in line]
     return lines
 
 
