@@ -401,26 +401,24 @@ class RLTrainer:
         self._timings = timings
         self._threads_used, self._peaks = {}, {}
         start = time.perf_counter()
+        phase = _PhaseClock(timings)
         self.events.append(("rollout", self.step + 1, time.time()))
         samples, gen_metrics = self.rollout()
-        timings["time/generate_s"] = time.perf_counter() - start - timings["time/reward_s"]
-        t = time.perf_counter()
+        timings["time/generate_s"] = phase.lap()
         self.events.append(("train", self.step + 1, time.time()))
         self._make_room_for("training")
         exp = self.make_experience(samples)
-        timings["time/experience_s"] = time.perf_counter() - t
-        t = time.perf_counter()
+        timings["time/experience_s"] = phase.lap()
         train_metrics = self.update(samples, exp)
         self._policy_ahead = True
         self._count_skipped(train_metrics)
-        timings["time/train_s"] = time.perf_counter() - t
-        t = time.perf_counter()
+        timings["time/train_s"] = phase.lap()
         if cfg.rollout.reproducible:  # every group in flight is sampled by the weights it started under
             self.feed.drain(self.syncs)
         self._finish_evals(wait=True)  # an evaluation started beside this step ends under its weights
         sync_metrics = self.sync_weights()
         self.feed.top_up(self.syncs)  # the next groups start under the new weights
-        timings["time/sync_s"] = time.perf_counter() - t
+        timings["time/sync_s"] = phase.lap()
         elapsed = time.perf_counter() - start
         self._write_samples(samples)
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -902,6 +900,23 @@ class RLTrainer:
             ray.util.remove_placement_group(group)
         if getattr(self, "_started_ray", False):
             ray.shutdown()
+
+
+class _PhaseClock:
+    """Times a step's phases one after another, each without the scoring done during it (groups are
+    scored as they come back, whichever phase is waiting then): that is ``time/reward_s``'s alone, so
+    the phases and the reward time add up to no more than the step."""
+
+    def __init__(self, timings: dict[str, float]):
+        self.timings = timings
+        self.started, self.reward_before = time.perf_counter(), timings["time/reward_s"]
+
+    def lap(self) -> float:
+        """Seconds since the last lap (or the start), less the scoring in them; starts the next phase."""
+        now, reward = time.perf_counter(), self.timings["time/reward_s"]
+        seconds = now - self.started - (reward - self.reward_before)
+        self.started, self.reward_before = now, reward
+        return seconds
 
 
 def _prompt_itself(prompt: Prompt) -> Prompt:

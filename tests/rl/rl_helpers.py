@@ -16,6 +16,8 @@ from raylign.rl.experience import Behaviour, MicroBatch, Sample
 # tiny model's samples do, so groups of 4 usually hold both rewards and the policy gets a
 # gradient. exact_match against the label (never hit by a random model) rides along at no cost.
 REWARD_SOURCES = [{"kind": "format", "format_regex": "[a-z].*"}, {"kind": "exact_match"}]
+# The phases a step logs the seconds of, one after another: disjoint intervals inside time/step_s.
+TIMING_PARTS = ("time/generate_s", "time/reward_s", "time/experience_s", "time/train_s", "time/sync_s")
 
 
 def rl_config_data(model_dir: Path, prompt_file: Path, output_dir: Path, preset: str = "grpo") -> dict[str, Any]:

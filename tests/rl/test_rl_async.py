@@ -14,7 +14,7 @@ import torch
 from raylign.rl.trainer import RLTrainer
 from raylign.trainers.metrics import read_metrics
 
-from .rl_helpers import resolve, rl_config_data
+from .rl_helpers import TIMING_PARTS, resolve, rl_config_data
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +51,9 @@ def test_async_samples_are_one_update_old(ray_session, rl_model_dir, prompt_file
     for record in records:
         assert all(math.isfinite(v) for v in record.values() if isinstance(v, float))
         assert record["policy/grad_norm"] > 0
+        # Reproducible: the groups in flight are scored while the sync phase waits for them; that time is
+        # time/reward_s's alone, so the parts stay disjoint intervals inside the step.
+        assert sum(record[k] for k in TIMING_PARTS) <= record["time/step_s"] + 1e-6
     # The ratio runs against the engine's log-probs of weights one update old: no longer 1 (KL > 0).
     assert records[2]["policy/approx_kl"] > 0
     # The engine generates beside training and keeps its one reserved core (rollout.num_cpus_per_engine):

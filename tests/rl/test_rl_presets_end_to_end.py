@@ -26,14 +26,12 @@ import torch
 from raylign.rl.trainer import RLTrainer
 from raylign.trainers.metrics import read_metrics
 
-from .rl_helpers import fp32_model, resolve, rl_config_data, set_dotted, state_dict_of
+from .rl_helpers import TIMING_PARTS, fp32_model, resolve, rl_config_data, set_dotted, state_dict_of
 
 QUICK = ("grpo", "ppo")
 PRESETS = ("ppo", "grpo", "reinforce_pp", "gspo", "dapo")
 PARAMS = [p if p in QUICK else pytest.param(p, marks=pytest.mark.slow) for p in PRESETS]
 USES_REFERENCE = {"ppo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"}
-
-TIMING_PARTS = ("time/generate_s", "time/reward_s", "time/experience_s", "time/train_s", "time/sync_s")
 
 
 class ResumeRecordingTrainer(RLTrainer):
