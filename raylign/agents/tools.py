@@ -187,6 +187,18 @@ def numeric_match(answer: str, label: Any) -> float:
     return float(got is not None and abs(got - expected) <= 1e-6 * max(1.0, abs(expected)))
 
 
+def result_text(result: Any) -> str:
+    """What the model reads of a tool's return value: a string as it is, any other value as JSON
+    (``{"found": true, "page": null}``, the way OpenAI-style tool results are written, not Python's
+    ``{'found': True, 'page': None}``); a value JSON cannot write (a set, an object) by ``str()``."""
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(result)
+
+
 class ToolEnv(Environment):
     """An episode of tool use: the model calls tools until it answers without a tool call; the answer's
     reward (``answer_reward(answer, label)``, default :func:`numeric_match`) ends the episode.
@@ -295,7 +307,7 @@ class ToolEnv(Environment):
             return f"error: {err}", err.kind
         except Exception as err:
             return f"error: {call.name} failed: {type(err).__name__}: {err}", "error"
-        return str(result), None
+        return result_text(result), None
 
     def _over_budget(self, what: str) -> tuple[str, str]:
         return f"error: {what}: the tool calls of one turn may take {self.step_budget_s:g} s in all", "step_budget"

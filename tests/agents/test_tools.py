@@ -523,3 +523,27 @@ def test_slow_python_calls_stop_within_the_turns_budget():
 def test_the_default_budget_of_a_turns_tool_calls_fits_the_default_step_timeout():
     assert PythonEnv().step_budget_s < AgentConfig().step_timeout_s
     assert CalculatorEnv().step_budget_s < AgentConfig().step_timeout_s
+
+
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        ({"found": True, "page": None, "title": "Zürich"}, '{"found": true, "page": null, "title": "Zürich"}'),
+        ([1, 2.5, "a"], '[1, 2.5, "a"]'),
+        (False, "false"),
+        (42, "42"),
+        ("as it is: {'a': 1}", "as it is: {'a': 1}"),
+        ({1, 2}, "{1, 2}"),  # not JSON: str()
+    ],
+)
+def test_a_tools_return_value_reaches_the_model_as_json_text(value, text):
+    @tool
+    def lookup(query: str) -> object:
+        """Look something up."""
+        return value
+
+    env = ToolEnv([lookup], system_prompt="")
+    env.reset("q", 1, {})
+    observation, _, _, info = step(env, call_block("lookup", {"query": "x"}))
+    assert observation == [{"role": "tool", "content": text}]
+    assert info["tool_failures"] == []
