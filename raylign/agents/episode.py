@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from raylign.agents.env import Message, as_messages, as_step_result, call
+from raylign.agents.response_text import SpecialTokens
 from raylign.config.rollout import SamplingConfig
 from raylign.rollout.base import Completion
 
@@ -137,7 +138,9 @@ class EpisodeRunner:
     ):
         self.env_factory, self.tokenizer, self.limits = env_factory, tokenizer, limits
         self.generate_timeout_s = generate_timeout_s
-        self.special_ids = frozenset(tokenizer.all_special_ids)
+        # Every added special token, not only all_special_ids: a model may stop on an end token that only
+        # its generation config names.
+        self.special_ids = SpecialTokens.of(tokenizer).ids
 
     def render(self, messages: list[Message], env: Any, generation_prompt: bool) -> str:
         kwargs: dict[str, Any] = {}

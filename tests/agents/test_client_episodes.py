@@ -11,16 +11,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from raylign.agents.client import ClientEpisodeRunner, episode_from_turns
-from raylign.agents.endpoint import (
-    EndpointServer,
-    EpisodeRecorder,
-    SpecialTokens,
-    Turn,
-    build_app,
-    client_text,
-    hidden_tail,
-)
+from raylign.agents.endpoint import EndpointServer, EpisodeRecorder, Turn, build_app
 from raylign.agents.episode import EnvironmentFailed, EpisodeLimits
+from raylign.agents.response_text import SpecialTokens, client_text, hidden_tail
 from raylign.config.rollout import RolloutConfig
 from raylign.rollout.base import Completion
 from raylign.rollout.hf_engine import HFEngine

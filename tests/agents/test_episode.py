@@ -239,16 +239,59 @@ def test_a_turn_that_stops_on_another_end_token_of_the_model_is_not_drift(model_
     assert [ep.drift_turns for ep in episodes] == [0] * len(episodes)
 
 
+def scripted_turn(turn):
+    """A ``generate`` that samples ``turn`` at every request, stopping (finish_reason "stop") on its last token."""
+
+    async def generate(ids, sampling, index):
+        return Completion(index, 0, list(ids), list(turn), [-1.0] * len(turn), "stop", "ab")
+
+    return generate
+
+
+def test_a_turn_that_stops_on_the_templates_end_token_outside_all_special_ids_ends_there(tokenizer):
+    # A tokenizer whose named eos is <|endoftext|>: the template's <|im_end|> is an added special token
+    # but not in all_special_ids (as an end token that only the generation config names). The turn that
+    # stops on it is closed by it; the template's own <|im_end|> is not appended a second time.
+    other_eos = copy.deepcopy(tokenizer)
+    other_eos.eos_token = "<|endoftext|>"
+    im_end = other_eos.convert_tokens_to_ids("<|im_end|>")
+    assert im_end not in other_eos.all_special_ids
+    turn = other_eos("ab", add_special_tokens=False).input_ids + [im_end]
+
+    ep = play(ScriptedEnv(turns=2), other_eos, scripted_turn(turn), EpisodeLimits(max_total_tokens=400, drift="error"))
+    observation = other_eos("\n<|im_start|>user\nOBS1<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert ep.messages[1] == {"role": "assistant", "content": "ab"}
+    assert ep.drift_turns == 0
+    assert ep.token_ids == turn + observation.input_ids + turn
+
+
+def test_a_turn_that_stops_on_another_special_token_outside_all_special_ids_is_not_drift(tokenizer):
+    # <|endoftext|> is an added special token of the tiny tokenizer but not in its all_special_ids
+    # (eos <|im_end|>, pad <|pad|>). A turn that stops on it is handled as one stopping on a second end
+    # token of the model: the conversation leaves it out, and the template's <|im_end|> follows it.
+    endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert endoftext not in tokenizer.all_special_ids
+    turn = tokenizer("ab", add_special_tokens=False).input_ids + [endoftext]
+
+    ep = play(ScriptedEnv(turns=2), tokenizer, scripted_turn(turn), EpisodeLimits(max_total_tokens=400, drift="error"))
+    between = tokenizer(
+        "<|im_end|>\n<|im_start|>user\nOBS1<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
+    assert ep.messages[1] == {"role": "assistant", "content": "ab"}
+    assert ep.drift_turns == 0
+    assert ep.token_ids == turn + between.input_ids + turn
+
+
 class CountingTokenizer:
-    """The real tokenizer, counting the reads of its ``all_special_ids`` (a list built at each read)."""
+    """The real tokenizer, counting the reads of its ``added_tokens_decoder`` (a dict built at each read)."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.special_id_reads = tokenizer, 0
 
     @property
-    def all_special_ids(self):
+    def added_tokens_decoder(self):
         self.special_id_reads += 1
-        return self.tokenizer.all_special_ids
+        return self.tokenizer.added_tokens_decoder
 
     def __call__(self, *args, **kwargs):
         return self.tokenizer(*args, **kwargs)
