@@ -128,13 +128,16 @@ def test_an_embedding_adapter_merged_onto_an_untied_copy_computes_what_it_comput
         torch.testing.assert_close(merged(ids).logits, expected_logits, atol=1e-5, rtol=0)
 
 
-def reward_model_lora(model_dir, folder):
-    """A PEFT LoRA reward model on ``model_dir`` (one-output ``score`` head, trained whole beside the adapters,
-    as in ``raylign rm``) with random adapter and head values, saved to ``folder``; returns the model."""
+def reward_model_lora(model_dir, folder, num_labels=1):
+    """A PEFT LoRA reward model on ``model_dir`` (a ``score`` head of ``num_labels`` outputs, trained whole
+    beside the adapters, as in ``raylign rm`` and ``raylign prm``) with random adapter and head values, saved
+    to ``folder``; returns the model."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    base = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32)
+    base = AutoModelForSequenceClassification.from_pretrained(
+        str(model_dir), num_labels=num_labels, dtype=torch.float32
+    )
     base.config.pad_token_id = AutoTokenizer.from_pretrained(str(model_dir)).pad_token_id
     model = get_peft_model(base, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj"]))
     generator = torch.Generator().manual_seed(0)
@@ -166,4 +169,26 @@ def test_a_reward_model_adapter_merges_into_a_reward_model_with_its_trained_head
     padded = torch.tensor([sequences[0], sequences[1] + [pad] * 4])
     with torch.no_grad():
         scores = merged.eval()(input_ids=padded, attention_mask=(padded != pad).long()).logits[:, 0]
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
+
+
+def test_a_process_reward_model_adapter_merges_into_one_that_scores_every_step_as_the_adapter_does(
+    tied_model_dir, tmp_path
+):
+    """A PRM's adapter (two labels: a step is wrong or right, scored at every position): the merged folder
+    loads with ``load_prm`` and gives the adapter model's logits at every token."""
+    from raylign.models import token_scores
+    from raylign.trainers.prm import NUM_CLASSES, load_prm
+
+    model = reward_model_lora(tied_model_dir, tmp_path / "adapter", num_labels=NUM_CLASSES)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 40, 41, 12, 13]])
+    with torch.no_grad():
+        expected = token_scores(model, ids)
+    run_merge_lora(MergeLoraConfig(adapter=str(tmp_path / "adapter"), output_dir=str(tmp_path / "merged")))
+
+    merged, _ = load_prm(tmp_path / "merged")
+    assert merged.config.num_labels == NUM_CLASSES
+    with torch.no_grad():
+        scores = token_scores(merged, ids)
+    assert scores.shape == (1, ids.shape[1], NUM_CLASSES)
     torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
