@@ -14,7 +14,8 @@ one by one, so inference (:func:`encode_prm_sequence`) builds the very same ids.
 Labels: ``hard`` labels are true/false, 1/0 or '+'/'-' (also the minus sign '−') and become
 classes 1 (correct) / 0 (incorrect); ``soft`` labels are probabilities in [0, 1] that the step
 is correct. Over ``max_length``: ``truncate`` keeps the end of the prompt and the whole steps
-that still fit (at least ``min_response_tokens`` tokens of steps when there are that many).
+that still fit (at least ``min_response_tokens`` tokens of steps when there are that many); a
+row where not even the first step fits is dropped and counted under ``no_step_fits``.
 """
 
 from __future__ import annotations
@@ -194,7 +195,10 @@ def _fit_length(
     separators = set(positions)
     new_positions = [i for i, original in enumerate(kept_from) if original in separators]
     if not new_positions:
-        raise where.error(steps_key, f"{problem}, and no whole step fits after the prompt", "too_long")
+        # Nothing left to label: the row is left out and counted, as truncation='drop' would.
+        raise where.dropped(
+            steps_key, f"{problem}, and no whole step fits after the prompt; dropped (no labelled step)", "no_step_fits"
+        )
     return kept_ids[: new_positions[-1] + 1], new_positions, True
 
 

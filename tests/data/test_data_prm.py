@@ -171,6 +171,28 @@ def test_truncate_keeps_the_whole_steps_that_fit(write_dataset, prm_tokenizer):
     assert sample.step_labels == [1.0, 0.0] and sample.truncated
 
 
+def test_truncate_drops_and_counts_rows_left_without_a_whole_step(write_dataset, prm_tokenizer):
+    # max_length 20, min_response_tokens 4; "3+4=7" and the other short steps are 5 tokens, plus a separator.
+    fits = ROW  # 5 prompt tokens + 2 * 6 = 17
+    long_first_step = {"prompt": "p", "steps": ["1+1=2 " * 10, "2+2=4"], "labels": [True, False]}  # 2 + 52: cut
+    long_prompt = {"prompt": "word " * 20, "steps": ["3+4=7", "7-2=1"], "labels": [True, False]}  # 16 + 4 kept
+    three_of_four = {"prompt": "p", "steps": ["3+4=7", "7-2=5", "5+1=6", "6+1=7"], "labels": [0, 1, 1, 0]}  # 2 + 24
+    path = write_dataset([fits, long_first_step, long_prompt, three_of_four])
+    data = _build(path, prm_tokenizer, max_length=20, truncation="truncate")
+    assert [prm_tokenizer.decode(s.input_ids) for s in data.train] == [
+        "solve\n3+4=7<|step|>7-2=1<|step|>",
+        "p\n3+4=7<|step|>7-2=5<|step|>5+1=6<|step|>",
+    ]
+    assert [s.step_labels for s in data.train] == [[1.0, 0.0], [0.0, 1.0, 1.0]]
+    assert [(s.row, s.truncated) for s in data.train] == [(1, False), (4, True)]
+    assert (data.stats.rows_read, data.stats.rows_kept, dict(data.stats.skipped)) == (4, 2, {"no_step_fits": 2})
+    assert [example.split(": ")[0] for example in data.stats.skip_examples] == [
+        f"{path}, row 2, key 'steps'",
+        f"{path}, row 3, key 'steps'",
+    ]
+    assert "no whole step fits after the prompt" in data.stats.skip_examples[0]
+
+
 def test_drop_skips_long_rows_and_error_names_them(write_dataset, prm_tokenizer):
     long_row = {"prompt": "p", "steps": ["3+4=7"] * 10, "labels": [True] * 10}
     path = write_dataset([ROW, long_row])
