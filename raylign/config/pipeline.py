@@ -176,12 +176,20 @@ class PairsConfig(Section):
 class SelectConfig(Section):
     """raylign select: best-of-n SFT rows and/or best-vs-worst DPO pairs from a raylign score file.
 
-    Empty (whitespace-only) responses are never selected. Ties go to the earliest response.
+    Empty (whitespace-only) responses are never selected, nor (unless allow_truncated) responses cut off at
+    max_new_tokens. Ties go to the earliest response.
     """
 
     input_path: str = Field("outputs/scored.jsonl", description="Rows written by raylign score (JSONL).")
     best_of_n: BestOfNConfig = Field(default_factory=BestOfNConfig, description="Rejection-sampling SFT rows.")
     pairs: PairsConfig = Field(default_factory=PairsConfig, description="Preference pairs for DPO.")
+    allow_truncated: bool = Field(
+        False,
+        description="Also select responses cut off at sampling.max_new_tokens (finish reason 'length' in "
+        "finish_reasons). Off: they are never chosen, nor rejected in a pair; their number is reported as "
+        "truncated_responses_left_out, and a prompt whose non-empty responses were all cut off is skipped as "
+        "all_responses_truncated. A row without finish_reasons counts as finished.",
+    )
     keep_keys: list[str] = Field(
         default_factory=list,
         description="Keys of the scored rows copied into every selected row (e.g. an id or the label).",

@@ -109,6 +109,84 @@ def test_pairs_min_margin_and_min_chosen_reward(tmp_path):
     assert stats["pairs/skipped/below_min_chosen_reward"] == 1  # p1: 0.9
 
 
+# Finish reason "length": the response reached max_new_tokens before it ended.
+WITH_CUT_OFF_RESPONSES = [
+    {
+        "prompt": "q1",
+        "responses": ["cut best", "finished worst", "finished best"],
+        "finish_reasons": ["length", "stop", "stop"],
+        "rewards": [0.9, 0.1, 0.6],
+    },
+    {"prompt": "q2", "responses": ["cut a", "cut b"], "finish_reasons": ["length", "length"], "rewards": [1.0, 0.5]},
+    {
+        "prompt": "q3",
+        "responses": ["done", "cut high", "cut low"],
+        "finish_reasons": ["stop", "length", "length"],
+        "rewards": [0.5, 1.0, 0.0],
+    },
+    {"prompt": "q4", "responses": ["x", "y"], "rewards": [0.1, 0.2]},  # no finish_reasons: both count as finished
+]
+
+
+def test_best_of_n_passes_over_cut_off_responses_and_reports_them(tmp_path):
+    out = tmp_path / "sft.jsonl"
+    stats = select(tmp_path, WITH_CUT_OFF_RESPONSES, best_of_n={"output_path": str(out)})
+    assert read_jsonl(out) == [
+        {"prompt": "q1", "completion": "finished best", "reward": 0.6},  # not "cut best" (0.9)
+        {"prompt": "q3", "completion": "done", "reward": 0.5},  # not "cut high" (1.0)
+        {"prompt": "q4", "completion": "y", "reward": 0.2},
+    ]
+    assert stats == {
+        "rows_read": 4,
+        "truncated_responses_left_out": 5,  # 1 + 2 + 2
+        "best_of_n/rows_written": 3,
+        "best_of_n/skipped/all_responses_truncated": 1,  # q2
+    }
+
+
+def test_pairs_take_neither_side_from_cut_off_responses(tmp_path):
+    out = tmp_path / "pairs.jsonl"
+    stats = select(tmp_path, WITH_CUT_OFF_RESPONSES, pairs={"output_path": str(out)})
+    assert [(row["prompt"], row["chosen"], row["rejected"]) for row in read_jsonl(out)] == [
+        ("q1", "finished best", "finished worst"),
+        ("q4", "y", "x"),
+    ]
+    assert stats == {
+        "rows_read": 4,
+        "truncated_responses_left_out": 5,
+        "pairs/rows_written": 2,
+        "pairs/skipped/all_responses_truncated": 1,  # q2
+        "pairs/skipped/fewer_than_two_finished_responses": 1,  # q3: one finished response
+    }
+
+
+def test_allow_truncated_selects_cut_off_responses_like_any_other(tmp_path):
+    sft, pairs = tmp_path / "sft.jsonl", tmp_path / "pairs.jsonl"
+    stats = select(
+        tmp_path,
+        WITH_CUT_OFF_RESPONSES,
+        best_of_n={"output_path": str(sft)},
+        pairs={"output_path": str(pairs)},
+        allow_truncated=True,
+    )
+    assert [row["completion"] for row in read_jsonl(sft)] == ["cut best", "cut a", "cut high", "y"]
+    assert [(row["chosen"], row["rejected"]) for row in read_jsonl(pairs)] == [
+        ("cut best", "finished worst"),
+        ("cut a", "cut b"),
+        ("cut high", "cut low"),
+        ("y", "x"),
+    ]
+    assert stats == {"rows_read": 4, "best_of_n/rows_written": 4, "pairs/rows_written": 4}
+
+
+def test_finish_reason_count_differing_from_responses_names_file_row_and_key(tmp_path):
+    rows = [WITH_CUT_OFF_RESPONSES[0], {**WITH_CUT_OFF_RESPONSES[1], "finish_reasons": ["stop"]}]
+    out = tmp_path / "sft.jsonl"
+    with pytest.raises(RowError, match=r"scored\.jsonl, row 2, key 'finish_reasons': 1 finish reasons for 2 responses"):
+        select(tmp_path, rows, best_of_n={"output_path": str(out)})
+    assert not out.exists()
+
+
 def test_selected_rows_load_as_sft_and_dpo_data(tmp_path, model_dir):
     sft_path, pairs_path = tmp_path / "sft.jsonl", tmp_path / "pairs.jsonl"
     select(tmp_path, best_of_n={"output_path": str(sft_path)}, pairs={"output_path": str(pairs_path)})
