@@ -64,7 +64,8 @@ class RewardSourceConfig(Section):
         60.0,
         gt=0,
         le=86400,
-        description="[function] Seconds one call on a chunk may take. [http] Seconds one request may take. "
+        description="[function] Seconds one call on a chunk may take. [http] Seconds one request (one attempt) "
+        "may take in all: connecting, sending and reading the whole answer, however slowly it arrives. "
         "[reward_model] Seconds the model may take to score one batch handed to the source.",
     )
 
@@ -99,7 +100,12 @@ class RewardSourceConfig(Section):
         "used when api_key is not set.",
     )
     max_retries: int = Field(
-        3, ge=0, le=100, description="[http] Retries after a timeout, 5xx, malformed or wrong-length answer."
+        3,
+        ge=0,
+        le=100,
+        description="[http] Retries after a timeout, a failed connection, a 408, 429, 500, 502, 503 or 504 "
+        "answer, or a malformed or wrong-length answer; other error answers (e.g. 422: a batch the "
+        "server cannot score) fail at once.",
     )
     backoff_s: float = Field(
         1.0, ge=0, le=3600, description="[http] Wait before retry k (k = 1, 2, ...) is backoff_s * 2**(k-1) seconds."

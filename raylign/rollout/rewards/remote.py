@@ -5,18 +5,29 @@ Protocol: ``POST <url>`` with JSON ``{"prompts": [...], "responses": [...], "lab
 with one number per sample, and optionally ``"metrics": {name: [...]}``. With an API key the
 request carries ``Authorization: Bearer <key>``.
 
-Transient failures (timeouts, connection errors, 429 and 5xx answers, malformed JSON, a wrong
-number of rewards) are retried ``max_retries`` times with exponential backoff; then, as for
-permanent failures (401, 403, 413, other 4xx), a RewardError names the batch (its size and first
-prompt) and the last cause.
+``timeout_s`` bounds each request in all (connecting, sending, reading the whole answer), so a
+server that sends a byte now and then is cut off at ``timeout_s`` too.
+
+Failures that a later attempt may not meet are retried ``max_retries`` times with exponential
+backoff: timeouts, connection errors, malformed JSON, a wrong number of rewards, and the answers
+408, 429, 500, 502, 503 and 504. 500 is among them because uvicorn answers it for the requests a
+shutdown cuts, and a service that calls others answers it for their passing failures;
+``raylign serve-rm`` answers 422, not 500, for a batch its scorer cannot score. Any other error
+answer (400, 401, 403, 404, 413, 422, 501, ...) would come again on a retry and stops at once.
+The RewardError names the endpoint, the batch (its size and first prompt) and the last cause,
+quoting the server's message (the ``detail`` of a FastAPI error answer).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import threading
 import time
-from typing import Any
+import weakref
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from raylign.rollout.rewards.base import (
     RewardError,
@@ -26,6 +37,9 @@ from raylign.rollout.rewards.base import (
     describe_batch,
     short_repr,
 )
+
+if TYPE_CHECKING:
+    import httpx
 
 
 class _Retryable(Exception):
@@ -41,9 +55,29 @@ def backoff_delay(retry: int, backoff_s: float) -> float:
     return backoff_s * 2 ** (retry - 1)
 
 
+T = TypeVar("T")
+
+# A request timeout, rate limiting, and faults of the server or of a proxy in front of it: answers
+# that a later attempt may not get.
+RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
 def _answer_text(response: Any, limit: int = 200) -> str:
     text = response.text.strip().replace("\n", " ")
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def server_message(response: Any, limit: int = 1000) -> str:
+    """What an error answer says: its ``detail`` text when it is FastAPI's ``{"detail": "..."}``
+    (serve-rm's messages name the sample and the cause), else the start of the body."""
+    try:
+        body = response.json()
+    except (ValueError, RecursionError):
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("detail"), str):
+        text = body["detail"].strip()
+        return text if len(text) <= limit else text[:limit] + "..."
+    return _answer_text(response, limit)
 
 
 def _classify_status(response: Any) -> None:
@@ -51,16 +85,16 @@ def _classify_status(response: Any) -> None:
     status = response.status_code
     if 200 <= status < 300:
         return
-    detail = _answer_text(response)
+    message = server_message(response)
     if status == 401:
-        raise _Permanent(f"the server refused the API key (401 Unauthorized: {detail}); check api_key")
+        raise _Permanent(f"the server refused the API key (401 Unauthorized: {message}); check api_key")
     if status == 403:
-        raise _Permanent(f"the server refused access (403 Forbidden: {detail})")
+        raise _Permanent(f"the server refused access (403 Forbidden: {message})")
     if status == 413:
-        raise _Permanent(f"the request is larger than the server accepts (413: {detail}); lower batch_size")
-    if status == 429 or status >= 500:
-        raise _Retryable(f"the server answered {status}: {detail}")
-    raise _Permanent(f"the server answered {status}: {detail}")
+        raise _Permanent(f"the request is larger than the server accepts (413: {message}); lower batch_size")
+    if status in RETRIED_STATUSES:
+        raise _Retryable(f"the server answered {status}: {message}")
+    raise _Permanent(f"the server answered {status}, which a retry would repeat: {message}")
 
 
 def parse_answer(response: Any, expected: int, finite: bool = True) -> RewardResult:
@@ -122,6 +156,38 @@ def _plain_value(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+class _EventLoopThread:
+    """An asyncio event loop in a daemon thread, running coroutines for callers in any thread.
+
+    Requests run there under ``asyncio.timeout``: httpx's own timeouts bound each network
+    operation, not a request in all (a byte every few seconds keeps every read within them).
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._serve, name="http-reward-source", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """The coroutine's result; an interrupted caller (Ctrl+C) cancels it."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def stop(self) -> None:
+        """Stop the loop, which then closes; callable once, from any thread."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
 class HttpRewardSource(RewardSource):
     """Rewards from ``POST url``; batches of ``batch_size`` samples, each retried as described above."""
 
@@ -140,11 +206,19 @@ class HttpRewardSource(RewardSource):
             raise ValueError("need max_retries >= 0, timeout_s > 0, backoff_s >= 0 and batch_size >= 1")
         self.url, self.max_retries, self.backoff_s, self.batch_size = url, max_retries, backoff_s, batch_size
         self.description = f"HTTP reward source {url}"
+        self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers)
+        # No per-operation timeouts: _post bounds the whole request by timeout_s.
+        self._client = httpx.AsyncClient(timeout=None, headers=headers)
+        self._background = _EventLoopThread()
+        # A source dropped without close() must not leave its thread behind.
+        self._stop_background = weakref.finalize(self, self._background.stop)
 
     def close(self) -> None:
-        self._client.close()
+        if self._stop_background.alive:
+            self._background.run(self._client.aclose())
+            self._stop_background()
+            self._background.thread.join()
 
     def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         parts = []
@@ -170,13 +244,17 @@ class HttpRewardSource(RewardSource):
                 f"cannot be sent as JSON: {err}"
             ) from None
 
+    async def _post(self, body: bytes) -> httpx.Response:
+        async with asyncio.timeout(self.timeout_s):
+            return await self._client.post(self.url, content=body, headers={"Content-Type": "application/json"})
+
     def _post_once(self, body: bytes, expected: int) -> RewardResult:
         import httpx
 
         try:
-            response = self._client.post(self.url, content=body, headers={"Content-Type": "application/json"})
-        except httpx.TimeoutException as err:
-            raise _Retryable(f"no answer within timeout_s ({type(err).__name__})") from None
+            response = self._background.run(self._post(body))
+        except TimeoutError:
+            raise _Retryable(f"no complete answer within timeout_s={self.timeout_s:g} s") from None
         except httpx.TransportError as err:
             raise _Retryable(f"connection failed: {type(err).__name__}: {err}") from None
         _classify_status(response)

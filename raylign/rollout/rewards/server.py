@@ -3,8 +3,10 @@
 Request ``{"prompts": [...], "responses": [...], "labels": [...], "metadata": [...]}`` (labels and
 metadata optional), answer ``{"rewards": [...], "metrics": {...}}``. Status codes: 401 without
 the right ``Authorization: Bearer <key>`` (when a key is set), 413 for a body over
-``max_request_bytes``, 422 for a malformed request, 500 when the scorer fails (its message in
-``detail``). ``GET /health`` answers ``{"status": "ok"}``.
+``max_request_bytes``, 422 for a malformed request or a batch the scorer cannot score (it raised
+ValueError or RewardError, whose message, in ``detail``, names the sample and the cause: the same
+request would fail again), 500 for any other exception of the scorer, a fault of the server (its
+type and message in ``detail``). ``GET /health`` answers ``{"status": "ok"}``.
 
 Scoring calls run one at a time. When a shutdown runs past its grace period, the server cuts the
 requests still in flight (their clients get a 500 and may retry); those still waiting for their
@@ -23,7 +25,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from raylign.rollout.rewards.base import RewardResult, RewardSource
+from raylign.rollout.rewards.base import RewardError, RewardResult, RewardSource
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 # After a body passes the limit the rest is still read (and dropped), so the client gets the
@@ -131,7 +133,9 @@ def create_app(
         parsed = parse_request(await read_body_limited(request, max_request_bytes))
         try:
             result = await score_in_turn(scoring, parsed)
-        except ValueError as err:  # the batch itself is inconsistent (lengths, types)
+        # ValueError: the batch is inconsistent (lengths, types) or a sample cannot be encoded;
+        # RewardError: the scorer cannot score a sample (a non-finite score, a reward function that raises).
+        except (ValueError, RewardError) as err:
             raise HTTPException(422, str(err)) from None
         except Exception as err:
             raise HTTPException(500, f"{type(err).__name__}: {err}") from None

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import socketserver
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 
 from raylign.rollout.rewards import ExactMatchReward, HttpRewardSource, RewardError, RewardResult, RewardSource
 from raylign.rollout.rewards.remote import backoff_delay
@@ -21,16 +25,18 @@ LABELS = ["Paris", "Lima"]
 
 
 class FailingScorer(RewardSource):
-    """Counts its calls and always fails, as a broken reward model would."""
+    """Counts its calls and always raises ``error``: a RewardError as a scorer that cannot score the
+    batch raises, another exception as a fault of the server would."""
 
     description = "failing scorer"
 
-    def __init__(self):
+    def __init__(self, error: Exception):
+        self.error = error
         self.calls = 0
 
     def _score(self, prompts, responses, labels, metadata) -> RewardResult:
         self.calls += 1
-        raise RewardError("the model ran out of memory")
+        raise self.error
 
 
 def misbehaving_app(mode: str, attempts: list[int], release: threading.Event) -> FastAPI:
@@ -66,20 +72,80 @@ def test_good_server_returns_the_scorers_rewards(loopback_server):
     assert result.rewards == [1.0, 0.0]
 
 
-def test_server_answering_500_is_retried_then_error_names_batch_and_cause(loopback_server):
-    scorer = FailingScorer()
+def test_a_batch_the_scorer_cannot_score_is_422_and_not_retried(loopback_server):
+    cause = "reward function 'score' failed on sample 1 (prompt 'Capital of Peru?'): KeyError: 'Lima'"
+    scorer = FailingScorer(RewardError(cause))
+    with loopback_server(create_app(scorer)) as server:
+        raw = httpx.post(server.url, json={"prompts": PROMPTS, "responses": RESPONSES})
+        assert (raw.status_code, raw.json()) == (422, {"detail": cause})
+        scorer.calls = 0
+        with pytest.raises(RewardError) as caught:
+            client(server.url, max_retries=3).score(PROMPTS, RESPONSES, LABELS)
+    assert scorer.calls == 1
+    assert str(caught.value) == (
+        f"HTTP reward source {server.url} failed on 2 samples starting at sample 0 (prompt 'Capital of France?'): "
+        f"the server answered 422, which a retry would repeat: {cause}"
+    )
+
+
+def test_a_fault_of_the_server_is_500_and_retried_then_error_names_batch_and_cause(loopback_server):
+    scorer = FailingScorer(RuntimeError("CUDA out of memory"))
     with loopback_server(create_app(scorer)) as server, pytest.raises(RewardError) as caught:
         client(server.url, max_retries=2).score(PROMPTS, RESPONSES, LABELS)
     assert scorer.calls == 3  # first try + 2 retries
-    message = str(caught.value)
-    assert "2 samples starting at sample 0 (prompt 'Capital of France?')" in message
-    assert "after 3 attempts" in message and "500" in message and "ran out of memory" in message
+    assert str(caught.value) == (
+        f"HTTP reward source {server.url} failed on 2 samples starting at sample 0 (prompt 'Capital of France?') "
+        "after 3 attempts; last cause: the server answered 500: RuntimeError: CUDA out of memory"
+    )
+
+
+def status_app(status: int, detail: str, attempts: list[int]) -> FastAPI:
+    """A server that counts requests and answers each with ``status`` and ``{"detail": detail}``."""
+    app = FastAPI()
+
+    @app.post("/score")
+    async def score(request: Request) -> Any:
+        attempts.append(1)
+        return JSONResponse({"detail": detail}, status_code=status)
+
+    return app
+
+
+RETRIED = "after 3 attempts; last cause: the server answered {status}: busy or broken"
+NOT_RETRIED = "the server answered {status}, which a retry would repeat: busy or broken"
+
+
+@pytest.mark.parametrize(
+    ("status", "attempts_expected", "ending"),
+    [(status, 1, NOT_RETRIED) for status in (400, 404, 422, 501, 505)]
+    + [(status, 3, RETRIED) for status in (408, 429, 500, 502, 503, 504)],
+)
+def test_only_answers_that_a_retry_may_change_are_retried(loopback_server, status, attempts_expected, ending):
+    attempts: list[int] = []
+    with (
+        loopback_server(status_app(status, "busy or broken", attempts)) as server,
+        pytest.raises(RewardError) as caught,
+    ):
+        client(server.url, max_retries=2).score(PROMPTS, RESPONSES, LABELS)
+    assert len(attempts) == attempts_expected
+    assert str(caught.value).endswith(ending.format(status=status))
+
+
+def test_the_servers_message_is_quoted_whole_not_its_first_200_characters(loopback_server):
+    detail = (
+        "reward function 'reward_func' in /srv/rewards/" + "nested/" * 20 + "score.py failed on 1 sample starting "
+        "at sample 1 (prompt 'Capital of Peru?'): ValueError: invalid literal for int() with base 10: 'Quito'"
+    )
+    assert len(detail) > 250
+    with loopback_server(status_app(422, detail, [])) as server, pytest.raises(RewardError) as caught:
+        client(server.url).score(PROMPTS, RESPONSES, LABELS)
+    assert str(caught.value).endswith(f"the server answered 422, which a retry would repeat: {detail}")
 
 
 @pytest.mark.parametrize(
     ("mode", "cause"),
     [
-        ("stall", r"no answer within timeout_s"),
+        ("stall", r"no complete answer within timeout_s=0\.5 s"),
         ("malformed", r"not valid JSON"),
         ("short", r"the answer has 1 rewards for 2 samples"),
     ],
@@ -175,3 +241,70 @@ def test_a_server_answering_nan_is_an_error_unless_non_finite_rewards_are_kept(l
         keeping.keep_non_finite = True
         result = keeping.score(PROMPTS, RESPONSES, LABELS)
     assert math.isnan(result.rewards[0]) and result.rewards[1] == 1.0
+
+
+# ---- timeout_s bounds a request in all ------------------------------------------------------------
+
+TRICKLE_INTERVAL_S = 0.05
+TRICKLED_ANSWER = b'{"rewards": [1.0, 0.0]}' + b" " * 80
+
+
+class TrickleHandler(socketserver.BaseRequestHandler):
+    """Reads a request, then sends a valid answer one byte every TRICKLE_INTERVAL_S: the status line
+    and headers too (``trickle = "headers"``) or only the body (``"body"``). Each read of the client
+    gets a byte well within its timeout; the whole answer takes over 5 s."""
+
+    trickle = "body"
+    requests: list[float] = []
+
+    def handle(self) -> None:
+        received = b""
+        while b"\r\n\r\n" not in received:  # the request's headers; its body is not needed
+            chunk = self.request.recv(65536)
+            if not chunk:
+                return
+            received += chunk
+        type(self).requests.append(time.monotonic())
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(TRICKLED_ANSWER)
+        try:
+            if self.trickle == "body":
+                self.request.sendall(head)
+            for byte in (head if self.trickle == "headers" else b"") + TRICKLED_ANSWER:
+                self.request.sendall(bytes([byte]))
+                time.sleep(TRICKLE_INTERVAL_S)
+        except OSError:  # the client has given up and closed the connection
+            pass
+
+
+@contextmanager
+def trickling_server(trickle: str) -> Iterator[tuple[str, list[float]]]:
+    """(url, the times requests arrived) of a TrickleHandler server on 127.0.0.1."""
+    handler = type("Handler", (TrickleHandler,), {"trickle": trickle, "requests": []})
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/score", handler.requests
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("trickle", ["headers", "body"])
+def test_a_server_sending_a_byte_at_a_time_is_cut_off_at_timeout_s(trickle):
+    timeout_s, backoff_s = 0.5, 0.01
+    with trickling_server(trickle) as (url, requests), pytest.raises(RewardError) as caught:
+        source = client(url, timeout_s=timeout_s, max_retries=1, backoff_s=backoff_s)
+        started = time.monotonic()
+        try:
+            source.score(PROMPTS, RESPONSES, LABELS)
+        finally:
+            elapsed = time.monotonic() - started
+            source.close()
+    assert len(requests) == 2  # the first try and one retry
+    assert 2 * timeout_s <= elapsed < 2 * timeout_s + backoff_s + 1.0
+    assert str(caught.value) == (
+        f"HTTP reward source {url} failed on 2 samples starting at sample 0 (prompt 'Capital of France?') "
+        "after 2 attempts; last cause: no complete answer within timeout_s=0.5 s"
+    )

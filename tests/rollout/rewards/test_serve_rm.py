@@ -7,10 +7,12 @@ import textwrap
 
 import httpx
 import pytest
+import torch
 
 from raylign.cli.serve_rm import ServeRMConfig, build_scorer, listening_socket, score_url
 from raylign.config.base import ConfigError, parse_config
-from raylign.rollout.rewards import HttpRewardSource
+from raylign.models.heads import HEAD_NAME
+from raylign.rollout.rewards import HttpRewardSource, RewardError
 from raylign.rollout.rewards.server import create_app
 
 from .test_serve_rm_load import serving_port, spawn_serve_rm
@@ -32,6 +34,36 @@ def test_serves_a_reward_model_folder(loopback_server, tiny_reward_model_dir, rm
     with loopback_server(create_app(scorer, api_key="k")) as server:
         result = HttpRewardSource(server.url, api_key="k", timeout_s=30).score(prompts, responses)
     assert result.rewards == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_sample_the_model_cannot_score_is_422_naming_it_and_the_client_does_not_retry(
+    loopback_server, tiny_reward_model_dir
+):
+    scorer = build_scorer(parse_config(ServeRMConfig, {"model_path": str(tiny_reward_model_dir)}))
+    with torch.no_grad():  # +inf and -inf terms in every score: NaN, as an overflowing head gives
+        getattr(scorer.scorer.model, HEAD_NAME).weight.fill_(float("inf"))
+    app = create_app(scorer)
+    requests: list[int] = []
+
+    @app.middleware("http")
+    async def count_requests(request, call_next):
+        requests.append(1)
+        return await call_next(request)
+
+    cause = (
+        f"reward model {tiny_reward_model_dir}: rewards: value for sample 0 (prompt 'What is 2 + 2?') "
+        "is not a finite number: nan"
+    )
+    with loopback_server(app) as server:
+        raw = httpx.post(server.url, json={"prompts": ["What is 2 + 2?"], "responses": ["4"]}, timeout=30)
+        with pytest.raises(RewardError) as caught:
+            HttpRewardSource(server.url, timeout_s=30, max_retries=3, backoff_s=0.5).score(["What is 2 + 2?"], ["4"])
+    assert (raw.status_code, raw.json()) == (422, {"detail": cause})
+    assert len(requests) == 2  # the raw request and one from the client, not 1 + 3 retries
+    assert str(caught.value) == (
+        f"HTTP reward source {server.url} failed on 1 sample starting at sample 0 (prompt 'What is 2 + 2?'): "
+        f"the server answered 422, which a retry would repeat: {cause}"
+    )
 
 
 @pytest.mark.slow
