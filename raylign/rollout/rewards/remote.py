@@ -21,6 +21,7 @@ quoting the server's message (the ``detail`` of a FastAPI error answer).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import threading
@@ -60,6 +61,8 @@ T = TypeVar("T")
 # A request timeout, rate limiting, and faults of the server or of a proxy in front of it: answers
 # that a later attempt may not get.
 RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# Seconds closing the connections (and the thread that serves them) may take.
+CLOSE_TIMEOUT_S = 10.0
 
 
 def _answer_text(response: Any, limit: int = 200) -> str:
@@ -174,11 +177,12 @@ class _EventLoopThread:
         finally:
             self.loop.close()
 
-    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """The coroutine's result; an interrupted caller (Ctrl+C) cancels it."""
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """The coroutine's result within ``timeout_s`` (TimeoutError after it); a caller interrupted
+        (Ctrl+C) or out of time cancels it."""
         future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
         try:
-            return future.result()
+            return future.result(timeout=timeout_s)
         except BaseException:
             future.cancel()
             raise
@@ -208,17 +212,18 @@ class HttpRewardSource(RewardSource):
         self.description = f"HTTP reward source {url}"
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # No per-operation timeouts: _post bounds the whole request by timeout_s.
-        self._client = httpx.AsyncClient(timeout=None, headers=headers)
+        # httpx bounds each network operation by timeout_s; _post bounds the whole request by it.
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), headers=headers)
         self._background = _EventLoopThread()
         # A source dropped without close() must not leave its thread behind.
         self._stop_background = weakref.finalize(self, self._background.stop)
 
     def close(self) -> None:
         if self._stop_background.alive:
-            self._background.run(self._client.aclose())
+            with contextlib.suppress(TimeoutError):  # connections left open close with the process
+                self._background.run(self._client.aclose(), CLOSE_TIMEOUT_S)
             self._stop_background()
-            self._background.thread.join()
+            self._background.thread.join(timeout=CLOSE_TIMEOUT_S)
 
     def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         parts = []
@@ -252,8 +257,9 @@ class HttpRewardSource(RewardSource):
         import httpx
 
         try:
-            response = self._background.run(self._post(body))
-        except TimeoutError:
+            # _post ends itself at timeout_s; the margin lets its cancellation finish first.
+            response = self._background.run(self._post(body), self.timeout_s + CLOSE_TIMEOUT_S)
+        except (TimeoutError, httpx.TimeoutException):
             raise _Retryable(f"no complete answer within timeout_s={self.timeout_s:g} s") from None
         except httpx.TransportError as err:
             raise _Retryable(f"connection failed: {type(err).__name__}: {err}") from None
