@@ -5,6 +5,7 @@ from raylign.models.loading import load_causal_lm, load_tokenizer, loads_sharded
 from raylign.models.logprobs import (
     entropy_from_logits,
     logits_only_at,
+    logprobs_and_entropy_from_logits,
     logprobs_from_logits,
     selected_token_logprobs,
     sequence_logprobs,
@@ -27,6 +28,7 @@ __all__ = [
     "load_score_model",
     "load_tokenizer",
     "logits_only_at",
+    "logprobs_and_entropy_from_logits",
     "logprobs_from_logits",
     "positions_from_attention_mask",
     "resolve_model_path",

@@ -7,11 +7,13 @@ samples per row, ``position_ids`` restarting at 0, no ``attention_mask``); see
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from raylign.models.packing import attention_kwargs, has_predecessor_mask
 
@@ -54,20 +56,99 @@ def logprobs_from_logits(
     ``labels.shape``.
 
     log softmax(z)_y = z_y - logsumexp(z), evaluated in chunks along the sequence so that no
-    full log-softmax tensor (and no full float32 copy of bf16 logits) is materialised.
-    ``logits`` is ``[..., V]`` and ``labels`` the matching ``[...]`` integer tensor.
+    full log-softmax tensor (and no full float32 copy of bf16 logits) is materialised, forward or
+    backward (see :class:`_ChunkedLogprobs`). ``logits`` is ``[..., V]`` and ``labels`` the matching
+    ``[...]`` integer tensor.
     """
+    _check_logits_and_labels(logits, labels, temperature)
+    logprobs, _ = _ChunkedLogprobs.apply(logits, labels, temperature, chunk_rows, False)
+    return logprobs
+
+
+def logprobs_and_entropy_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`logprobs_from_logits` (differentiable) and the entropy of each predictive distribution
+    (without a graph: a statistic), from one pass over each chunk of logits.
+
+    With ``s = z - max(z)``, ``S = sum_i exp(s_i)``: ``H = log S - sum_i exp(s_i) s_i / S``, the
+    entropy of :func:`entropy_from_logits` (equal to float32 rounding) from the ``exp(s)`` that
+    ``logsumexp(z) = max(z) + log S`` computes anyway.
+    """
+    _check_logits_and_labels(logits, labels, temperature)
+    return _ChunkedLogprobs.apply(logits, labels, temperature, chunk_rows, True)
+
+
+def _check_logits_and_labels(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> None:
     _check_temperature(temperature)
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
-    seq_labels = _as_batch_seq(labels, trailing=0)
-    pieces = [
-        chunk.gather(-1, seq_labels[:, window].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(chunk, dim=-1)
-        for window, chunk in _scaled_chunks(logits, temperature, chunk_rows)
-    ]
-    if not pieces:
-        return torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
-    return torch.cat(pieces, dim=1).reshape(labels.shape)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """``z_y - logsumexp(z)`` of ``z = logits / temperature`` chunk by chunk, with a backward pass of its own.
+
+    Left to autograd, the chunked forward keeps a float32 copy of every chunk for the backward pass, and
+    the backward assembles the logits' gradient from several tensors of their full size (the log-sum-exp's
+    ``exp``, the gather's zero-filled scatter, their sum, a zero-filled gradient of the whole input per
+    chunk). Here the backward recomputes each chunk's softmax from the saved logits and writes
+    ``d/dz = g (onehot(y) - exp(z - logsumexp(z))) / temperature`` into one tensor of the logits' dtype:
+    the same float32 operations on the same values as autograd's, less memory and fewer passes.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: float,
+        chunk_rows: int,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        seq_labels = _as_batch_seq(labels, trailing=0)
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        logsumexp = torch.empty(seq_labels.shape, dtype=dtype, device=logits.device)
+        logprobs = torch.empty_like(logsumexp)
+        entropy = torch.empty_like(logsumexp) if with_entropy else None
+        for window, chunk in _scaled_chunks(logits, temperature, chunk_rows):
+            # torch.logsumexp's own steps: max(z) + log(sum(exp(z - max))), an infinite max taken as 0
+            top = chunk.amax(dim=-1, keepdim=True)
+            top.masked_fill_(top.abs() == math.inf, 0)
+            shifted = chunk - top
+            exp = shifted.exp() if with_entropy else shifted.exp_()
+            total = exp.sum(dim=-1)
+            log_total = total.log()
+            logsumexp[:, window] = log_total + top.squeeze(-1)
+            picked = chunk.gather(-1, seq_labels[:, window].unsqueeze(-1)).squeeze(-1)
+            logprobs[:, window] = picked - logsumexp[:, window]
+            if entropy is not None:
+                # A masked logit (-inf) has exp 0 and adds nothing; clamped so that 0 * -inf is not NaN.
+                finite = shifted.clamp_(min=torch.finfo(dtype).min)
+                entropy[:, window] = log_total - (exp * finite).sum(dim=-1) / total
+        ctx.save_for_backward(logits, labels, logsumexp)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        if entropy is not None:
+            entropy = entropy.reshape(labels.shape)
+            ctx.mark_non_differentiable(entropy)
+        return logprobs.reshape(labels.shape), entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_logprobs: torch.Tensor, _grad_entropy: Any) -> tuple[torch.Tensor | None, ...]:
+        logits, labels, logsumexp = ctx.saved_tensors
+        seq_labels = _as_batch_seq(labels, trailing=0)
+        grad_seq = _as_batch_seq(grad_logprobs, trailing=0)
+        grad = torch.empty(_as_batch_seq(logits, trailing=1).shape, dtype=logits.dtype, device=logits.device)
+        for window, chunk in _scaled_chunks(logits, ctx.temperature, ctx.chunk_rows):
+            g = grad_seq[:, window].unsqueeze(-1)
+            # -g exp(z - logsumexp) from the log-sum-exp, then + g at the label from the gather
+            chunk_grad = (chunk - logsumexp[:, window].unsqueeze(-1)).exp_().mul_(-g)
+            chunk_grad.scatter_add_(-1, seq_labels[:, window].unsqueeze(-1), g)
+            grad[:, window] = chunk_grad.div_(ctx.temperature) if ctx.temperature != 1.0 else chunk_grad
+        return grad.reshape(logits.shape), None, None, None, None
 
 
 def entropy_from_logits(
@@ -253,14 +334,16 @@ def selected_token_logprobs(
     with logits_only_at(model, (rows - 1).clamp(min=0)):
         logits = model(input_ids=input_ids, **attention_kwargs(attention_mask, position_ids)).logits[0]
     labels = input_ids.reshape(-1)[rows]
-    logprobs = _place(keep, logprobs_from_logits(logits, labels, temperature)).reshape(token_index.shape)
-    if not with_entropy:
-        return logprobs
-    if entropy_grad:
-        entropy = entropy_from_logits(logits, temperature)
+    entropy: torch.Tensor | None = None
+    if with_entropy and not entropy_grad:
+        logprobs, entropy = logprobs_and_entropy_from_logits(logits, labels, temperature)
     else:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach(), temperature)
+        logprobs = logprobs_from_logits(logits, labels, temperature)
+        if with_entropy:
+            entropy = entropy_from_logits(logits, temperature)
+    logprobs = _place(keep, logprobs).reshape(token_index.shape)
+    if entropy is None:
+        return logprobs
     return logprobs, _place(keep, entropy).reshape(token_index.shape)
 
 

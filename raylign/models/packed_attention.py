@@ -13,6 +13,8 @@ samples' own causal attention, whatever the row's length, so a micro-batch packs
 without padding. Everything else (a padding mask, a KV cache,
 decoding, a sliding window) goes to transformers' own ``sdpa`` unchanged.
 
+On a CPU without AMX, bf16 attention is computed in float32 (:func:`computes_in_float32`).
+
 Models are switched to it at load time (:func:`keep_samples_apart`) when they ask for ``sdpa``
 and their attention is plain causal attention that receives the ``position_ids``
 (:data:`PER_SAMPLE_MODEL_TYPES`, no sliding window, no soft-capping).
@@ -32,6 +34,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from raylign.hardware import cpu_flags
 
 PER_SAMPLE_SDPA = "raylign_sdpa"
 
@@ -85,9 +89,25 @@ def per_sample_attention(
             q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped
         )
 
+    dtype = query.dtype
+    if computes_in_float32(query):
+        query, key, value = query.float(), key.float(), value.float()
     plans = row_plans(position_ids, query.shape[0])
     rows = [row_attention(query[b], key[b], value[b], plan, attend) for b, plan in enumerate(plans)]
-    return torch.stack(rows).transpose(1, 2).contiguous(), None
+    return torch.stack(rows).transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), None
+
+
+def computes_in_float32(query: torch.Tensor) -> bool:
+    """Whether ``raylign_sdpa`` computes ``query``'s attention in float32: bf16 on a CPU without AMX.
+
+    torch's CPU flash-attention kernel packs bf16 blocks for its fast micro-kernels only where the CPU has
+    AMX; elsewhere every block goes through a general bf16 matrix product with conversions around it, and
+    on SmolLM2-135M's samples its backward pass took 1.5x the time of the float32 kernel's on the same
+    values cast up (2-core AMD EPYC with AVX512-BF16; a policy update 6% faster in all, its forward pass
+    as fast). The output is rounded back to bf16, so it differs from the bf16 kernel's by that rounding.
+    Forward-only passes take the same path: an evaluation and a training forward of the same weights
+    give the same log-probs."""
+    return query.device.type == "cpu" and query.dtype == torch.bfloat16 and "amx_bf16" not in cpu_flags()
 
 
 @dataclass(frozen=True)
@@ -95,26 +115,18 @@ class RowPlan:
     """How one packed row's attention is computed (see :func:`row_attention`).
 
     ``spans``: each sample's ``(start, end)``. ``groups``: where some length occurs more than once, per
-    distinct length (in order of first appearance) the row positions of its samples' tokens, one sample
-    after another; ``order`` puts the groups' outputs back in row order. Both empty / None where every
-    length occurs once: each sample is then attended on its own span, with no gathering."""
+    distinct length (in order of first appearance) the indices in ``spans`` of its samples; empty where
+    every length occurs once: each sample is then attended on its own span."""
 
     spans: list[tuple[int, int]]
-    groups: list[tuple[int, torch.Tensor]]
-    order: torch.Tensor | None
+    groups: list[list[int]]
 
 
-def row_plan(spans: list[tuple[int, int]], device: torch.device) -> RowPlan:
+def row_plan(spans: list[tuple[int, int]]) -> RowPlan:
     by_length: dict[int, list[int]] = {}
-    for start, end in spans:
-        by_length.setdefault(end - start, []).append(start)
-    if len(by_length) == len(spans):
-        return RowPlan(spans, [], None)
-    groups = []
-    for length, starts in by_length.items():
-        first = torch.tensor(starts, device=device)
-        groups.append((length, (first[:, None] + torch.arange(length, device=device)).flatten()))
-    return RowPlan(spans, groups, torch.argsort(torch.cat([index for _, index in groups])))
+    for i, (start, end) in enumerate(spans):
+        by_length.setdefault(end - start, []).append(i)
+    return RowPlan(spans, [] if len(by_length) == len(spans) else list(by_length.values()))
 
 
 class _LastPlans(threading.local):
@@ -144,7 +156,7 @@ def row_plans(position_ids: torch.Tensor, batch: int) -> list[RowPlan]:
     if not inference and last.source is not None and last.source() is position_ids and last.key == key:
         return last.plans
     spans = sample_spans(position_ids.expand(batch, -1))
-    plans = [row_plan(row_spans, position_ids.device) for row_spans in spans]
+    plans = [row_plan(row_spans) for row_spans in spans]
     if not inference:
         last.source, last.key, last.plans = weakref.ref(position_ids), key, plans
     return plans
@@ -160,26 +172,25 @@ def row_attention(
     """One packed row's attention, ``query`` ``[H, T, D]`` (``key`` / ``value`` ``[H_kv, T, D]``), each
     sample causal over its own span; output ``[H, T, D]``.
 
-    Samples of equal length go through ``attend`` together, as one batch of their gathered tokens, and
-    the outputs are put back in row order: a micro-batch of many short answers (the quickstart packs
-    a hundred samples of a handful of lengths into a row) costs a few calls instead of one per
-    sample. Where every length occurs once each sample is attended on its own span, with no gathering."""
-    if plan.order is None:
+    Samples of equal length go through ``attend`` together, stacked into one batch, and the outputs are
+    put back in row order: a micro-batch of many short answers (the quickstart packs a hundred samples
+    of a handful of lengths into a row) costs a few calls instead of one per sample. A sample whose
+    length occurs once is attended on its own span, with no copy.
+
+    The spans are views from one ``split``, whose backward writes every sample's gradient into one
+    tensor of the row in a single pass. Slicing or gathering a sample (or a group) at a time would give
+    each its own zero-filled gradient of the whole row, summed into the next: work of samples x row
+    length per layer in the backward pass (5% of a policy update of SmolLM2-135M on a CPU)."""
+    sizes = [end - start for start, end in plan.spans]
+    pieces = [t.split(sizes, dim=1) for t in (query, key, value)]
+    if not plan.groups:
         # [1, heads, L, D]: GPU kernels take 4-D inputs only (others fall back to the math kernel)
-        spans_4d = ((query[None, :, s:e], key[None, :, s:e], value[None, :, s:e]) for s, e in plan.spans)
-        return torch.cat([attend(*qkv)[0] for qkv in spans_4d], dim=1)
-    outputs = []
-    for length, index in plan.groups:
-        count = index.numel() // length
-        gathered = (gather_samples(t, index, count, length) for t in (query, key, value))
-        outputs.append(attend(*gathered).transpose(0, 1).flatten(1, 2))
-    return torch.cat(outputs, dim=1).index_select(1, plan.order)
-
-
-def gather_samples(t: torch.Tensor, index: torch.Tensor, count: int, length: int) -> torch.Tensor:
-    """``[heads, T, D]`` -> ``[count, heads, length, D]``: the tokens at ``index`` (``count`` samples of
-    ``length`` tokens each, one after another) as a batch of samples."""
-    return t.index_select(1, index).unflatten(1, (count, length)).transpose(0, 1)
+        return torch.cat([attend(q[None], k[None], v[None])[0] for q, k, v in zip(*pieces)], dim=1)
+    outputs: dict[int, torch.Tensor] = {}
+    for members in plan.groups:
+        batch = [torch.stack([p[i] for i in members]) if len(members) > 1 else p[members[0]][None] for p in pieces]
+        outputs.update(zip(members, attend(*batch).unbind(0)))
+    return torch.cat([outputs[i] for i in range(len(sizes))], dim=1)
 
 
 def per_sample_mask(

@@ -52,7 +52,13 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from raylign.models.logprobs import _place, entropy_from_logits, logits_only_at, logprobs_from_logits
+from raylign.models.logprobs import (
+    _place,
+    entropy_from_logits,
+    logits_only_at,
+    logprobs_and_entropy_from_logits,
+    logprobs_from_logits,
+)
 from raylign.models.ring_attention import DEFAULT_TIMEOUT, ring_attention, sample_ids_from_position_ids
 from raylign.models.ulysses_attention import ulysses_attention
 
@@ -388,16 +394,18 @@ def sharded_selected_token_logprobs(
     with sequence_shard(shard), logits_only_at(model, rows):
         logits = model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False).logits[0]
     labels = input_ids.reshape(-1)[index[mine]] if local.numel() else input_ids.reshape(-1)[:1]
-    part = _place(mine, logprobs_from_logits(logits, labels, temperature)).reshape(token_index.shape)
-    logprobs = all_reduce(part, group=group)
+    if with_entropy and not entropy_grad:
+        mine_logprobs, mine_entropy = logprobs_and_entropy_from_logits(logits, labels, temperature)
+    else:
+        mine_logprobs = logprobs_from_logits(logits, labels, temperature)
+    logprobs = all_reduce(_place(mine, mine_logprobs).reshape(token_index.shape), group=group)
     if not with_entropy:
         return logprobs
     if entropy_grad:
         entropy = _place(mine, entropy_from_logits(logits, temperature)).reshape(token_index.shape)
         return logprobs, all_reduce(entropy, group=group)
-    with torch.no_grad():
-        entropy = _place(mine, entropy_from_logits(logits.detach(), temperature)).reshape(token_index.shape)
-        dist.all_reduce(entropy, group=group)
+    entropy = _place(mine, mine_entropy).reshape(token_index.shape)
+    dist.all_reduce(entropy, group=group)
     return logprobs, entropy
 
 

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from raylign.models import (
     entropy_from_logits,
+    logprobs_and_entropy_from_logits,
     logprobs_from_logits,
     selected_token_logprobs,
     sequence_logprobs,
@@ -116,6 +117,62 @@ def test_logprobs_from_logits_gradient_matches_reference():
     logprobs_from_logits(ours, labels, chunk_rows=3).sum().backward()
     torch.log_softmax(ref, -1).gather(-1, labels[..., None]).sum().backward()
     torch.testing.assert_close(ours.grad, ref.grad, atol=1e-6, rtol=0)
+
+
+def test_bf16_logprobs_and_their_gradient_match_log_softmax_of_the_float_logits():
+    """bf16 logits in several chunks, at a temperature: the log-probs equal ``log_softmax(logits / T)``
+    read at the labels (float64 reference) to float32 rounding, and the gradient, bf16 like the logits,
+    equals the reference's to one bf16 rounding (half a step: 2^-9 of the value, within 2^-8 of it)."""
+    gen = torch.Generator().manual_seed(5)
+    base = (torch.randn(3, 6, 200, generator=gen) * 4).bfloat16()
+    labels = torch.randint(0, 200, (3, 6), generator=gen)
+    weights = torch.randn(3, 6, generator=gen)
+    ours = base.clone().requires_grad_(True)
+    ref = base.double().requires_grad_(True)
+    got = logprobs_from_logits(ours, labels, temperature=0.7, chunk_rows=4)
+    (got * weights).sum().backward()
+    expected = torch.log_softmax(ref / 0.7, dim=-1).gather(-1, labels[..., None]).squeeze(-1)
+    (expected * weights.double()).sum().backward()
+    torch.testing.assert_close(got.double(), expected.detach(), atol=2e-5, rtol=0)
+    assert ours.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.grad.double(), ref.grad, atol=1e-7, rtol=2**-8)
+
+
+def test_the_backward_pass_keeps_the_bf16_logits_and_no_float32_copy_of_them():
+    """What autograd keeps from the log-probs of bf16 logits ``[N, V]`` until the backward pass: the
+    logits and a few numbers per row, where a float32 copy alone would be twice the logits' bytes."""
+    logits = torch.randn(64, 1000).bfloat16().requires_grad_(True)
+    labels = torch.randint(0, 1000, (64,))
+    storages: dict[int, int] = {}
+    kept = []  # alive until the end, so that no storage is freed and its address reused meanwhile
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        kept.append(tensor)
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logprobs_from_logits(logits, labels, chunk_rows=16)
+    assert sum(storages.values()) <= logits.numel() * 2 + 64 * 16
+
+
+def test_logprobs_and_entropy_in_one_pass_equal_the_separate_functions():
+    """Log-probs (values and gradient) as :func:`logprobs_from_logits`, entropies ``-sum p log p`` of a
+    float64 reference (rows with masked logits included), and no graph for the entropy."""
+    gen = torch.Generator().manual_seed(6)
+    base = torch.randn(2, 5, 30, generator=gen) * 3
+    base[0, 1, :10] = float("-inf")  # masked entries: p = 0
+    labels = torch.randint(10, 30, (2, 5), generator=gen)
+    one_pass, separate = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    logprobs, entropy = logprobs_and_entropy_from_logits(one_pass, labels, temperature=0.8, chunk_rows=3)
+    expected = logprobs_from_logits(separate, labels, temperature=0.8, chunk_rows=3)
+    assert torch.equal(logprobs, expected) and not entropy.requires_grad
+    logprobs.sum().backward()
+    expected.sum().backward()
+    assert torch.equal(one_pass.grad, separate.grad)
+    log_p = torch.log_softmax(base.double() / 0.8, dim=-1)
+    reference = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
+    torch.testing.assert_close(entropy.double(), reference, atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------- model batches

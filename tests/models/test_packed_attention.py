@@ -149,3 +149,53 @@ def test_a_forward_pass_reads_the_sample_spans_once_for_all_its_layers(tiny_qwen
         reference = _model(tiny_qwen2, "eager")(input_ids=ids, use_cache=False).logits
     assert len(reads) == 2
     torch.testing.assert_close(whole, reference, atol=1e-5, rtol=0)
+
+
+def _exact_attention(query, key, value, lengths: list[int]) -> torch.Tensor:
+    """Causal softmax attention of each sample on its own, in float64: ``[1, T, H, D]`` like raylign_sdpa's."""
+    groups = query.shape[1] // key.shape[1]
+    outputs, start = [], 0
+    for length in lengths:
+        q, k, v = (t[0, :, start : start + length].double() for t in (query, key, value))
+        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        outputs.append(torch.softmax(scores, dim=-1) @ v)
+        start += length
+    return torch.cat(outputs, dim=1).transpose(0, 1)[None]
+
+
+def test_bf16_attention_on_a_cpu_without_amx_is_the_exact_attention_rounded_once(monkeypatch):
+    """On a CPU without AMX raylign_sdpa computes bf16 attention in float32 and rounds once: its output and
+    the gradients of its bf16 inputs are float64 attention's of the same bf16 values to one bf16
+    rounding (half a step: within 2^-8 of the value), samples of repeated lengths batched included."""
+    monkeypatch.setattr(packed_attention, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    gen = torch.Generator().manual_seed(1)
+    total = sum(REPEATED)
+    query, key, value = (torch.randn(1, h, total, 16, generator=gen).bfloat16() for h in (4, 2, 2))
+    grad = torch.randn(1, total, 4, 16, generator=gen).bfloat16()
+    positions = torch.cat([torch.arange(n) for n in REPEATED])[None]
+    inputs = [t.clone().requires_grad_(True) for t in (query, key, value)]
+    exact_inputs = [t.double().requires_grad_(True) for t in (query, key, value)]
+    out, _ = packed_attention.per_sample_attention(torch.nn.Module(), *inputs, None, position_ids=positions)
+    out.backward(grad)
+    exact = _exact_attention(*exact_inputs, REPEATED)
+    exact.backward(grad.double())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), exact.detach(), atol=1e-6, rtol=2**-8)
+    for ours, reference in zip(inputs, exact_inputs, strict=True):
+        assert ours.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(ours.grad.double(), reference.grad, atol=1e-6, rtol=2**-8)
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype", "expected"),
+    [
+        ({"avx512_bf16"}, torch.bfloat16, True),
+        ({"avx512_bf16", "amx_bf16"}, torch.bfloat16, False),  # torch's packed bf16 kernels run there
+        ({"avx512_bf16"}, torch.float32, False),
+    ],
+)
+def test_attention_is_computed_in_float32_for_bf16_on_a_cpu_without_amx_only(monkeypatch, flags, dtype, expected):
+    monkeypatch.setattr(packed_attention, "cpu_flags", lambda: frozenset(flags))
+    assert packed_attention.computes_in_float32(torch.zeros(1, dtype=dtype)) is expected

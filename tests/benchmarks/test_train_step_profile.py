@@ -1,0 +1,38 @@
+"""benchmarks/train_step_profile.py on a tiny model: every phase of the worker's update is timed, and a
+baseline checkout (here this same tree) takes turns with this tree on the same work."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raylign.models.tiny import build_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "train_step_profile.py"
+TIMED = ("forward", "logprobs", "loss", "backward", "step", "experience")
+
+
+def test_each_phase_is_timed_on_both_sides_and_their_losses_agree(tmp_path):
+    folder = build_tiny_model(tmp_path / "tiny", arch="qwen2")
+    command = [sys.executable, str(SCRIPT), "--model", str(folder), "--dtype", "float32", "--repeats", "2"]
+    command += ["--threads", "1", "--baseline", str(REPO), "--profile", "--top", "3"]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    tables = [part for part in done.stdout.split("\n\n") if "median of 2 steps" in part]
+    assert len(tables) == 2
+    for table in tables:
+        rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[1:]}
+        assert all(float(rows[phase][0]) > 0 for phase in TIMED), table
+        parts = sum(float(rows[phase][0]) for phase in (*TIMED[:-1], "other"))
+        assert parts == pytest.approx(float(rows["total"][0]), abs=0.003)  # each printed to 1 ms
+    losses = [re.search(r"losses: (.*)", table).group(1).split() for table in tables]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
+    assert done.stdout.count("top operators by self CPU time, all phases") == 2
