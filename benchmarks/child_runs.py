@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -131,29 +132,47 @@ def launch(
 ) -> dict[str, Any]:
     """Run ``script --side side`` in a child process with ``spec`` as its workload: what the child wrote to
     ``steps.json`` plus ``wall_s``, or ``error`` (the log's last error line, or that the side ran past
-    ``timeout_s`` and was killed), ``log`` and ``wall_s``."""
+    ``timeout_s`` and was stopped), ``log`` and ``wall_s``."""
     out.mkdir(parents=True, exist_ok=True)
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
     log_file = out / "run.log"
     start = time.perf_counter()
     with log_file.open("w") as log:
+        child = subprocess.Popen(
+            [sys.executable, script, "--side", side, "--spec", str(spec_file)],
+            env={**os.environ, **CHILD_ENV, **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
         try:
-            done = subprocess.run(
-                [sys.executable, script, "--side", side, "--spec", str(spec_file)],
-                env={**os.environ, **CHILD_ENV, **(env or {})},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                timeout=timeout_s,
-            )
+            returncode = child.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            error = f"side {side!r} ran past {timeout_s:.0f} s and was killed"
+            stop_child(child)
+            error = f"side {side!r} ran past {timeout_s:.0f} s and was stopped"
             return {"error": error, "log": str(log_file), "wall_s": time.perf_counter() - start}
+        except BaseException:  # Ctrl-C, or SIGTERM through run_benchmark's handler: the child goes too
+            stop_child(child)
+            raise
     wall = time.perf_counter() - start
-    if done.returncode != 0:
+    if returncode != 0:
         return {"error": last_error_line(log_file), "log": str(log_file), "wall_s": wall}
     return {**json.loads((out / "steps.json").read_text()), "wall_s": wall}
+
+
+STOP_GRACE_S = 30.0
+
+
+def stop_child(child: subprocess.Popen[bytes]) -> None:
+    """End a side's child: SIGTERM first, so that it ends its Ray session (whose processes would
+    otherwise outlive it), then SIGKILL after :data:`STOP_GRACE_S`."""
+    child.terminate()
+    try:
+        child.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait(STOP_GRACE_S)
 
 
 def write_steps(out: Path, records: list[dict[str, float]], **extra: Any) -> None:
@@ -206,5 +225,7 @@ def run_benchmark(
     if args.side is not None:
         run_side(args.side, args.spec)
         return
+    # A stopped driver (SIGTERM) unwinds like Ctrl-C, so :func:`launch` stops the side it runs.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     load_before = os.getloadavg()
     in_workdir(args.workdir, prefix, lambda workdir: body(args, workdir, load_before))
