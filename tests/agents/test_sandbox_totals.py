@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from raylign.agents import sandbox
+from raylign.agents import sandbox_backends
 from raylign.agents.sandbox import BOOTSTRAP_MARKER, SandboxLimits, run_python, sandbox_backend
 from raylign.agents.tools import PythonEnv
 
 pytestmark = pytest.mark.slow  # about 5 s of sandboxed runs
 
 BACKEND = sandbox_backend()
-TMPFS_BOUNDS_DISK = BACKEND == "bwrap" and sandbox._backend().bounds_disk
+TMPFS_BOUNDS_DISK = BACKEND == "bwrap" and sandbox_backends.chosen_backend().bounds_disk
 tmpfs_bounds_disk = pytest.mark.skipif(
     not TMPFS_BOUNDS_DISK, reason=f"backend {BACKEND!r} is not a bubblewrap with --size (size-limited tmpfs)"
 )
@@ -95,7 +95,7 @@ def test_dev_is_read_only_and_dev_shm_has_the_same_budget():
 def test_where_no_tmpfs_bounds_it_the_scratch_folder_is_measured_and_the_call_stopped(monkeypatch):
     # The 'rlimit' backend works everywhere; it writes to a host folder, checked every 20 ms. Set
     # directly: choosing it by RAYLIGN_SANDBOX_BACKEND would log its warning here, once per process.
-    monkeypatch.setattr(sandbox, "_backend", sandbox._rlimit_backend)
+    monkeypatch.setattr(sandbox_backends, "chosen_backend", sandbox_backends.rlimit_backend)
     before = scratch_dirs()
     result = run_python(WRITE_FILES.format(folder=".", pause=0.01), DISK)
     assert (result.ok, result.failure, result.exit_code) == (False, "disk", None)
