@@ -1,8 +1,9 @@
 """What an RL run writes beside its metrics, and the random state its checkpoints carry.
 
 ``samples.jsonl`` holds a few completions of every step, ``trajectories.jsonl`` a few whole agent
-episodes; a resumed run first drops the lines of the steps after its checkpoint
-(:func:`drop_records_after`), since it is about to write them again.
+episodes; a resumed run first sets aside the lines of the steps after its checkpoint, since it is
+about to write them again, and a run that starts over sets aside all of them
+(:func:`set_aside_records_after`).
 """
 
 from __future__ import annotations
@@ -59,12 +60,14 @@ def write_trajectories(path: Path, samples: list[Sample], step: int, count: int,
             f.write(json.dumps(record, default=str) + "\n")
 
 
-def drop_records_after(path: Path, step: int) -> None:
-    """Remove the records of steps past ``step`` from the JSON-lines file ``path``: the run stopped
-    after writing them and is about to write them again (a line cut short by the kill goes too: it
-    was written after the checkpoint). Replaced atomically."""
+def set_aside_records_after(path: Path, step: int) -> int:
+    """Move the records of steps past ``step`` from the JSON-lines file ``path`` to
+    ``<name>.superseded.jsonl`` beside it: the run stopped after writing them and is about to write
+    them again (a line cut short by the kill goes too: it was written after the checkpoint). ``step``
+    -1: every record, for a run that starts over where another one logged. ``path`` is replaced
+    atomically; returns how many records moved."""
     if not path.exists():
-        return
+        return 0
 
     def step_of(line: str) -> float:
         try:
@@ -72,12 +75,16 @@ def drop_records_after(path: Path, step: int) -> None:
         except (ValueError, KeyError, TypeError):
             return math.inf
 
-    lines = path.read_text().splitlines(keepends=True)
+    lines = [line if line.endswith("\n") else line + "\n" for line in path.read_text().splitlines(keepends=True)]
     kept = [line for line in lines if line.strip() and step_of(line) <= step]
+    moved = [line for line in lines if line.strip() and step_of(line) > step]
     if len(kept) < len(lines):
+        with open(path.with_suffix(".superseded.jsonl"), "a") as superseded:
+            superseded.writelines(moved)
         partial = path.with_suffix(".jsonl.partial")
-        partial.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept))
+        partial.write_text("".join(kept))
         partial.replace(path)
+    return len(moved)
 
 
 def seed_everything(seed: int) -> None:

@@ -64,9 +64,9 @@ from raylign.rl.placement import (
 )
 from raylign.rl.prompts import Prompt, load_prompts, load_train_prompts
 from raylign.rl.records import (
-    drop_records_after,
     rng_state,
     seed_everything,
+    set_aside_records_after,
     set_rng_state,
     write_samples,
     write_trajectories,
@@ -326,7 +326,10 @@ class RLTrainer:
 
     def _maybe_resume(self) -> None:
         ckpt = latest_checkpoint(self.out / "checkpoints") if self.cfg.train.resume else None
-        if ckpt is None:
+        if ckpt is None:  # from step 0: what another run logged here is set aside, not continued
+            self.metrics.start_over()
+            for name in ("samples.jsonl", "trajectories.jsonl"):
+                set_aside_records_after(self.out / name, -1)
             return
         for role in ("policy", "critic"):
             if role in self.groups:
@@ -347,7 +350,7 @@ class RLTrainer:
         self.shaping.load_state_dict(state.get("reward_shaping", {}))
         self.metrics.resume_from(self.step)
         for name in ("samples.jsonl", "trajectories.jsonl"):
-            drop_records_after(self.out / name, self.step)
+            set_aside_records_after(self.out / name, self.step)
         self.sync_weights()
         log.info(
             "resumed from %s at step %d; %d prompt group(s) in flight at the checkpoint start again",

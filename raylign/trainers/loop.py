@@ -240,10 +240,9 @@ class OfflineTrainer:
 
     def _maybe_resume(self) -> bool:
         """Continue from the newest checkpoint, if ``train.resume`` and there is one; whether it did."""
-        if not self.train_cfg.resume:
-            return False
-        state = resume_latest(self.engine, self.output_dir / "checkpoints")
-        if state is None:
+        state = resume_latest(self.engine, self.output_dir / "checkpoints") if self.train_cfg.resume else None
+        if state is None:  # from step 0: what another run logged here is set aside, not continued
+            self.metrics.start_over()
             return False
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])

@@ -19,7 +19,8 @@ class MetricsLogger:
     """Writes one record per call to ``<output_dir>/metrics.jsonl`` and the configured sinks.
 
     Only the main process should create one; other ranks pass ``enabled=False``. A resumed run
-    calls :meth:`resume_from` before it logs, so that each step appears once.
+    calls :meth:`resume_from` before it logs, and a run from step 0 :meth:`start_over`, so that each
+    step appears once.
     """
 
     def __init__(self, output_dir: str | Path, cfg: LoggingConfig, run_config: dict[str, Any], enabled: bool = True):
@@ -69,13 +70,20 @@ class MetricsLogger:
             self._tb.close()
             self._tb = None
         if superseded:
+            what = "of an earlier run" if step < 0 else f"past step {step}, logged before the run stopped,"
             log.info(
-                "metrics: %d record(s) past step %d, logged before the run stopped, moved to %s",
+                "metrics: %d record(s) %s moved to %s",
                 len(superseded),
-                step,
+                what,
                 self.output_dir / "metrics.superseded.jsonl",
             )
         return len(superseded)
+
+    def start_over(self) -> int:
+        """The run starts at step 0 where another run logged (``train.resume: false``, or no
+        checkpoint yet): all of that run's records move to ``metrics.superseded.jsonl`` and
+        TensorBoard hides its events, so each step of this run is logged once. Returns how many moved."""
+        return self.resume_from(-1)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:

@@ -190,3 +190,14 @@ def test_resumed_run_repeats_the_step_an_uninterrupted_run_takes(ray_session, rl
         "policy/lr",
     ):
         assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-5, abs=1e-7), key
+
+    # Started over in the same folder: the earlier run's records are set aside, each step is logged once.
+    out = tmp_path / "resumed"
+    again = {**data, "train": {**data["train"], "output_dir": str(out), "resume": False, "max_steps": 1}}
+    RLTrainer(resolve(tmp_path, again)).run()
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    assert [json.loads(line)["step"] for line in (out / "samples.jsonl").read_text().splitlines()] == [1] * 16
+    aside = [json.loads(line)["step"] for line in (out / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert aside == [1, 2, 3]
+    aside = [json.loads(line)["step"] for line in (out / "samples.superseded.jsonl").read_text().splitlines()]
+    assert aside == [1] * 16 + [2] * 16 + [3] * 16

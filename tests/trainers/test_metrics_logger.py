@@ -38,3 +38,19 @@ def test_resume_with_nothing_past_the_checkpoint_changes_nothing(tmp_path):
     resumed.close()
     assert (tmp_path / "metrics.jsonl").read_text() == before
     assert not (tmp_path / "metrics.superseded.jsonl").exists()
+
+
+def test_a_run_that_starts_over_sets_every_earlier_record_aside(tmp_path):
+    first = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False), {})
+    for step in range(3):  # step 0 too: a run's data or first-evaluation record
+        first.log({"loss": float(step)}, step)
+    first.close()
+
+    again = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False), {})
+    assert again.start_over() == 3
+    again.log({"loss": 10.0}, 0)
+    again.close()
+
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(0, 10.0)]
+    aside = [json.loads(line) for line in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in aside] == [(0, 0.0), (1, 1.0), (2, 2.0)]

@@ -288,3 +288,9 @@ def test_a_run_of_another_model_in_a_folder_with_checkpoints_is_refused_before_i
     # The same model goes on from the checkpoint; another one starts over with train.resume false.
     SFTTrainer(sft_config(tiny_model_dir, train_file, tmp_path / "run", max_steps=3)).run()
     SFTTrainer(sft_config(other, train_file, tmp_path / "run", max_steps=2, resume=False)).run()
+    # The runs before it are set aside: its own records only, each step once.
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records if "data/rows_read" in r] == [0]
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2]
+    aside = (tmp_path / "run" / "metrics.superseded.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in aside if "train/loss" in json.loads(line)] == [1, 2, 3]
