@@ -93,12 +93,6 @@ class OfflineTrainer:
         """Summed loss over the micro-batch's units, and metric sums over the same units."""
         raise NotImplementedError
 
-    def batch_tokens(self, batch: Batch) -> int:
-        """Non-padding tokens in the batch, for throughput."""
-        if "attention_mask" in batch:
-            return int(batch["attention_mask"].sum())
-        return int(batch["input_ids"].numel())
-
     def on_setup(self) -> None:
         """Called once the engine exists (e.g. to build a frozen reference model)."""
 
@@ -298,7 +292,6 @@ class OfflineTrainer:
         if total_units == 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no loss units (every target is masked)")
         sums: dict[str, float] = {}
-        tokens = 0
         not_finite: list[str] = []
         for j, (indices, batch) in enumerate(zip(micro_indices, micro_batches, strict=True)):
             batch = _to_device(batch, self.engine.device)
@@ -311,7 +304,6 @@ class OfflineTrainer:
                 )
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
-            tokens += self.batch_tokens(batch)
         step_info = self.engine.step(finite_loss=not not_finite)
         self.skipped.after_step(
             self.step + 1,
@@ -319,11 +311,13 @@ class OfflineTrainer:
             "; ".join(not_finite) or f"gradient norm {step_info['grad_norm']}",
         )
         keys = sorted(sums)
-        reduced = all_reduce_scalars([sums[k] for k in keys] + [float(tokens)], op="sum")
+        reduced = all_reduce_scalars([sums[k] for k in keys], op="sum")
         elapsed = time.perf_counter() - start
-        metrics = {k: v / total_units for k, v in zip(keys, reduced[:-1])}
+        metrics = {k: v / total_units for k, v in zip(keys, reduced)}
         metrics.update(step_info)
-        metrics["tokens_per_s"] = reduced[-1] / self.tp_size / elapsed  # a tensor-parallel group's tokens once
+        # The step's samples' own tokens: no row padding, each sample once whatever the layout.
+        tokens = sum(self.train_samples[i].num_tokens for i in global_indices)
+        metrics["tokens_per_s"] = tokens / elapsed
         metrics["step_time_s"] = elapsed
         (peak,) = all_reduce_scalars([float(peak_memory_bytes(self.engine.device))], op="max")
         metrics["peak_memory_gib"] = peak / (1 << 30)  # the rank that held the most

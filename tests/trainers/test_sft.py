@@ -294,3 +294,18 @@ def test_a_run_of_another_model_in_a_folder_with_checkpoints_is_refused_before_i
     assert [r["step"] for r in records if "train/loss" in r] == [1, 2]
     aside = (tmp_path / "run" / "metrics.superseded.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in aside if "train/loss" in json.loads(line)] == [1, 2, 3]
+
+
+def test_tokens_per_s_counts_the_samples_tokens_not_the_padding_of_packed_rows(tmp_path, tiny_model_dir):
+    # Eight samples of one length n; rows of 3n tokens hold three, so each micro-batch of four makes
+    # a full row and one padded to 3n: 2n padding tokens per micro-batch that are not the data's.
+    train_file = write_jsonl(tmp_path / "train.jsonl", make_string_rows("copy", 8, seed=0, min_len=4, max_len=4))
+    probe = SFTTrainer(sft_config(tiny_model_dir, train_file, tmp_path / "probe", max_steps=2))
+    probe.setup()
+    (n,) = {sample.num_tokens for sample in probe.train_samples}
+    cfg = sft_config(tiny_model_dir, train_file, tmp_path / "run", max_steps=2)
+    SFTTrainer(cfg.model_copy(update={"data": cfg.data.model_copy(update={"pack_row_tokens": 3 * n})})).run()
+    records = [r for r in read_metrics(tmp_path / "run") if "train/loss" in r]
+    assert len(records) == 2
+    for record in records:
+        assert record["train/tokens_per_s"] * record["train/step_time_s"] == pytest.approx(8 * n, rel=1e-9)
