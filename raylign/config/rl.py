@@ -48,7 +48,9 @@ class AlgorithmConfig(Section):
     )
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="Lower clip: ratio >= 1 - clip_eps_low.")
     clip_eps_high: float | None = Field(None, gt=0, description="Upper clip (clip-higher); None = clip_eps_low.")
-    dual_clip_c: float | None = Field(None, gt=1, description="Dual-clip bound for negative advantages; None off.")
+    dual_clip_c: float | None = Field(
+        None, gt=1, description="policy_loss ppo: dual-clip bound for negative advantages; None off."
+    )
     aggregation: str = registered(
         "LOSS_AGGREGATIONS", LOSS_AGGREGATIONS, "token_mean", "How token losses become the batch loss."
     )
@@ -110,6 +112,15 @@ class AlgorithmConfig(Section):
     def _registered(cls, name: str, info: ValidationInfo) -> str:
         assert info.field_name is not None
         return check_registered(cls, info.field_name, name)
+
+    @model_validator(mode="after")
+    def _dual_clip_for_ppo_only(self) -> AlgorithmConfig:
+        if self.dual_clip_c is not None and self.policy_loss != "ppo":
+            raise ValueError(
+                f"algorithm.dual_clip_c bounds the token-level surrogate of policy_loss: ppo; policy_loss "
+                f"{self.policy_loss!r} would ignore it: leave dual_clip_c unset"
+            )
+        return self
 
     def estimator_needs(self, what: str) -> bool:
         """Whether the advantage estimator's registration says it needs ``what`` (``needs_groups``,
@@ -264,7 +275,12 @@ class RLTrainConfig(Section):
         "replace the checkpoints already there.",
     )
     export: bool = Field(True, description="Export the final policy to <output_dir>/final.")
-    seed: int = Field(42, description="Seed of model init and sampling.")
+    seed: int = Field(
+        42,
+        description="Seed of torch's random state in the controller and the workers: new weights (a critic's value "
+        "head, LoRA adapters) and dropout. Sampling is seeded by sampling.seed or rollout.seed, the prompt order by "
+        "data.seed.",
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metric sinks and console output.")
 
 

@@ -44,7 +44,11 @@ class TrainConfig(Section):
         "loss or gradient norm (counted in skipped_steps) before the run stops with a "
         "diagnostic; 0 stops at the first.",
     )
-    seed: int = Field(42, description="Seed for model init, shuffling and dropout.")
+    seed: int = Field(
+        42,
+        description="Seed of torch's random state: new weights (a reward model's score head, LoRA adapters) and "
+        "dropout. The data order is seeded by data.seed.",
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metric sinks and console output.")
 
     @model_validator(mode="after")

@@ -162,6 +162,15 @@ def test_a_constant_normalizer_with_a_fraction_is_refused_naming_the_field(base,
     assert resolve(tmp_path, base).algorithm.constant_normalizer == 1000
 
 
+def test_dual_clip_with_a_sequence_level_loss_is_refused_not_ignored(base, tmp_path):
+    # GSPO's loss has no dual-clip bound: the setting was accepted and had no effect.
+    base["algorithm"] = {"policy_loss": "gspo", "dual_clip_c": 3.0}
+    with pytest.raises(ConfigError, match=r"dual_clip_c bounds the token-level surrogate of policy_loss: ppo"):
+        resolve(tmp_path, base)
+    base["algorithm"]["policy_loss"] = "ppo"
+    assert resolve(tmp_path, base).algorithm.dual_clip_c == 3.0
+
+
 def test_critic_with_grpo_is_refused(base, tmp_path):
     base["critic"]["path"] = str(base["model"]["path"])
     message = _error(tmp_path, base)
