@@ -348,6 +348,9 @@ class RLTrainer:
         if "skipped" in state:
             self.skipped.load_state_dict(state["skipped"])
         self.shaping.load_state_dict(state.get("reward_shaping", {}))
+        faults = state.get("faults", {})
+        self.engine_restarts = int(faults.get("engine_restarts", 0))
+        self.feed.stream.resubmitted = int(faults.get("resubmitted_groups", 0))
         self.metrics.resume_from(self.step)
         for name in ("samples.jsonl", "trajectories.jsonl"):
             set_aside_records_after(self.out / name, self.step)
@@ -861,6 +864,8 @@ class RLTrainer:
             "positions": self.positions.state_dict(),
             "skipped": self.skipped.state_dict(),
             "reward_shaping": self.shaping.state_dict(),
+            # max_engine_restarts bounds the run, not each resumed part of it
+            "faults": {"engine_restarts": self.engine_restarts, "resubmitted_groups": self.feed.stream.resubmitted},
         }
 
         def write(tmp: Path) -> None:

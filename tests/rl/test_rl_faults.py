@@ -79,6 +79,12 @@ def test_dead_engines_are_replaced_and_the_run_ends_as_an_uninterrupted_one(
     expected, got = state_dict_of(tmp_path / "straight" / "final"), state_dict_of(tmp_path / "killed" / "final")
     for name, tensor in expected.items():
         assert torch.allclose(tensor, got[name], atol=1e-6), name
+    # A resumed run goes on counting: rollout.max_engine_restarts bounds the whole run.
+    more = _two_engine_config(rl_model_dir, prompt_file, tmp_path / "killed")
+    more["train"]["max_steps"] = 5
+    RLTrainer(resolve(tmp_path, more)).run()
+    (fifth,) = [r for r in read_metrics(tmp_path / "killed") if r["step"] == 5 and "reward/mean" in r]
+    assert (fifth["rollout/engine_restarts"], fifth["rollout/resubmitted_groups"]) == (2, 2)
 
 
 class RankKiller(RLTrainer):
