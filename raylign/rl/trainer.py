@@ -351,7 +351,7 @@ class RLTrainer:
         faults = state.get("faults", {})
         self.engine_restarts = int(faults.get("engine_restarts", 0))
         self.feed.stream.resubmitted = int(faults.get("resubmitted_groups", 0))
-        self.metrics.resume_from(self.step)
+        self.metrics.resume_from(self.step, evaluates_again=self.step >= self.cfg.train.max_steps)
         for name in ("samples.jsonl", "trajectories.jsonl"):
             set_aside_records_after(self.out / name, self.step)
         self.sync_weights()

@@ -242,7 +242,7 @@ class OfflineTrainer:
         self.sampler.load_state_dict(state["sampler"])
         if "skipped" in state:
             self.skipped.load_state_dict(state["skipped"])
-        self.metrics.resume_from(self.step)
+        self.metrics.resume_from(self.step, evaluates_again=self.step >= self.total_steps)
         if self.is_main:
             log.info("resumed from the checkpoint of step %d in %s", self.step, self.output_dir / "checkpoints")
         return True

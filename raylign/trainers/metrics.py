@@ -46,18 +46,20 @@ class MetricsLogger:
                 project=cfg.wandb_project, name=cfg.run_name or self.output_dir.name, config=run_config
             )
 
-    def resume_from(self, step: int) -> int:
+    def resume_from(self, step: int, evaluates_again: bool = False) -> int:
         """The run continues after the checkpoint of ``step``: records of later steps (written
         before the run stopped, and about to be written again) move from ``metrics.jsonl`` to
-        ``metrics.superseded.jsonl``, and TensorBoard hides its events past ``step``. Returns
-        how many records moved."""
+        ``metrics.superseded.jsonl``, and TensorBoard hides its events past ``step``. With
+        ``evaluates_again`` (a run resumed at its last step evaluates that step again) the
+        evaluation records of ``step`` move too. Returns how many records moved."""
         if not self.enabled:
             return 0
         self._jsonl.close()
         kept, superseded = [], []
         for line in self._jsonl_path.read_text().splitlines(keepends=True):
             if line.strip():
-                (superseded if _step_of(line) > step else kept).append(line if line.endswith("\n") else line + "\n")
+                later = _step_of(line) > step or (evaluates_again and _step_of(line) == step and _is_eval(line))
+                (superseded if later else kept).append(line if line.endswith("\n") else line + "\n")
         if superseded:
             with open(self.output_dir / "metrics.superseded.jsonl", "a") as f:
                 f.writelines(superseded)
@@ -120,6 +122,14 @@ def _step_of(line: str) -> float:
         return json.loads(line).get("step", 0)
     except json.JSONDecodeError:
         return math.inf
+
+
+def _is_eval(line: str) -> bool:
+    """Whether a ``metrics.jsonl`` line is an evaluation's record (its keys ``eval/...``)."""
+    try:
+        return any(key.startswith("eval/") for key in json.loads(line))
+    except json.JSONDecodeError:
+        return False
 
 
 def _to_float(value: Any) -> float:

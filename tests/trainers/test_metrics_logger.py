@@ -54,3 +54,20 @@ def test_a_run_that_starts_over_sets_every_earlier_record_aside(tmp_path):
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(0, 10.0)]
     aside = [json.loads(line) for line in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in aside] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+
+
+def test_a_resume_at_the_last_step_sets_that_steps_evaluation_aside_as_it_evaluates_again(tmp_path):
+    first = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False), {})
+    first.log({"train/loss": 1.0}, 4)
+    first.log({"eval/loss": 2.0}, 4)  # the final evaluation, logged after the last checkpoint
+    first.close()
+
+    again = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False), {})
+    assert again.resume_from(4, evaluates_again=True) == 1
+    again.log({"eval/loss": 2.5}, 4)
+    again.close()
+
+    assert read_metrics(tmp_path)[0]["train/loss"] == 1.0
+    assert [r.get("eval/loss") for r in read_metrics(tmp_path)] == [None, 2.5]
+    aside = [json.loads(line) for line in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["eval/loss"]) for r in aside] == [(4, 2.0)]

@@ -309,3 +309,18 @@ def test_tokens_per_s_counts_the_samples_tokens_not_the_padding_of_packed_rows(t
     assert len(records) == 2
     for record in records:
         assert record["train/tokens_per_s"] * record["train/step_time_s"] == pytest.approx(8 * n, rel=1e-9)
+
+
+def test_a_finished_run_started_again_logs_its_final_evaluation_once(tmp_path, tiny_model_dir):
+    train_file = write_jsonl(tmp_path / "train.jsonl", make_string_rows("copy", 40, seed=0))
+    cfg = sft_config(tiny_model_dir, train_file, tmp_path / "run", max_steps=2)
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"eval_fraction": 0.2})})
+    SFTTrainer(cfg).run()
+    before = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in before if "eval/loss" in r] == [2]
+    SFTTrainer(cfg).run()  # resumes at step 2 of 2: nothing to train, the final evaluation again
+    after = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in after if "eval/loss" in r] == [2]
+    assert [r["step"] for r in after if "train/loss" in r] == [1, 2]
+    aside = (tmp_path / "run" / "metrics.superseded.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in aside] == [2]
