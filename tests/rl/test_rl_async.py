@@ -59,6 +59,11 @@ def test_async_samples_are_one_update_old(ray_session, rl_model_dir, prompt_file
     # The engine generates beside training and keeps its one reserved core (rollout.num_cpus_per_engine):
     # the policy trains on the others, at least one.
     assert {r["threads/train"] for r in records} == {max(1, len(os.sched_getaffinity(0)) - 1)}
+    # Started again once finished: nothing to train, the last step evaluated again and logged once.
+    RLTrainer(resolve(tmp_path, straight)).run()
+    rows = read_metrics(tmp_path / "straight")
+    assert sorted(r["step"] for r in rows if "eval/all/reward_mean" in r) == [0, 1, 2, 3]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]
 
 
 def test_a_reproducible_stream_killed_mid_step_resumes_to_the_same_weights(
