@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import tempfile
 import time
@@ -14,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from raylign.agents.sandbox import (
-    BOOTSTRAP_MARKER,
     SandboxLimits,
     run_python,
     run_python_async,
     sandbox_backend,
 )
+
+from .sandbox_helpers import sandbox_processes
 
 pytestmark = pytest.mark.slow  # about 12 s of sandboxed runs
 
@@ -28,19 +28,6 @@ ROOMY = SandboxLimits(cpu_time_s=1, wall_time_s=10, memory_mb=256)  # room for a
 BACKEND = sandbox_backend()
 hides_filesystem = pytest.mark.skipif(BACKEND != "bwrap", reason=f"backend {BACKEND!r} does not hide the filesystem")
 cuts_network = pytest.mark.skipif(BACKEND == "rlimit", reason="the 'rlimit' backend has no network namespace")
-
-
-def sandbox_processes() -> list[int]:
-    """Pids of processes started by the sandbox (their command line holds the bootstrap)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                if BOOTSTRAP_MARKER.encode() in cmdline.read():
-                    pids.append(int(entry))
-        except (OSError, ValueError):
-            continue
-    return pids
 
 
 def test_print_returns_its_output():

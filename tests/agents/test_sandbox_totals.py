@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import tempfile
 import time
@@ -15,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from raylign.agents import sandbox_backends
-from raylign.agents.sandbox import BOOTSTRAP_MARKER, SandboxLimits, run_python, sandbox_backend
+from raylign.agents.sandbox import SandboxLimits, run_python, sandbox_backend
 from raylign.agents.tools import PythonEnv
+
+from .sandbox_helpers import sandbox_processes
 
 pytestmark = pytest.mark.slow  # about 5 s of sandboxed runs
 
@@ -52,19 +53,6 @@ finally:
 
 def scratch_dirs() -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob("raylign-sandbox-*"))
-
-
-def sandbox_processes() -> list[int]:
-    """Pids of processes started by the sandbox (their command line holds the bootstrap)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                if BOOTSTRAP_MARKER.encode() in cmdline.read():
-                    pids.append(int(entry))
-        except (OSError, ValueError):
-            continue
-    return pids
 
 
 # ---- disk space --------------------------------------------------------------------------------
