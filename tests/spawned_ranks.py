@@ -8,6 +8,7 @@ top-level module next to its test (spawn hands the parent's ``sys.path`` to the 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 import time
@@ -88,3 +89,17 @@ def as_gloo_rank(rank: int, world_size: int, port: int) -> None:
         }
     )
     torch.set_num_threads(1)
+
+
+def time_unanswered_all_reduce(group: Any, out: str) -> None:
+    """All-reduce in ``group``, which the other ranks never join; write to ``out`` as JSON how long
+    this rank waited (``waited_s``) and the error it got (``error``, empty if none)."""
+    import torch.distributed as dist
+
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+        error = ""
+    except RuntimeError as err:
+        error = str(err)
+    Path(out).write_text(json.dumps({"waited_s": time.monotonic() - started, "error": error}))

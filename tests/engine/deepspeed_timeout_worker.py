@@ -4,14 +4,9 @@ tensor-parallel group that its partner never joins, and writes how long it waite
 
 from __future__ import annotations
 
-import json
-import time
-from pathlib import Path
-
-import torch
 import torch.distributed as dist
 
-from tests.spawned_ranks import as_gloo_rank
+from tests.spawned_ranks import as_gloo_rank, time_unanswered_all_reduce
 
 WORLD_SIZE = 2
 TIMEOUT_S = 10
@@ -33,10 +28,4 @@ def run_rank(rank: int, port: int, out: str, model_dir: str) -> None:
     group = groups.get_tensor_model_parallel_group()
     assert dist.get_world_size(group) == 2, "the tensor-parallel group should hold both ranks"
     if rank == 0:  # its partner returns at once
-        started = time.monotonic()
-        try:
-            dist.all_reduce(torch.ones(1), group=group)
-            error = ""
-        except RuntimeError as err:
-            error = str(err)
-        Path(out).write_text(json.dumps({"waited_s": time.monotonic() - started, "error": error}))
+        time_unanswered_all_reduce(group, out)

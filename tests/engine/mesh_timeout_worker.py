@@ -4,16 +4,9 @@ partner never joins, and writes how long it waited and what it was told."""
 
 from __future__ import annotations
 
-import json
-import time
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
-
 from raylign.engine.distributed import ensure_process_group
 from raylign.engine.fsdp2 import build_meshes
-from tests.spawned_ranks import as_gloo_rank
+from tests.spawned_ranks import as_gloo_rank, time_unanswered_all_reduce
 
 WORLD_SIZE = 4
 TIMEOUT_S = 10
@@ -25,10 +18,4 @@ def run_rank(rank: int, port: int, out: str, tensor_parallel: int, shard_size: i
     mesh, data_mesh = build_meshes("cpu", WORLD_SIZE, tensor_parallel, shard_size, TIMEOUT_S)
     group = (mesh["tp"] if tensor_parallel > 1 else data_mesh["shard"]).get_group()
     if rank == 0:  # its partner (rank 1 in either layout) returns at once
-        started = time.monotonic()
-        try:
-            dist.all_reduce(torch.ones(1), group=group)
-            error = ""
-        except RuntimeError as err:
-            error = str(err)
-        Path(out).write_text(json.dumps({"waited_s": time.monotonic() - started, "error": error}))
+        time_unanswered_all_reduce(group, out)
