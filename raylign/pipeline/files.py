@@ -17,10 +17,9 @@ from typing import Any
 from raylign.config.pipeline import GENERATION_KEYS, SCORE_KEYS
 from raylign.data import RowRef, check_text, read_rows, require_key, require_list, validate_messages
 from raylign.rl.prompts import data_source
+from raylign.rollout.rewards.base import REWARD_ARGUMENTS
 from raylign.rollout.rewards.rendering import PROMPT_MESSAGES_KEY
 
-# Names a reward function receives as positional arguments; a metadata key must not reuse them.
-REWARD_ARGUMENT_NAMES = ("prompts", "responses", "labels")
 # The row key RL reads a prompt's data source from (data.source_key's default); raylign generate copies it.
 DATA_SOURCE_KEY = "data_source"
 
@@ -51,7 +50,7 @@ class GeneratedRow:
         """What reward sources get beside the prompt, response and label, as in RL: the row's data ``source``
         (its ``data_source``, else this file's name without its suffix; a ``source`` key of the row wins), the
         row's own keys, and the conversation for reward models."""
-        skip = set(GENERATION_KEYS) | set(SCORE_KEYS) | set(REWARD_ARGUMENT_NAMES)
+        skip = set(GENERATION_KEYS) | set(SCORE_KEYS) | set(REWARD_ARGUMENTS)
         source = data_source(self.data, DATA_SOURCE_KEY, self.where.source)
         metadata = {"source": source, **{k: v for k, v in self.data.items() if k not in skip}}
         if isinstance(self.prompt, list):

@@ -10,6 +10,7 @@ from raylign.config.data import DatasetSpec
 from raylign.config.rl import RLDataConfig
 from raylign.data import RowRef, check_text, read_rows, require_key, validate_messages
 from raylign.data.mixing import mix_datasets
+from raylign.rollout.rewards.base import REWARD_ARGUMENTS
 
 
 @dataclass
@@ -71,6 +72,13 @@ def load_prompts(specs: list[DatasetSpec], cfg: RLDataConfig, tokenizer) -> list
             source = data_source(row, cfg.source_key, spec.path)
             raw = row.get(spec.input_key)
             metadata = {k: v for k, v in row.items() if k not in (spec.input_key, spec.label_key)}
+            for key in set(REWARD_ARGUMENTS).intersection(metadata):
+                raise where.error(
+                    key,
+                    "the row's other fields reach reward functions as keyword arguments, and this name is one of "
+                    f"their own ({', '.join(sorted(REWARD_ARGUMENTS))}): rename the field",
+                    "reserved_name",
+                )
             prompts.append(Prompt(text, ids, row.get(spec.label_key), source, where, raw, metadata))
             count += 1
             if spec.max_samples is not None and count >= spec.max_samples:

@@ -7,7 +7,10 @@ import json
 import textwrap
 from types import SimpleNamespace
 
+import pytest
+
 from raylign.config.rl import RLDataConfig
+from raylign.data.errors import RowError
 from raylign.models.loading import load_tokenizer
 from raylign.rl.prompts import load_prompts
 from raylign.rl.stream import sample_from
@@ -54,3 +57,14 @@ def test_a_rows_other_fields_reach_the_reward_function(rl_model_dir, tmp_path, m
         RLTrainer.score(SimpleNamespace(reward=source), samples)
     assert [s.reward for s in samples] == [3.0, 7.0]
     assert [s.reward_metrics["keys"] for s in samples] == [1.0, 1.0]  # tags, beside the named difficulty and source
+
+
+def test_a_row_field_named_like_a_reward_functions_own_argument_is_refused_at_load(rl_model_dir, tmp_path):
+    # Passed by keyword beside prompts/responses/labels it would clash at the first scoring, mid-run.
+    rows = [{"prompt": "abc", "label": "abc"}, {"prompt": "de", "label": "de", "responses": ["ed"]}]
+    data_file = tmp_path / "prompts.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data_cfg = RLDataConfig(train=[{"path": str(data_file)}])
+    with pytest.raises(RowError, match=r"prompts\.jsonl.* row 2.*responses.*rename the field") as err:
+        load_prompts(data_cfg.train, data_cfg, load_tokenizer(str(rl_model_dir)))
+    assert (err.value.row, err.value.key, err.value.reason) == (2, "responses", "reserved_name")

@@ -14,6 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+# What a reward function receives by position; a prompt row's other fields come by keyword and must
+# not reuse these names.
+REWARD_ARGUMENTS = ("prompts", "responses", "labels")
+
 
 class RewardError(RuntimeError):
     """A reward source failed; the message names the source, the sample(s) and the cause."""

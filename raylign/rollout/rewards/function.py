@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from raylign.rollout.rewards.base import (
+    REWARD_ARGUMENTS,
     RewardError,
     RewardResult,
     RewardSource,
@@ -35,7 +36,6 @@ from raylign.rollout.rewards.base import (
 )
 from raylign.rollout.rewards.function_worker import call_reward_function, check_loadable, ignore_interrupts
 
-RESERVED_KEYWORDS = ("prompts", "responses", "labels")
 # The most common reason a worker dies at start: a script that builds the source at import time
 # (spawned workers import the main module again, and would start workers of their own).
 _MAIN_GUARD_HINT = (
@@ -63,7 +63,7 @@ def metadata_to_columns(metadata: list[dict]) -> dict[str, list[Any]]:
     keys: dict[str, None] = {}
     for row in metadata:
         keys.update(dict.fromkeys(row))
-    clash = [k for k in keys if k in RESERVED_KEYWORDS]
+    clash = [k for k in keys if k in REWARD_ARGUMENTS]
     if clash:
         raise ValueError(f"metadata keys {clash} clash with the reward function's positional arguments")
     return {k: [row.get(k) for row in metadata] for k in keys}
