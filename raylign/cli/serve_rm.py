@@ -73,7 +73,23 @@ class ServeRMConfig(Section):
     def _one_scorer(self) -> ServeRMConfig:
         if (self.model_path is None) == (self.reward_file is None):
             raise ValueError("set exactly one of model_path and reward_file")
+        scorer, other = ("model_path", "reward_file") if self.model_path is not None else ("reward_file", "model_path")
+        # A dumped config lists every field, so only values other than the default count as set.
+        foreign = [
+            f
+            for f in SCORER_FIELDS[other]
+            if f in self.model_fields_set and getattr(self, f) != type(self).model_fields[f].get_default()
+        ]
+        if foreign:
+            raise ValueError(f"{', '.join(foreign)} {'is' if len(foreign) == 1 else 'are'} for {other}, not {scorer}")
         return self
+
+
+# The options each kind of scorer reads; the other's are refused rather than ignored.
+SCORER_FIELDS = {
+    "model_path": ("batch_size", "normalize", "max_length", "dtype"),
+    "reward_file": ("function_name", "num_workers", "timeout_s"),
+}
 
 
 def _is_loopback(host: str) -> bool:

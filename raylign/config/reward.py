@@ -50,7 +50,11 @@ class RewardSourceConfig(Section):
         "exact_match: response equals the label; format: response matches format_regex.",
     )
     name: str | None = Field(
-        None, min_length=1, description="Metric name of this source; defaults to the kind (kind_2, ... when repeated)."
+        None,
+        min_length=1,
+        pattern=r"^[^/]+$",
+        description="Metric name of this source, without '/' (its metrics are logged as name/metric); defaults to "
+        "the kind (kind_2, ... when repeated).",
     )
     weight: float = Field(1.0, description="Factor of this source in the combined reward; 0 only reports it.")
 

@@ -111,6 +111,9 @@ def test_empty_or_duplicate_names_are_rejected():
         parse_config(RewardConfig, {"sources": []})
     with pytest.raises(ConfigError, match=r"source names must be unique; repeated: a"):
         parse_config(RewardConfig, {"sources": [{"kind": "math", "name": "a"}, {"kind": "format", "name": "a"}]})
+    # A name with '/' could log over another source's metric: 'math/answer_found' beside a math source.
+    with pytest.raises(ConfigError, match=r"sources\.1\.name: String should match pattern"):
+        parse_config(RewardConfig, {"sources": [{"kind": "math"}, {"kind": "format", "name": "math/answer_found"}]})
 
 
 def test_default_names_number_repeated_kinds_around_explicit_names():

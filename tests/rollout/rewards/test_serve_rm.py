@@ -25,6 +25,15 @@ def test_config_needs_exactly_one_scorer_and_defaults_to_loopback():
         parse_config(ServeRMConfig, {"model_path": "m", "reward_file": "r.py"})
     assert parse_config(ServeRMConfig, {"model_path": "m"}).host == "127.0.0.1"
 
+    # Another scorer's options are refused, not ignored (a timeout_s does not bound a model's scoring).
+    with pytest.raises(ConfigError, match=r"timeout_s is for reward_file, not model_path"):
+        parse_config(ServeRMConfig, {"model_path": "m", "timeout_s": 5.0})
+    with pytest.raises(ConfigError, match=r"batch_size, dtype are for model_path, not reward_file"):
+        parse_config(ServeRMConfig, {"reward_file": "r.py", "batch_size": 2, "dtype": "bfloat16"})
+    # A dumped config lists every field at its default: accepted.
+    dumped = parse_config(ServeRMConfig, {"model_path": "m"}).model_dump()
+    assert parse_config(ServeRMConfig, dumped).model_path == "m"
+
 
 def test_serves_a_reward_model_folder(loopback_server, tiny_reward_model_dir, rm_mean_std, reference_rm_scores):
     prompts, responses = ["What is 2 + 2?", "Say hello"], ["4", "hello there"]
