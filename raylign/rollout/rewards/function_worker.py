@@ -6,6 +6,7 @@ Failures come back as text, since a user's exception object may not survive pick
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.util
 import inspect
@@ -107,6 +108,13 @@ def call_reward_function(
         return "error", (str(err), "")
     keywords = {k: metadata_columns[k] for k in accepted_keywords(function, list(metadata_columns))}
     try:
-        return "ok", function(prompts, responses, labels, **keywords)
+        result = function(prompts, responses, labels, **keywords)
+        if inspect.isawaitable(result):  # an async def function: run to its end here (the caller bounds the time)
+            result = asyncio.run(_awaited(result))
+        return "ok", result
     except BaseException as err:
         return "error", (summarize(err), _format(err, skip_frames=1))
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable

@@ -43,6 +43,13 @@ def not_a_list(prompts, responses, labels):
 def has_none(prompts, responses, labels):
     return [None] + [1.0] * (len(prompts) - 1)
 
+async def judged(prompts, responses, labels):
+    import asyncio
+    async def judge(response, label):  # as a call to a judge service would be awaited
+        await asyncio.sleep(0.01)
+        return float(response == label)
+    return list(await asyncio.gather(*(judge(r, l) for r, l in zip(responses, labels))))
+
 NOT_CALLABLE = 3
 """
 
@@ -77,6 +84,13 @@ def test_function_without_var_keywords_gets_only_the_keys_it_names(reward_file):
     with PythonFileReward(reward_file, function_name="only_named") as source:
         result = source.score(["a", "b"], ["x", "y"], [None, None], [{"bonus": 1, "other": 9}, {"bonus": 2}])
     assert result.rewards == [1.0, 2.0]
+
+
+def test_an_async_function_is_awaited_in_its_worker(reward_file):
+    # It returned a coroutine, which failed to pickle ("cannot pickle 'coroutine' object").
+    with PythonFileReward(reward_file, function_name="judged", num_workers=2, timeout_s=30) as source:
+        result = source.score(["p0", "p1", "p2"], ["a", "b", "c"], ["a", "x", "c"])
+    assert result.rewards == [1.0, 0.0, 1.0]
 
 
 def test_raising_function_names_first_prompt_of_chunk_its_index_and_cause(reward_file):
