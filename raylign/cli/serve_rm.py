@@ -48,7 +48,11 @@ class ServeRMConfig(Section):
     normalize: bool = Field(
         True, description="Return (score - mean) / std with raylign_reward_mean / raylign_reward_std from config.json."
     )
-    max_length: int | None = Field(None, ge=8, description="Keep at most this many tokens (the end); None keeps all.")
+    max_length: int | None = Field(
+        None,
+        ge=8,
+        description="Keep at most this many tokens: the end (and an encoder classifier's first token); None keeps all.",
+    )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Model parameter dtype.")
     host: str = Field(
         "127.0.0.1",

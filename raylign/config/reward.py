@@ -86,7 +86,10 @@ class RewardSourceConfig(Section):
         "from the model's config.json (written by raylign rm).",
     )
     max_length: int | None = Field(
-        None, ge=8, description="[reward_model] Keep at most this many tokens (the end of the text); None keeps all."
+        None,
+        ge=8,
+        description="[reward_model] Keep at most this many tokens: the end of the text (and an encoder classifier's "
+        "first token, e.g. [CLS]); None keeps all.",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="[reward_model] Parameter dtype.")
     num_cpus: float = Field(1.0, ge=0, description="[reward_model] CPUs reserved for the Ray actor.")

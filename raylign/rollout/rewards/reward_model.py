@@ -108,8 +108,11 @@ class RewardModelScorer:
                 ids = encode_sample(self.tokenizer, self.turn, prompt, response, messages)
             except Exception as err:  # a template that rejects the conversation, malformed messages
                 raise ValueError(f"{describe_sample(prompts, i)}: {type(err).__name__}: {err}") from None
-            # The score is read at the last token, so an over-long sample keeps its end.
-            encoded.append(ids[-self.max_length :] if self.max_length is not None else ids)
+            if self.max_length is not None and len(ids) > self.max_length:
+                # An over-long sample keeps its end; an encoder's classifier also reads its first token
+                # ([CLS]), which is kept in front of the end.
+                ids = ids[-self.max_length :] if self.last_token_head else ids[:1] + ids[1 - self.max_length :]
+            encoded.append(ids)
         return encoded
 
     def _raw_scores(self, batch: list[list[int]]) -> list[float]:

@@ -105,6 +105,16 @@ def test_encoder_classifier_scores_match_its_own_unpadded_forward(tiny_reward_mo
             expected.append(model(input_ids=ids).logits[0, 0].item())
     scorer = RewardModelScorer(str(tmp_path / "bert_rm"), batch_size=3, normalize=False)
     assert scorer.score_texts(PROMPTS, RESPONSES) == pytest.approx(expected, abs=1e-5)
+    # Cut to max_length, a sample keeps the first token its classifier reads and the end (it lost the first).
+    expected, cut = [], 12
+    for prompt, response in zip(PROMPTS, RESPONSES):
+        text = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n{response}<|im_end|>\n"
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) > cut
+        with torch.no_grad():
+            expected.append(model(input_ids=torch.tensor([ids[:1] + ids[1 - cut :]])).logits[0, 0].item())
+    scorer = RewardModelScorer(str(tmp_path / "bert_rm"), batch_size=3, normalize=False, max_length=cut)
+    assert scorer.score_texts(PROMPTS, RESPONSES) == pytest.approx(expected, abs=1e-5)
 
 
 @pytest.mark.slow
