@@ -8,7 +8,7 @@ from typing import Any
 
 from raylign.config.data import DatasetSpec
 from raylign.config.rl import RLDataConfig
-from raylign.data import RowRef, check_text, read_rows, require_key, validate_messages
+from raylign.data import RowRef, check_text, optional_text, read_rows, require_key, validate_messages
 from raylign.data.mixing import mix_datasets
 from raylign.rollout.rewards.base import REWARD_ARGUMENTS
 
@@ -39,8 +39,10 @@ def _render(
             raise where.error(
                 spec.input_key, "a prompt conversation must end before the reply (last role is 'assistant')", "bad_role"
             )
-    else:
-        messages = [{"role": "user", "content": check_text(value, spec.input_key, where)}]
+    else:  # a text prompt: the user's turn, after the row's system prompt where it has one (as in SFT)
+        system = optional_text(row, spec.system_key, where)
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        messages.append({"role": "user", "content": check_text(value, spec.input_key, where)})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 

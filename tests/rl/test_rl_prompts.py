@@ -29,6 +29,25 @@ def test_a_conversation_prompt_that_ends_with_the_assistants_turn_names_its_row(
         load_train_prompts(cfg, load_tokenizer(str(rl_model_dir)))
 
 
+def test_a_text_prompts_system_field_is_its_system_message_as_in_sft(rl_model_dir, tmp_path):
+    # It was passed through to the outputs and reward functions but never shown to the model.
+    rows = [{"prompt": "reverse: a b", "system": "Answer briefly."}, {"prompt": "reverse: c d"}]
+    tokenizer = load_tokenizer(str(rl_model_dir))
+    cfg = RLDataConfig(train=[{"path": write_rows(tmp_path / "prompts.jsonl", rows)}])
+    with_system, without = load_train_prompts(cfg, tokenizer)
+    expected = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "reverse: a b"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert with_system.text == expected and "Answer briefly." in expected
+    assert without.text == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "reverse: c d"}], tokenize=False, add_generation_prompt=True
+    )
+    cfg = RLDataConfig(train=[{"path": str(tmp_path / "prompts.jsonl"), "system_key": "instructions"}])
+    assert "Answer briefly." not in load_train_prompts(cfg, tokenizer)[0].text  # another key named: not read
+
+
 def test_weighted_train_files_mix_into_their_shares(rl_model_dir, tmp_path):
     big = write_rows(tmp_path / "big.jsonl", [{"prompt": f"big {i}"} for i in range(3)])
     small = write_rows(tmp_path / "small.jsonl", [{"prompt": "small 0"}])
