@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 from pydantic import Field, field_validator
 
 from raylign.config.base import Section
+
+log = logging.getLogger("raylign")
 
 # LoRA ranks vLLM serves adapters of (its max_lora_rank takes one of these).
 ENGINE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -91,8 +94,9 @@ class RolloutConfig(Section):
     max_model_len: int | None = Field(
         None,
         ge=16,
-        description="Longest prompt + completion in tokens (>= 16). None: raylign rl and generate "
-        "use the longest prompt plus the most new tokens; elsewhere the model's maximum.",
+        description="Longest prompt + completion in tokens (>= 16); a response ends there (finish reason length), "
+        "and raylign rl and generate refuse a prompt it leaves no room, naming the row. None: raylign rl and "
+        "generate use the longest prompt plus the most new tokens; elsewhere the model's maximum.",
     )
     enforce_eager: bool = Field(
         True, description="Run vLLM without CUDA graphs / torch.compile (faster start; required on CPU)."
@@ -233,8 +237,26 @@ class RolloutConfig(Section):
         # Not checked for existence here: engine actors on other nodes validate the config again.
         return f"{absolute_file(where)}:{name}"
 
-    def with_room_for(self, longest_prompt: int, new_tokens: int) -> RolloutConfig:
-        """This config, with ``max_model_len`` set to what a run needs when the user left it unset."""
-        if self.max_model_len is not None:
-            return self
-        return self.model_copy(update={"max_model_len": max(16, longest_prompt + new_tokens)})
+    def with_room_for(self, longest_prompt: int, new_tokens: int, where: str) -> RolloutConfig:
+        """This config, with ``max_model_len`` set to what a run needs when the user left it unset. A
+        ``max_model_len`` of the user's must leave the longest prompt (``where`` names it) room for a
+        response; responses it ends before ``new_tokens`` are logged once, here."""
+        if self.max_model_len is None:
+            return self.model_copy(update={"max_model_len": max(16, longest_prompt + new_tokens)})
+        if longest_prompt >= self.max_model_len:
+            raise ValueError(
+                f"{where}: the prompt has {longest_prompt} tokens, which leaves no room for a response within "
+                f"rollout.max_model_len ({self.max_model_len}); raise it (or leave it unset: the longest prompt "
+                "plus the new tokens), or shorten the prompt"
+            )
+        if longest_prompt + new_tokens > self.max_model_len:
+            log.warning(
+                "rollout.max_model_len (%d) is less than the longest prompt (%d tokens, %s) plus %d new tokens: "
+                "responses to the longest prompts end at %d tokens in all, finish reason 'length'",
+                self.max_model_len,
+                longest_prompt,
+                where,
+                new_tokens,
+                self.max_model_len,
+            )
+        return self

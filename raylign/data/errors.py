@@ -29,6 +29,9 @@ class RowRef:
     source: str
     row: int
 
+    def __str__(self) -> str:
+        return f"{self.source}, row {self.row}"
+
     def error(self, key: str | None, problem: str, reason: str) -> RowError:
         return RowError(self.source, self.row, key, problem, reason)
 

@@ -138,8 +138,9 @@ def run_generate(cfg: GenerateConfig) -> dict[str, float]:
         cfg.rollout.engine,
     )
     if items:  # room for the longest prompt and its completion
-        longest = max(len(p.token_ids) for p, _ in items)
-        cfg = cfg.model_copy(update={"rollout": cfg.rollout.with_room_for(longest, cfg.sampling.max_new_tokens)})
+        longest = max((p for p, _ in items), key=lambda p: len(p.token_ids))
+        room = cfg.rollout.with_room_for(len(longest.token_ids), cfg.sampling.max_new_tokens, str(longest.where))
+        cfg = cfg.model_copy(update={"rollout": room})
     start = time.perf_counter()
     cpus = cfg.rollout.num_engines * cfg.rollout.num_cpus_per_engine
     with ray_runtime(cfg.ray, cpus):

@@ -140,11 +140,13 @@ class RLTrainer:
             len(self.train_prompts), cfg.train.prompts_per_step, shuffle=True, seed=cfg.data.seed, drop_last=True
         )
         # The engines need room for what this run generates, no more.
-        longest = max(len(p.token_ids) for p in self.train_prompts + self.eval_prompts)
+        longest_prompt = max(self.train_prompts + self.eval_prompts, key=lambda p: len(p.token_ids))
+        longest = len(longest_prompt.token_ids)
         new_tokens = max(cfg.sampling.max_new_tokens, cfg.train.eval_max_new_tokens or 0)
         if cfg.agent.enabled:  # an episode grows to agent.max_total_tokens
             new_tokens = max(new_tokens, cfg.agent.max_total_tokens - longest)
-        cfg = self.cfg = cfg.model_copy(update={"rollout": cfg.rollout.with_room_for(longest, new_tokens)})
+        room = cfg.rollout.with_room_for(longest, new_tokens, str(longest_prompt.where))
+        cfg = self.cfg = cfg.model_copy(update={"rollout": room})
         log.info(
             "rollout.max_model_len: %d (longest prompt %d, %d new tokens)",
             cfg.rollout.max_model_len,

@@ -101,6 +101,7 @@ class RolloutEngine(ABC):
 
     weight_version: int = 0
     vocab_size: int
+    max_model_len: int | None = None  # longest prompt + response served (rollout.max_model_len); None: no bound
 
     async def generate(
         self,
@@ -116,7 +117,7 @@ class RolloutEngine(ABC):
         """
         sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
         indices = default_prompt_indices(prompt_token_ids, prompt_indices)
-        check_prompts(prompt_token_ids, self.vocab_size, indices)
+        check_prompts(prompt_token_ids, self.vocab_size, indices, self.max_model_len)
         groups = await asyncio.gather(
             *(self._group(list(ids), sampling, index) for index, ids in zip(indices, prompt_token_ids))
         )
@@ -131,7 +132,7 @@ class RolloutEngine(ABC):
         each as it finishes.
         """
         sampling = sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(sampling)
-        check_prompts([prompt_token_ids], self.vocab_size, [prompt_index])
+        check_prompts([prompt_token_ids], self.vocab_size, [prompt_index], self.max_model_len)
         return await self._group(list(prompt_token_ids), sampling, prompt_index)
 
     @abstractmethod
@@ -244,8 +245,14 @@ def default_prompt_indices(
     return [int(i) for i in prompt_indices]
 
 
-def check_prompts(prompt_token_ids: Sequence[Sequence[int]], vocab_size: int, prompt_indices: Sequence[int]) -> None:
-    """Reject negative prompt indices, empty prompts and token ids outside the vocabulary, naming the prompt."""
+def check_prompts(
+    prompt_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    prompt_indices: Sequence[int],
+    max_model_len: int | None = None,
+) -> None:
+    """Reject negative prompt indices, empty prompts, token ids outside the vocabulary and prompts that
+    leave no room for a response within ``max_model_len``, naming the prompt."""
     if not isinstance(prompt_token_ids, Sequence) or isinstance(prompt_token_ids, (str, bytes)):
         raise TypeError("prompt_token_ids must be a list of token-id lists (text is never tokenised here)")
     for index, ids in zip(prompt_indices, prompt_token_ids):
@@ -261,6 +268,11 @@ def check_prompts(prompt_token_ids: Sequence[Sequence[int]], vocab_size: int, pr
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {index}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        if max_model_len is not None and len(ids) >= max_model_len:
+            raise ValueError(
+                f"prompt {index}: {len(ids)} tokens leave no room for a response within rollout.max_model_len "
+                f"({max_model_len} tokens of prompt and response)"
+            )
 
 
 def request_seed(sampling: SamplingConfig, prompt_index: int) -> int | None:

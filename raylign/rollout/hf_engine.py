@@ -178,6 +178,7 @@ class HFEngine(RolloutEngine):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config or {})
+        self.max_model_len = self.config.max_model_len
         if self.config.tensor_parallel_size != 1:
             raise ValueError("rollout.tensor_parallel_size must be 1 for the hf engine")
         if lora_rank:
@@ -331,6 +332,9 @@ class HFEngine(RolloutEngine):
         stop_step: int | None,
     ) -> Completion:
         end, stopped = response_length(tokens, self.eos_ids, stop_step)
+        if self.max_model_len is not None and len(prompt) + end > self.max_model_len:
+            # The sequence reached max_model_len first: it ends there, as vLLM ends it.
+            end, stopped, stop_step = self.max_model_len - len(prompt), False, None
         text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
         if stop_step is not None:
             text, _ = cut_after_stop_string(text, sampling.stop)

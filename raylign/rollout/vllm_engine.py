@@ -278,6 +278,7 @@ class VLLMEngine(RolloutEngine):
             AsyncEngineArgs(**build_llm_kwargs(str(model_path), self.config, self.on_cpu, lora_rank))
         )
         self.vocab_size = self.llm.model_config.get_vocab_size()
+        self.max_model_len = self.llm.model_config.max_model_len  # rollout.max_model_len, or the model's own
         self.weight_version = 0
         self._request_ids = itertools.count()
         self._tokens_in_flight: dict[str, int] = {}  # request id -> tokens sampled so far

@@ -11,8 +11,11 @@ import torch
 
 from raylign.config.base import parse_config
 from raylign.config.pipeline import GenerateConfig
+from raylign.config.rl import RLDataConfig
 from raylign.data import RowError
+from raylign.models.loading import load_tokenizer
 from raylign.pipeline.generate import run_generate
+from raylign.rl.prompts import load_prompts
 
 from .helpers import read_jsonl, write_jsonl
 
@@ -134,3 +137,34 @@ def test_bad_prompt_row_names_file_row_and_key_before_any_engine_starts(tmp_path
     with pytest.raises(RowError, match=r"prompts\.jsonl, row 2, key 'prompt': missing key"):
         run_generate(cfg)
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_max_model_len_without_room_for_the_longest_prompt_names_its_row_before_any_engine_starts(
+    tmp_path, model_dir, caplog
+):
+    # vLLM refused it mid-run without naming a row; the hf engine generated past it.
+    rows = [{"prompt": "copy: a"}, {"prompt": "copy: " + " ".join("abcdefgh" * 8)}]
+    path = write_jsonl(tmp_path / "prompts.jsonl", rows)
+
+    def config(max_model_len: int) -> GenerateConfig:
+        return parse_config(
+            GenerateConfig,
+            {
+                "model": {"path": str(model_dir)},
+                "data": {"prompts": [str(path)]},
+                "rollout": {"engine": "hf", "max_model_len": max_model_len},
+                "sampling": {"max_new_tokens": 8},
+                "output_path": str(tmp_path / "out.jsonl"),
+            },
+        )
+
+    with pytest.raises(ValueError, match=r"prompts\.jsonl, row 2: the prompt has \d+ tokens, which leaves no room"):
+        run_generate(config(32))
+    assert not (tmp_path / "out.jsonl").exists()
+    # Room for the prompt but not for all its new tokens: said once, before generating.
+    data = RLDataConfig(train=[{"path": str(path)}])
+    longest = max(len(p.token_ids) for p in load_prompts(data.train, data, load_tokenizer(str(model_dir))))
+    cfg = config(longest + 4)
+    with caplog.at_level("WARNING", logger="raylign"):
+        assert cfg.rollout.with_room_for(longest, 8, "prompts.jsonl, row 2") is cfg.rollout
+    assert f"the longest prompt ({longest} tokens, prompts.jsonl, row 2) plus 8 new tokens" in caplog.text

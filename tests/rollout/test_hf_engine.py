@@ -103,6 +103,25 @@ def test_bad_prompts_name_the_prompt(engine):
         asyncio.run(engine.generate_group([5], sampling, prompt_index=-3))
 
 
+def test_max_model_len_ends_a_response_where_vllm_ends_it_and_refuses_a_prompt_without_room(engine, tied_model_dir):
+    # It was ignored: responses ran to max_new_tokens past rollout.max_model_len, and a prompt longer than
+    # it generated, where the vLLM engine ends the sequence there and refuses the prompt.
+    bounded = HFEngine(str(tied_model_dir), RolloutConfig(engine="hf", dtype="float32", max_model_len=16))
+    sampling = {"n": 4, "temperature": 1.0, "max_new_tokens": 30, "seed": 5}
+    free = [c for c in generate(engine, [PROMPTS[0]], **sampling) if c.finish_reason == "length"]
+    cut = generate(bounded, [PROMPTS[0]], **sampling)
+    assert free, "a sample long enough to be cut"
+    for whole in free:  # the same stream, ended at 16 - 5 tokens
+        (short,) = [c for c in cut if c.sample_index == whole.sample_index]
+        assert short.response_token_ids == whole.response_token_ids[:11]
+        assert short.response_logprobs == pytest.approx(whole.response_logprobs[:11], abs=LOGPROB_TOL)
+        assert short.finish_reason == "length"
+    with pytest.raises(
+        ValueError, match=r"prompt 1: 16 tokens leave no room for a response within rollout.max_model_len \(16"
+    ):
+        generate(bounded, [[5], list(range(4, 20))])
+
+
 def test_in_process_weight_update_changes_logprobs_to_the_new_weights(tied_model_dir):
     engine = HFEngine(str(tied_model_dir), RolloutConfig(engine="hf", dtype="float32"))
     trainer = load_fp32(tied_model_dir)

@@ -141,9 +141,17 @@ def test_seeded_batch_larger_than_one_prefill_step_samples_and_repeats(ray_sessi
     assert [c.response_token_ids for c in first] == [c.response_token_ids for c in again]
 
 
-def test_bad_prompt_is_named(ray_session, tied_engine):
+def test_bad_prompt_is_named(ray_session, tied_engine, tokenizer):
     with pytest.raises(Exception, match="prompt 1: token ids"):
         generate(ray_session, tied_engine, [[5], [5, 10**6]], max_new_tokens=2)
+    # A prompt that fills max_model_len (512) is named before vLLM's own error, which named none.
+    with pytest.raises(Exception, match=r"prompt 1: 512 tokens leave no room for a response within rollout"):
+        generate(ray_session, tied_engine, [[5], [5] * 512], max_new_tokens=2)
+    # One with room for 4 tokens ends there, cut as by max_new_tokens.
+    (out,) = generate(ray_session, tied_engine, [[5] * 508], temperature=1.0, max_new_tokens=10, seed=1)
+    assert 1 <= len(out.response_token_ids) <= 4
+    ended_by_eos = out.response_token_ids[-1] == tokenizer.eos_token_id
+    assert out.finish_reason == ("stop" if ended_by_eos else "length")
 
 
 def _sync_and_check(ray, engine, model_dir, named_tensors_of):
