@@ -36,13 +36,17 @@ class GenerateModelConfig(Section):
     tokenizer_path: str | None = Field(None, description="Tokenizer folder; defaults to the model path.")
 
 
+# DatasetSpec keys that a prompt dataset does not read.
+UNUSED_BY_PROMPTS = ("weight", "output_key", "messages_key", "chosen_key", "rejected_key")
+
+
 class PromptDataConfig(Section):
     """The prompt datasets and how a row becomes the prompt the model sees."""
 
     prompts: list[DatasetSpec] = Field(
         ...,
         min_length=1,
-        description="Prompt datasets (paths or {path, input_key, label_key, max_samples, split} mappings). "
+        description="Prompt datasets (paths or {path, input_key, label_key, system_key, max_samples, split} mappings). "
         "input_key holds the prompt text or a chat conversation (a list of {role, content}); label_key the "
         "reference answer, copied to the output as 'label'.",
     )
@@ -66,6 +70,23 @@ class PromptDataConfig(Section):
     def _single_dataset_shorthand(cls, value: Any) -> Any:
         # `--data.prompts file.jsonl` on the command line gives one path, not a list.
         return [value] if isinstance(value, (str, dict)) else value
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompt_keys_only(cls, specs: list[DatasetSpec]) -> list[DatasetSpec]:
+        """The keys of training data (responses, pairs, mixing weights) would be accepted and ignored."""
+        for i, spec in enumerate(specs):
+            unused = [
+                key
+                for key in UNUSED_BY_PROMPTS
+                if key in spec.model_fields_set and getattr(spec, key) != DatasetSpec.model_fields[key].get_default()
+            ]
+            if unused:
+                raise ValueError(
+                    f"prompts.{i}: {', '.join(unused)} {'is' if len(unused) == 1 else 'are'} for training data; every "
+                    "prompt row is read once (its keys: input_key, label_key, system_key, max_samples, split)"
+                )
+        return specs
 
     @field_validator("prompt_template")
     @classmethod

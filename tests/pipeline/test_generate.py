@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raylign.config.base import parse_config
+from raylign.config.base import ConfigError, parse_config
 from raylign.config.pipeline import GenerateConfig
 from raylign.config.rl import RLDataConfig
 from raylign.data import RowError
@@ -168,3 +168,13 @@ def test_a_max_model_len_without_room_for_the_longest_prompt_names_its_row_befor
     with caplog.at_level("WARNING", logger="raylign"):
         assert cfg.rollout.with_room_for(longest, 8, "prompts.jsonl, row 2") is cfg.rollout
     assert f"the longest prompt ({longest} tokens, prompts.jsonl, row 2) plus 8 new tokens" in caplog.text
+
+
+def test_keys_of_training_data_are_refused_for_prompt_datasets(tmp_path, model_dir):
+    # A mixing weight was accepted and every row read once regardless.
+    base = {"model": {"path": str(model_dir)}, "output_path": str(tmp_path / "out.jsonl")}
+    spec = {"path": "p.jsonl", "weight": 5.0, "output_key": "answer"}
+    with pytest.raises(ConfigError, match=r"prompts\.0: weight, output_key are for training data"):
+        parse_config(GenerateConfig, {**base, "data": {"prompts": [spec]}})
+    spec = {"path": "p.jsonl", "system_key": "instructions", "max_samples": 3}
+    assert parse_config(GenerateConfig, {**base, "data": {"prompts": [spec]}}).data.prompts[0].max_samples == 3
