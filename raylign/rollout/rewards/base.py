@@ -17,6 +17,9 @@ from typing import Any
 # What a reward function receives by position; a prompt row's other fields come by keyword and must
 # not reuse these names.
 REWARD_ARGUMENTS = ("prompts", "responses", "labels")
+# A request header of raylign's HTTP source under reward.non_finite: drop: NaN and infinite rewards are
+# answered as they are (as JSON's NaN / Infinity extensions), not refused.
+KEEP_NON_FINITE_HEADER = "X-Raylign-Keep-Non-Finite"
 
 
 class RewardError(RuntimeError):

@@ -31,6 +31,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from raylign.rollout.rewards.base import (
+    KEEP_NON_FINITE_HEADER,
     RewardError,
     RewardResult,
     RewardSource,
@@ -251,7 +252,10 @@ class HttpRewardSource(RewardSource):
 
     async def _post(self, body: bytes) -> httpx.Response:
         async with asyncio.timeout(self.timeout_s):
-            return await self._client.post(self.url, content=body, headers={"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json"}
+            if self.keep_non_finite:  # reward.non_finite: drop; servers that do not know the header ignore it
+                headers[KEEP_NON_FINITE_HEADER] = "1"
+            return await self._client.post(self.url, content=body, headers=headers)
 
     def _post_once(self, body: bytes, expected: int) -> RewardResult:
         import httpx

@@ -6,7 +6,10 @@ the right ``Authorization: Bearer <key>`` (when a key is set), 413 for a body ov
 ``max_request_bytes``, 422 for a malformed request or a batch the scorer cannot score (it raised
 ValueError or RewardError, whose message, in ``detail``, names the sample and the cause: the same
 request would fail again), 500 for any other exception of the scorer, a fault of the server (its
-type and message in ``detail``). ``GET /health`` answers ``{"status": "ok"}``.
+type and message in ``detail``). ``GET /health`` answers ``{"status": "ok"}``. A request with the
+header ``X-Raylign-Keep-Non-Finite: 1`` (raylign's HTTP source under ``reward.non_finite: drop``)
+gets NaN and infinite rewards as they are, written as JSON's ``NaN`` / ``Infinity`` extensions, where
+other requests get a 422.
 
 Scoring calls run one at a time. When a shutdown runs past its grace period, the server cuts the
 requests still in flight (their clients get a 500 and may retry); those still waiting for their
@@ -17,15 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import threading
 from typing import Any
 
 import anyio.to_thread
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from raylign.rollout.rewards.base import RewardError, RewardResult, RewardSource
+from raylign.rollout.rewards.base import KEEP_NON_FINITE_HEADER, RewardError, RewardResult, RewardSource
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 # After a body passes the limit the rest is still read (and dropped), so the client gets the
@@ -80,11 +84,13 @@ class SerialScoring:
         self.lock = threading.Lock()
         self.requests_cut = 0  # requests whose answer was cancelled (a shutdown past its grace period)
 
-    def score(self, request: ScoreRequest, cut: threading.Event) -> RewardResult | None:
-        """The scorer's result, or None when the request was cut before its turn came."""
+    def score(self, request: ScoreRequest, cut: threading.Event, keep_non_finite: bool = False) -> RewardResult | None:
+        """The scorer's result (NaN and infinite values in it with ``keep_non_finite``, else refused),
+        or None when the request was cut before its turn came."""
         with self.lock:
             if cut.is_set():
                 return None
+            self.scorer.keep_non_finite = keep_non_finite
             return self.scorer.score(request.prompts, request.responses, request.labels, request.metadata)
 
     def close_scorer(self) -> None:
@@ -96,12 +102,12 @@ class SerialScoring:
             self.scorer.close()
 
 
-async def score_in_turn(scoring: SerialScoring, request: ScoreRequest) -> RewardResult:
+async def score_in_turn(scoring: SerialScoring, request: ScoreRequest, keep_non_finite: bool = False) -> RewardResult:
     """``scoring.score`` in a worker thread; when this request is cut, a call still waiting is skipped."""
     cut = threading.Event()
     try:
         # The thread is abandoned on cancellation: the cut client's answer must not wait for the scorer.
-        return await anyio.to_thread.run_sync(scoring.score, request, cut, abandon_on_cancel=True)
+        return await anyio.to_thread.run_sync(scoring.score, request, cut, keep_non_finite, abandon_on_cancel=True)
     except asyncio.CancelledError:
         cut.set()
         scoring.requests_cut += 1
@@ -131,14 +137,18 @@ def create_app(
                 headers={"WWW-Authenticate": "Bearer"},
             )
         parsed = parse_request(await read_body_limited(request, max_request_bytes))
+        keep_non_finite = request.headers.get(KEEP_NON_FINITE_HEADER) == "1"
         try:
-            result = await score_in_turn(scoring, parsed)
+            result = await score_in_turn(scoring, parsed, keep_non_finite)
         # ValueError: the batch is inconsistent (lengths, types) or a sample cannot be encoded;
         # RewardError: the scorer cannot score a sample (a non-finite score, a reward function that raises).
         except (ValueError, RewardError) as err:
             raise HTTPException(422, str(err)) from None
         except Exception as err:
             raise HTTPException(500, f"{type(err).__name__}: {err}") from None
-        return {"rewards": result.rewards, "metrics": result.metrics}
+        answer = {"rewards": result.rewards, "metrics": result.metrics}
+        if keep_non_finite:  # JSONResponse refuses NaN; json.dumps writes it as NaN / Infinity
+            return Response(json.dumps(answer), media_type="application/json")
+        return answer
 
     return app

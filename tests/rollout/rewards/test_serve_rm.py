@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import socket
 import textwrap
 
@@ -73,6 +74,24 @@ def test_a_sample_the_model_cannot_score_is_422_naming_it_and_the_client_does_no
         f"HTTP reward source {server.url} failed on 1 sample starting at sample 0 (prompt 'What is 2 + 2?'): "
         f"the server answered 422, which a retry would repeat: {cause}"
     )
+
+
+def test_under_non_finite_drop_the_client_gets_the_nan_to_drop_its_group(loopback_server, tiny_reward_model_dir):
+    # reward.non_finite: drop sets keep_non_finite on every source; the server still answered 422, so one
+    # NaN stopped the run where a local source's group would be dropped.
+    scorer = build_scorer(parse_config(ServeRMConfig, {"model_path": str(tiny_reward_model_dir), "normalize": False}))
+    healthy = scorer.score(["Say hello"], ["hello"]).rewards[0]
+    with torch.no_grad():
+        getattr(scorer.scorer.model, HEAD_NAME).weight.fill_(float("inf"))
+    with loopback_server(create_app(scorer)) as server:
+        source = HttpRewardSource(server.url, timeout_s=30)
+        source.keep_non_finite = True
+        result = source.score(["What is 2 + 2?"], ["4"])
+        assert len(result.rewards) == 1 and math.isnan(result.rewards[0])
+        source.keep_non_finite = False  # the next request, without the header: refused as before
+        with pytest.raises(RewardError, match="the server answered 422"):
+            source.score(["What is 2 + 2?"], ["4"])
+    assert math.isfinite(healthy)
 
 
 @pytest.mark.slow
