@@ -61,6 +61,10 @@ class ReferencedPair:
     def row(self) -> int:
         return self.pair.row
 
+    @property
+    def num_tokens(self) -> int:  # the tokens the policy trains on, for throughput
+        return self.pair.num_tokens
+
 
 def sequence_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Summed log-probs of the scored tokens of every sequence of a :func:`collate_pairs` batch, float32 ``[2B]``."""
