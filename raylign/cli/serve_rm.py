@@ -78,12 +78,7 @@ class ServeRMConfig(Section):
         if (self.model_path is None) == (self.reward_file is None):
             raise ValueError("set exactly one of model_path and reward_file")
         scorer, other = ("model_path", "reward_file") if self.model_path is not None else ("reward_file", "model_path")
-        # A dumped config lists every field, so only values other than the default count as set.
-        foreign = [
-            f
-            for f in SCORER_FIELDS[other]
-            if f in self.model_fields_set and getattr(self, f) != type(self).model_fields[f].get_default()
-        ]
+        foreign = self.set_away_from_default(SCORER_FIELDS[other])
         if foreign:
             raise ValueError(f"{', '.join(foreign)} {'is' if len(foreign) == 1 else 'are'} for {other}, not {scorer}")
         return self

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import types
+from collections.abc import Iterable
 from pathlib import Path, PurePath
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -29,6 +30,16 @@ class Section(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
+
+    def set_away_from_default(self, fields: Iterable[str]) -> list[str]:
+        """Those of ``fields`` given a value other than their default, in order. A dumped config lists
+        every field, so a field merely present at its default does not count as set."""
+        defaults = type(self).model_fields
+        return [
+            f
+            for f in fields
+            if f in self.model_fields_set and getattr(self, f) != defaults[f].get_default(call_default_factory=True)
+        ]
 
 
 def _path_part(part: str | int) -> str:

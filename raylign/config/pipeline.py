@@ -76,11 +76,7 @@ class PromptDataConfig(Section):
     def _prompt_keys_only(cls, specs: list[DatasetSpec]) -> list[DatasetSpec]:
         """The keys of training data (responses, pairs, mixing weights) would be accepted and ignored."""
         for i, spec in enumerate(specs):
-            unused = [
-                key
-                for key in UNUSED_BY_PROMPTS
-                if key in spec.model_fields_set and getattr(spec, key) != DatasetSpec.model_fields[key].get_default()
-            ]
+            unused = spec.set_away_from_default(UNUSED_BY_PROMPTS)
             if unused:
                 raise ValueError(
                     f"prompts.{i}: {', '.join(unused)} {'is' if len(unused) == 1 else 'are'} for training data; every "

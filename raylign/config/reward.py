@@ -150,12 +150,7 @@ class RewardSourceConfig(Section):
         if missing:
             raise ValueError(f"kind '{self.kind}' needs {', '.join(missing)}")
         allowed = set(COMMON_FIELDS) | set(KIND_FIELDS[self.kind])
-        # A dumped config lists every field, so only values other than the default count as set.
-        foreign = sorted(
-            f
-            for f in set(self.model_fields_set) - allowed
-            if getattr(self, f) != type(self).model_fields[f].get_default(call_default_factory=True)
-        )
+        foreign = sorted(self.set_away_from_default(set(self.model_fields_set) - allowed))
         if foreign:
             raise ValueError(
                 f"{', '.join(foreign)} not used by kind '{self.kind}' (its fields: "

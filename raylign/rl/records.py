@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from raylign.rl.experience import Sample
+from raylign.trainers.metrics import set_aside_lines
 
 
 def write_samples(path: Path, samples: list[Sample], step: int, count: int) -> None:
@@ -66,8 +67,6 @@ def set_aside_records_after(path: Path, step: int) -> int:
     them again (a line cut short by the kill goes too: it was written after the checkpoint). ``step``
     -1: every record, for a run that starts over where another one logged. ``path`` is replaced
     atomically; returns how many records moved."""
-    if not path.exists():
-        return 0
 
     def step_of(line: str) -> float:
         try:
@@ -75,16 +74,7 @@ def set_aside_records_after(path: Path, step: int) -> int:
         except (ValueError, KeyError, TypeError):
             return math.inf
 
-    lines = [line if line.endswith("\n") else line + "\n" for line in path.read_text().splitlines(keepends=True)]
-    kept = [line for line in lines if line.strip() and step_of(line) <= step]
-    moved = [line for line in lines if line.strip() and step_of(line) > step]
-    if len(kept) < len(lines):
-        with open(path.with_suffix(".superseded.jsonl"), "a") as superseded:
-            superseded.writelines(moved)
-        partial = path.with_suffix(".jsonl.partial")
-        partial.write_text("".join(kept))
-        partial.replace(path)
-    return len(moved)
+    return set_aside_lines(path, lambda line: step_of(line) > step)
 
 
 def seed_everything(seed: int) -> None:

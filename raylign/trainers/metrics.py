@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,31 +56,25 @@ class MetricsLogger:
         if not self.enabled:
             return 0
         self._jsonl.close()
-        kept, superseded = [], []
-        for line in self._jsonl_path.read_text().splitlines(keepends=True):
-            if line.strip():
-                later = _step_of(line) > step or (evaluates_again and _step_of(line) == step and _is_eval(line))
-                (superseded if later else kept).append(line if line.endswith("\n") else line + "\n")
-        if superseded:
-            with open(self.output_dir / "metrics.superseded.jsonl", "a") as f:
-                f.writelines(superseded)
-            partial = self._jsonl_path.with_suffix(".jsonl.partial")
-            partial.write_text("".join(kept))
-            partial.replace(self._jsonl_path)  # atomic: a kill here leaves one whole file or the other
+
+        def later(line: str) -> bool:
+            return _step_of(line) > step or (evaluates_again and _step_of(line) == step and _is_eval(line))
+
+        moved = set_aside_lines(self._jsonl_path, later)
         self._jsonl = open(self._jsonl_path, "a", buffering=1)  # noqa: SIM115 - open for the logger's life
         self._purge_step = step + 1
         if self._tb is not None:  # reopened on the next record, with the purge step
             self._tb.close()
             self._tb = None
-        if superseded:
+        if moved:
             what = "of an earlier run" if step < 0 else f"past step {step}, logged before the run stopped,"
             log.info(
                 "metrics: %d record(s) %s moved to %s",
-                len(superseded),
+                moved,
                 what,
                 self.output_dir / "metrics.superseded.jsonl",
             )
-        return len(superseded)
+        return moved
 
     def start_over(self) -> int:
         """The run starts at step 0 where another run logged (``train.resume: false``, or no
@@ -114,6 +109,26 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def set_aside_lines(path: Path, superseded: Callable[[str], bool]) -> int:
+    """Move the lines of the JSON-lines file ``path`` for which ``superseded`` holds to
+    ``<name>.superseded.jsonl`` beside it (appended), so that nothing logged is lost; ``path`` is
+    replaced atomically (a kill leaves one whole file or the other). Returns how many lines moved."""
+    if not path.exists():
+        return 0
+    lines = [line if line.endswith("\n") else line + "\n" for line in path.read_text().splitlines() if line.strip()]
+    kept: list[str] = []
+    moved: list[str] = []
+    for line in lines:
+        (moved if superseded(line) else kept).append(line)
+    if moved:
+        with open(path.with_suffix(".superseded.jsonl"), "a") as aside:
+            aside.writelines(moved)
+        partial = path.with_suffix(".jsonl.partial")
+        partial.write_text("".join(kept))
+        partial.replace(path)
+    return len(moved)
 
 
 def _step_of(line: str) -> float:
