@@ -1,11 +1,14 @@
 """Verifiable rewards that need no model: math answers, exact match, and a format regex.
 
 Each gives 1.0 or 0.0 per sample. A label that cannot be read (a math label math-verify cannot
-parse, a missing label) is an error naming the sample: it is a data problem, not a wrong answer.
+parse, a missing label) is an error naming the sample: it is a data problem, not a wrong answer. A
+float NaN label is missing too (how pandas and parquet files write an empty cell); read as text it
+would be the symbol ``nan``, which a response saying "nan" would match.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from typing import Any
@@ -14,6 +17,11 @@ from raylign.rollout.rewards.base import RewardError, RewardResult, RewardSource
 
 # "\boxed{" or "\fbox{"; LaTeX allows spaces before the brace ("\boxed {5}").
 _BOXED_OPENER = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def label_is_missing(label: Any) -> bool:
+    """None, or a float NaN (an empty cell of a pandas-written or parquet file)."""
+    return label is None or (isinstance(label, float) and math.isnan(label))
 
 
 def last_boxed_content(text: str) -> str | None:
@@ -105,7 +113,7 @@ class MathReward(RewardSource):
     def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         rewards, found = [], []
         for i, (response, label) in enumerate(zip(responses, labels)):
-            if label is None:
+            if label_is_missing(label):
                 raise RewardError(f"{self.description}: {describe_sample(prompts, i)} has no label to check against")
             try:
                 has_answer, correct = math_answer_is_correct(response, label)
@@ -136,7 +144,7 @@ class ExactMatchReward(RewardSource):
     def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         rewards = []
         for i, (response, label) in enumerate(zip(responses, labels)):
-            if label is None:
+            if label_is_missing(label):
                 raise RewardError(f"{self.description}: {describe_sample(prompts, i)} has no label to compare with")
             rewards.append(1.0 if self._normal(response) == self._normal(str(label)) else 0.0)
         return RewardResult(rewards=rewards)

@@ -102,6 +102,17 @@ def test_math_reward_unparseable_or_missing_label_names_the_sample():
         MathReward().score(["first"], ["\\boxed{1}"], [None])
 
 
+@pytest.mark.parametrize(
+    ("reward", "says_nan"), [(MathReward(), "\\boxed{NaN}"), (ExactMatchReward(case_sensitive=False), "NaN")]
+)
+def test_a_float_nan_label_is_missing_not_the_symbol_nan(reward, says_nan):
+    # An empty cell of a pandas-written file arrives as float NaN; read as text it is "nan", which
+    # math-verify parses as a symbol and a response saying "NaN" matched it for a reward of 1.0.
+    assert reward.score(["q"], [says_nan], ["NaN"]).rewards == [1.0]  # the text "NaN" is a real label
+    with pytest.raises(RewardError, match=r"sample 1 \(prompt 'second'\) has no label"):
+        reward.score(["first", "second"], ["3", says_nan], [3, float("nan")])
+
+
 def test_exact_match_normalises_whitespace():
     prompts = ["a", "b", "c", "d"]
     responses = ["  Paris \n", "New   York", "paris", "Pari s"]
