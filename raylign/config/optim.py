@@ -18,7 +18,14 @@ class OptimConfig(Section):
         "cosine", description="Decay after warmup: cosine or linear to min_lr_ratio * lr, or constant."
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup length in optimizer steps.")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
+    min_lr_ratio: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Where cosine or linear decay ends, as a fraction of lr. The decay reaches it at the step after "
+        "the last (as Hugging Face's schedules do), so the last step still trains a little above it: over 7 steps "
+        "with ratio 0.1 and no warm-up, cosine's last step uses 0.145 * lr.",
+    )
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables.")
     master_weights: bool = Field(
         True,

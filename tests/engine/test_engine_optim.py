@@ -97,3 +97,12 @@ def test_clip_grad_norm_leaves_small_gradients_and_zero_disables():
     assert clip_grad_norm([a], max_norm=0.0) == pytest.approx(3.0)
     torch.testing.assert_close(a.grad, torch.tensor([1.0, 2.0, 2.0]))
     assert math.isclose(clip_grad_norm([torch.nn.Parameter(torch.zeros(1))], 1.0), 0.0)
+
+
+def test_cosine_last_step_as_the_min_lr_ratio_description_says():
+    # min_lr_ratio's description quotes this figure: cosine over 7 steps, ratio 0.1, no warm-up.
+    cfg = OptimConfig(lr=1.0, warmup_steps=0, scheduler="cosine", min_lr_ratio=0.1)
+    last = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 6 / 7))
+    assert lr_multiplier(6, cfg, 7) == pytest.approx(last, rel=1e-12)
+    assert round(last, 3) == 0.145
+    assert "0.145 * lr" in OptimConfig.model_fields["min_lr_ratio"].description
