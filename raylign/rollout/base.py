@@ -44,7 +44,8 @@ class Completion:
     emitted an end-of-sequence token or a stop string, "length" when ``max_new_tokens``
     ran out. ``text`` is the decoded response without special tokens, ending right after
     the stop string that ended it, if any. ``weight_version`` counts the weight updates the
-    engine had applied when this completion started; ``token_versions[t]`` is the version of
+    engine had applied when this completion's first token was sampled (a request that waited out
+    an update in the engine's queue started under the new weights); ``token_versions[t]`` is the version of
     the weights that sampled ``response_token_ids[t]`` (later than ``weight_version`` for the
     tokens of a partial rollout sampled after an update that came mid-sequence).
     """

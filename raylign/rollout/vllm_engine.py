@@ -224,7 +224,8 @@ def completions_from_request_output(
     request_output: Any, prompt_index: int, prompt_ids: list[int], n: int, weight_version: int
 ) -> list[Completion]:
     """One Completion per sample; a single greedy output stands for all ``n`` (they would be identical).
-    ``weight_version`` is the engine's version when the request started."""
+    ``weight_version`` is the engine's version when the request was submitted; a sample's own is
+    that of its first token, later when the request waited out a weight update in vLLM's queue."""
     outputs = sorted(request_output.outputs, key=lambda o: o.index)
     if len(outputs) == 1 and n > 1:
         outputs = outputs * n
@@ -234,6 +235,7 @@ def completions_from_request_output(
             raise RuntimeError(
                 f"prompt {prompt_index}, sample {sample}: generation ended with {output.finish_reason!r}"
             )
+        versions = token_versions(output, weight_version)
         completions.append(
             Completion(
                 prompt_index=prompt_index,
@@ -243,8 +245,8 @@ def completions_from_request_output(
                 response_logprobs=_sampled_logprobs(output, prompt_index),
                 finish_reason=output.finish_reason,
                 text=output.text,
-                weight_version=weight_version,
-                token_versions=token_versions(output, weight_version),
+                weight_version=versions[0] if versions else weight_version,
+                token_versions=versions,
             )
         )
     return completions

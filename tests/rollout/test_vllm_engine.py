@@ -282,6 +282,24 @@ def test_colocated_update_hands_tensors_to_the_worker(ray_session, untied_engine
     assert_logprobs_match(after, trainer)
 
 
+def test_a_request_submitted_during_a_weight_update_reports_the_weights_that_generated_it(
+    ray_session, untied_engine, untied_model_dir
+):
+    # The actor starts the update first (same caller, in order); its pause is under way when the
+    # request arrives, so vLLM queues the request until the new weights are in: every token is the
+    # new version's, and so is the completion's weight_version (it was the version at submission).
+    trainer = load_fp32(untied_model_dir)
+    perturb_(trainer, seed=7)
+    before = ray_session.get(untied_engine.weight_version_now.remote())
+    updated = untied_engine.update_weights.remote([(n, t) for n, t in trainer.state_dict().items()])
+    pending = untied_engine.generate.remote([PROMPTS[0]], SamplingConfig(temperature=0.0, max_new_tokens=4))
+    ray_session.get(updated, timeout=120)
+    (completion,) = ray_session.get(pending, timeout=120)
+    assert completion.token_versions == [before + 1] * 4
+    assert completion.weight_version == before + 1
+    assert_logprobs_match([completion], trainer)
+
+
 def test_sleep_is_a_no_op_on_cpu(ray_session, untied_engine):
     ray_session.get(untied_engine.sleep.remote())
     ray_session.get(untied_engine.wake_up.remote())
