@@ -100,12 +100,21 @@ def tokenize_conversation(
     """Token ids of the rendered conversation and a mask that is 1 on assistant tokens."""
     if not tokenizer.chat_template:
         raise DataError(f"{where.source}: the tokenizer has no chat template; set data.format to 'plain'")
+    markers = has_generation_markers(tokenizer)
+    if not markers and messages[0]["role"] == "assistant":
+        # Its span would start after the rendering of no messages, which templates refuse to render.
+        raise where.error(
+            key,
+            "the conversation starts with an assistant message, and without {% generation %} markers in the "
+            "chat template an assistant turn is located after the conversation before it, of which there is "
+            "none; start with a system or user message, or use a template with generation markers",
+            "assistant_first",
+        )
     try:
-        if has_generation_markers(tokenizer):
-            encoded = _mask_from_generation_markers(tokenizer, messages)
-        else:
-            encoded = _mask_from_prefixes(tokenizer, messages)
-    except TemplateError as err:
+        encoded = (
+            _mask_from_generation_markers(tokenizer, messages) if markers else _mask_from_prefixes(tokenizer, messages)
+        )
+    except (TemplateError, ValueError) as err:  # transformers raises ValueError for some conversations it refuses
         raise where.error(key, f"the chat template rejected this conversation: {err}", "template_error") from None
     if encoded is None:
         # A row error, not a dataset error: the text of one row can cause it (a reply starting with a newline

@@ -99,6 +99,21 @@ def test_template_whose_prefixes_differ_is_reported_with_file_and_row(write_data
         build_sft_datasets(_config(path), _with_template(tokenizer, counting))
 
 
+def test_a_conversation_opening_with_the_assistant_is_a_row_error_without_generation_markers(write_dataset, tokenizer):
+    # The first turn's span would start after the rendering of no messages, which transformers
+    # refuses ("Cannot apply chat template to an empty conversation": a bare error naming no row).
+    plain = _with_template(tokenizer, CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    greeting = [{"role": "assistant", "content": "Hi!"}, *MULTI_TURN]
+    path = write_dataset([{"messages": MULTI_TURN}, {"messages": greeting}])
+    with pytest.raises(RowError, match=rf"{path}, row 2, key 'messages': the conversation starts with an assistant"):
+        build_sft_datasets(_config(path), plain)
+    data = build_sft_datasets(_config(path, skip_bad_rows=True), plain)
+    assert [s.row for s in data.train] == [1] and data.stats.skipped == {"assistant_first": 1}
+    # With generation markers the greeting is an assistant turn like the others.
+    (sample,) = build_sft_datasets(_config(write_dataset([{"messages": greeting}])), tokenizer).train
+    assert _target_spans(tokenizer, sample)[0] == "Hi!" + EOS
+
+
 def test_skip_bad_rows_skips_a_reply_whose_start_merges_with_the_assistant_header(
     write_dataset, newline_merging_tokenizer
 ):
