@@ -221,15 +221,34 @@ def _read_parquet(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tupl
 
 def _csv_column_names(path: Path) -> list[str]:
     # The header only: pyarrow's own schema sniffing would already parse (and fail on) the first rows.
+    # Lines are decoded one at a time, so a byte that is not UTF-8 further down is its row's problem.
     try:
-        with path.open(encoding="utf-8-sig", newline="") as handle:
-            return next(csv.reader(handle), [])
+        with path.open("rb") as handle:
+            lines = (line.decode("utf-8-sig" if number == 0 else "utf-8") for number, line in enumerate(handle))
+            names = next(csv.reader(lines), [])
     except (csv.Error, UnicodeDecodeError) as err:
         raise DataError(f"{path}: cannot read the CSV header: {err}") from None
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        # pyarrow would keep one of them and drop the other's values without a word.
+        raise DataError(f"{path}: the CSV header names column(s) {', '.join(map(repr, repeated))} more than once")
+    return names
+
+
+def _decoded_cells(row: dict[str, bytes | None]) -> dict[str, str | None] | str:
+    """The row's cells as text, or where its first byte that is not UTF-8 lies."""
+    decoded = {}
+    for name, cell in row.items():
+        try:
+            decoded[name] = None if cell is None else cell.decode("utf-8")
+        except UnicodeDecodeError as err:
+            return f"byte 0x{cell[err.start]:02x} at byte offset {err.start} of column {name!r}"
+    return decoded
 
 
 def _read_csv(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[int, Row]]:
-    # CSV cells carry no types: read every column as text, so a prompt "42" stays a string.
+    # CSV cells carry no types: every column is text, so a prompt "42" stays a string. They are read as
+    # bytes and decoded row by row, so that a byte that is not UTF-8 is its own row's error (skippable).
     names = _csv_column_names(path)
     bad_rows: list[Any] = []
 
@@ -248,7 +267,7 @@ def _read_csv(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[in
             # Single-threaded parsing is what lets pyarrow report the number of a bad row.
             read_options=pa_csv.ReadOptions(use_threads=False),
             parse_options=pa_csv.ParseOptions(newlines_in_values=True, invalid_row_handler=handle_invalid_row),
-            convert_options=pa_csv.ConvertOptions(column_types={name: pa.string() for name in names}),
+            convert_options=pa_csv.ConvertOptions(column_types={name: pa.binary() for name in names}),
         )
     except (pa.ArrowException, OSError) as err:
         where = ""
@@ -261,7 +280,11 @@ def _read_csv(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[in
     for _, row in _rows_of_batches(iter(table.to_batches())):
         while number in skipped:
             number += 1
-        yield number, row
+        decoded = _decoded_cells(row)
+        if isinstance(decoded, str):
+            _reject(_not_utf8(RowRef(str(path), number), decoded), on_bad_row)
+        else:
+            yield number, decoded
         number += 1
 
 

@@ -151,6 +151,30 @@ def test_csv_row_with_too_many_cells_names_the_file_and_row(tmp_path):
     assert str(info.value).startswith(f"{path}, row 2: unreadable CSV")
 
 
+def test_csv_row_that_is_not_utf8_is_its_own_bad_row_and_the_others_are_read(tmp_path):
+    # Far enough down that the header's read never sees it (it blamed the header), and a bad row of
+    # its own (it stopped the whole file, so skip_bad_rows could not skip it).
+    path = tmp_path / "latin1.csv"
+    rows = [f"q{i},a{i}".encode() for i in range(1, 3001)]
+    rows[2000] = "café,ok".encode("latin-1")
+    path.write_bytes(b"prompt,completion\n" + b"\n".join(rows) + b"\n")
+    with pytest.raises(RowError) as info:
+        list(read_rows(path))
+    assert str(info.value) == f"{path}, row 2001: not UTF-8 text: byte 0xe9 at byte offset 3 of column 'prompt'"
+    rejected = []
+    read = list(read_rows(path, on_bad_row=rejected.append))
+    assert [(e.row, e.reason) for e in rejected] == [(2001, "not_utf8")]
+    assert len(read) == 2999 and read[2000] == (2002, {"prompt": "q2002", "completion": "a2002"})
+
+
+def test_csv_header_naming_a_column_twice_is_refused(tmp_path):
+    # pyarrow keeps one of the two columns: the prompt would silently be the second one's text.
+    path = tmp_path / "twice.csv"
+    path.write_text("prompt,completion,prompt\nWhat is 2+2?,4,IGNORE\n")
+    with pytest.raises(DataError, match=r"twice\.csv: the CSV header names column\(s\) 'prompt' more than once"):
+        list(read_rows(path))
+
+
 def test_unknown_extension_lists_the_supported_ones(tmp_path):
     path = tmp_path / "data.txt"
     path.write_text("hello")
