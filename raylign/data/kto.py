@@ -22,7 +22,15 @@ from transformers import PreTrainedTokenizerBase
 from raylign.config.data import DataConfig, DatasetSpec
 from raylign.data.collate import collate_packed, collate_padded
 from raylign.data.errors import DataError, RowRef
-from raylign.data.rows import DataStats, build_splits, collect_samples, optional_text, require_key, require_text
+from raylign.data.rows import (
+    DataStats,
+    build_splits,
+    collect_samples,
+    optional_text,
+    read_from_csv,
+    require_key,
+    require_text,
+)
 from raylign.data.sft import Sample, make_sft_sample
 
 
@@ -65,10 +73,13 @@ class KTOData:
 
 
 def require_bool(row: dict[str, Any], key: str, where: RowRef) -> bool:
-    """The boolean under ``key`` (JSON true/false); anything else, 0/1 and 'true' included, is an error."""
+    """The boolean under ``key`` (JSON true/false); anything else, 0/1 and 'true' included, is an error,
+    except in a CSV file, whose cells are all text: there the cell reads true or false (any case)."""
     value = require_key(row, key, where)
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
+    if read_from_csv(where) and isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
     raise where.error(
         key,
         f"expected a boolean (true = desirable, false = undesirable), got {type(value).__name__}: {value!r:.40}",

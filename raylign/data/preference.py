@@ -22,6 +22,7 @@ A pair whose responses tokenise identically, a missing key, or an empty text is 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,15 @@ from raylign.data.chat import Message, tokenize_conversation, validate_messages
 from raylign.data.collate import collate_packed, collate_padded
 from raylign.data.errors import DataError, RowRef
 from raylign.data.formatting import encode_plain
-from raylign.data.rows import DataStats, build_splits, check_text, collect_samples, optional_text, require_key
+from raylign.data.rows import (
+    DataStats,
+    build_splits,
+    check_text,
+    collect_samples,
+    optional_text,
+    read_from_csv,
+    require_key,
+)
 
 REPLY_ROLES = ("assistant", "tool")
 
@@ -224,6 +233,9 @@ def _plain_pair(
 
 def _read_margin(row: dict[str, Any], key: str, where: RowRef) -> float:
     value = require_key(row, key, where)
+    if read_from_csv(where) and isinstance(value, str):  # CSV cells are all text
+        with contextlib.suppress(ValueError):
+            value = float(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
             number = float(value)

@@ -27,10 +27,17 @@ def _type_name(value: Any) -> str:
 
 
 def require_key(row: dict[str, Any], key: str, where: RowRef) -> Any:
-    if key not in row or row[key] is None:
+    if key not in row:
         present = ", ".join(repr(k) for k in row) or "none"
         raise where.error(key, f"missing key (keys present: {present})", "missing_key")
+    if row[key] is None:  # JSON null, an empty cell of a parquet file
+        raise where.error(key, "null value", "null_value")
     return row[key]
+
+
+def read_from_csv(where: RowRef) -> bool:
+    """Whether the row comes from a CSV file, whose cells are all text (no booleans or numbers)."""
+    return where.source.lower().endswith(".csv")
 
 
 def check_text(value: Any, key: str, where: RowRef) -> str:

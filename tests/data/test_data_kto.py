@@ -59,6 +59,16 @@ def test_a_non_boolean_label_names_the_row_and_key(write_dataset, tokenizer, lab
     assert f"{path}, row 2, key 'label': expected a boolean" in str(err.value)
 
 
+def test_a_csv_file_gives_its_labels_as_the_text_true_or_false(write_dataset, tokenizer):
+    # CSV cells are all text: the same rows as in JSONL, written by pyarrow (true/false cells), load
+    # alike; other text is still refused, naming the row.
+    data = build_kto_datasets(_config(write_dataset(ROWS, fmt="csv")), tokenizer)
+    assert [s.desirable for s in data.train] == [True, False, True]
+    path = write_dataset([{"prompt": "p", "completion": "c", "label": "yes"}], fmt="csv", name="yes")
+    with pytest.raises(RowError, match=r"yes\.csv, row 1, key 'label': expected a boolean"):
+        build_kto_datasets(_config(path), tokenizer)
+
+
 @pytest.mark.parametrize("missing", ["prompt", "completion", "label"])
 def test_a_missing_key_is_named(write_dataset, tokenizer, missing):
     path = write_dataset([{k: v for k, v in ROWS[0].items() if k != missing}])

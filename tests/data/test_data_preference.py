@@ -166,12 +166,22 @@ def test_conversation_in_plain_format_points_to_chat_format(write_dataset, token
 
 @pytest.mark.parametrize(
     "margin, problem",
-    [(None, "missing key"), ("big", "expected a finite number"), (float("nan"), "expected a finite number")],
+    [(None, "null value"), ("big", "expected a finite number"), (float("nan"), "expected a finite number")],
 )
 def test_margin_must_be_a_number_on_every_row(write_dataset, tokenizer, margin, problem):
     path = write_dataset([{**GOOD, "margin": 1.5}, {**GOOD, "margin": margin}])
     with pytest.raises(RowError, match=rf"row 2, key 'margin': {problem}"):
         build_pair_datasets(_config(path), tokenizer, margin_key="margin")
+
+
+def test_a_csv_file_gives_its_margins_as_text(write_dataset, tokenizer):
+    # CSV cells are all text: "1.5" is the number 1.5 there (in JSON it would be a string, refused).
+    path = write_dataset([{**GOOD, "margin": 1.5}, {**GOOD, "margin": -2}], fmt="csv")
+    data = build_pair_datasets(_config(path), tokenizer, margin_key="margin")
+    assert [s.margin for s in data.train] == [1.5, -2.0]
+    bad = write_dataset([{**GOOD, "margin": "big"}], fmt="csv", name="big")
+    with pytest.raises(RowError, match=r"big\.csv, row 1, key 'margin': expected a finite number"):
+        build_pair_datasets(_config(bad), tokenizer, margin_key="margin")
 
 
 def test_skip_bad_rows_keeps_the_good_pairs_and_counts_each_reason(write_dataset, tokenizer):
