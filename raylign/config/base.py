@@ -14,7 +14,7 @@ from pathlib import Path, PurePath
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 T = TypeVar("T", bound="Section")
 
@@ -30,6 +30,21 @@ class Section(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keep_a_default_sections_own_values(cls, data: Any) -> Any:
+        """A section whose default sets some of its fields (RL's ``optim``, ``lr=1e-6``) keeps them when a
+        file or the command line gives only its other fields: they are merged under what is given."""
+        if not isinstance(data, dict):
+            return data
+        for name, field in cls.model_fields.items():
+            if field.default_factory is None or not isinstance(data.get(name), dict):
+                continue
+            default = field.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel) and default.model_fields_set:
+                data = {**data, name: deep_merge(default.model_dump(exclude_unset=True), data[name])}
+        return data
 
     def set_away_from_default(self, fields: Iterable[str]) -> list[str]:
         """Those of ``fields`` given a value other than their default, in order. A dumped config lists
@@ -368,15 +383,22 @@ def _list_item_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(dotted name, type, default, description) for every leaf field, for --help."""
+def describe_fields(
+    cls: type[BaseModel], prefix: str = "", defaults: BaseModel | None = None
+) -> list[tuple[str, str, str, str]]:
+    """(dotted name, type, default, description) for every leaf field, for --help. ``defaults``: the
+    section's default value where its parent's default sets some of its fields (RL's ``optim.lr``)."""
     rows: list[tuple[str, str, str, str]] = []
     for name, field in cls.model_fields.items():
         dotted = f"{prefix}{name}"
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             rows.append((dotted, "section", "", field.description or ""))
-            rows.extend(describe_fields(annotation, dotted + "."))
+            if defaults is not None:
+                section_default = getattr(defaults, name)
+            else:
+                section_default = None if field.is_required() else field.get_default(call_default_factory=True)
+            rows.extend(describe_fields(annotation, dotted + ".", section_default))
             continue
         optional = _section_model(annotation)
         if optional is not None:  # a section that may be left out (None), e.g. rl's reward or reference
@@ -389,7 +411,9 @@ def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, s
             rows.extend(describe_fields(item, dotted + "[]."))
             continue
         type_text = _type_text(annotation, field.json_schema_extra)
-        if field.is_required():
+        if defaults is not None and not field.is_required():
+            default = repr(getattr(defaults, name))
+        elif field.is_required():
             default = "(required)"
         elif field.default_factory is not None:
             default = repr(field.get_default(call_default_factory=True))

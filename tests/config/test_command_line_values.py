@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from raylign.cli.main import main
-from raylign.config.base import ConfigError, load_yaml, overrides_from_argv, resolve_config
+from raylign.config.base import ConfigError, describe_fields, load_yaml, overrides_from_argv, resolve_config
 from raylign.config.commands import SFTConfig
+from raylign.config.pipeline import GenerateConfig
 from raylign.config.rl import RLConfig
 
 MINIMAL = {"model": {"path": "/models/tiny"}, "data": {"train": [{"path": "train.jsonl"}]}}
@@ -167,3 +168,33 @@ def test_config_file_with_a_field_given_twice_in_a_section_is_refused(tmp_path):
 def test_config_file_key_written_beside_a_yaml_merge_overrides_the_merged_value(tmp_path):
     path = write_text(tmp_path, "base: &base {lr: 0.1, warmup_steps: 3}\noptim:\n  <<: *base\n  lr: 0.2\n")
     assert load_yaml(path)["optim"] == {"lr": 0.2, "warmup_steps": 3}
+
+
+# ---------------------------------------------------------------- a default section's own values
+
+
+def test_a_section_given_in_part_keeps_what_its_default_sets(tmp_path):
+    # RL's policy optimizer defaults to lr 1e-6 (the section's own default is 1e-5), its critic's to
+    # 5e-6, its sampling to n 4: setting another field of the section, on the command line or in a
+    # file, used to build the section from the class's defaults (lr 1e-5: ten times the policy's).
+    argv = ["--optim.weight_decay", "0.1", "--critic.optim.weight_decay", "0.2", "--sampling.temperature", "0.7"]
+    cfg = resolve_argv(argv, base=MINIMAL_RL, cls=RLConfig)
+    assert (cfg.optim.lr, cfg.optim.weight_decay) == (1e-6, 0.1)
+    assert (cfg.critic.optim.lr, cfg.critic.optim.weight_decay) == (5e-6, 0.2)
+    assert (cfg.sampling.n, cfg.sampling.temperature) == (4, 0.7)
+    in_file = write_yaml(tmp_path, {**MINIMAL_RL, "optim": {"warmup_steps": 3}})
+    assert resolve_config(RLConfig, in_file).optim.lr == 1e-6
+    # What is given still wins, and a preset's value beats the section's default (ppo samples once).
+    assert resolve_argv(["--optim.lr", "3e-4"], base=MINIMAL_RL, cls=RLConfig).optim.lr == 3e-4
+    ppo = resolve_argv(["--preset", "ppo", "--sampling.temperature", "0.7"], base=MINIMAL_RL, cls=RLConfig)
+    assert (ppo.sampling.n, ppo.sampling.temperature) == (1, 0.7)
+    generate = {"model": {"path": "/models/tiny"}, "data": {"prompts": ["p.jsonl"]}}
+    sampled = resolve_argv(["--sampling.temperature", "0.7"], base=generate, cls=GenerateConfig)
+    assert (sampled.sampling.n, sampled.sampling.temperature) == (4, 0.7)
+
+
+def test_help_lists_the_defaults_a_run_uses():
+    rows = {name: default for name, _, default, _ in describe_fields(RLConfig)}
+    assert (rows["optim.lr"], rows["critic.optim.lr"], rows["sampling.n"]) == ("1e-06", "5e-06", "4")
+    assert rows["optim.weight_decay"] == "0.0"
+    assert {name: default for name, _, default, _ in describe_fields(GenerateConfig)}["sampling.n"] == "4"
