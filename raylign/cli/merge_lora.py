@@ -37,6 +37,9 @@ def adapter_base(adapter: Path, given: str | None) -> str:
     config_file = adapter / "adapter_config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file}: no such file; adapter must be a PEFT adapter folder")
+    weights = [adapter / name for name in ("adapter_model.safetensors", "adapter_model.bin")]
+    if not any(w.is_file() for w in weights):  # else PEFT looks for them on the hub and says only that
+        raise FileNotFoundError(f"{weights[0]}: no such file (nor {weights[1].name}); the adapter has no weights")
     if given is not None:
         return given
     base = json.loads(config_file.read_text()).get("base_model_name_or_path")
@@ -69,11 +72,15 @@ def run_merge_lora(cfg: MergeLoraConfig) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
+    from raylign.engine.checkpoint import check_writable
     from raylign.engine.export import merge_adapter_folder
     from raylign.models import resolve_model_path
 
     adapter = Path(cfg.adapter)
     base_path = resolve_model_path(adapter_base(adapter, cfg.base))
+    if Path(cfg.output_dir).is_file():
+        raise NotADirectoryError(f"output_dir '{cfg.output_dir}' is a file, not a folder")
+    check_writable(cfg.output_dir, "output_dir")  # before minutes of loading and merging
     dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     labels = score_head_outputs(adapter)

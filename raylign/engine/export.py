@@ -261,7 +261,13 @@ def merge_adapter_folder(
     if config is not None:
         kwargs["config"] = config
     model = (model_class or AutoModelForCausalLM).from_pretrained(base, **kwargs)
-    adapted = PeftModel.from_pretrained(model, str(adapter))
+    try:
+        adapted = PeftModel.from_pretrained(model, str(adapter))
+    except RuntimeError as err:  # torch's load_state_dict: tensors of other shapes than the base's
+        if "size mismatch" not in str(err):
+            raise
+        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
+        raise ValueError(f"the adapter {adapter} does not fit the base model {base}: {first}") from None
     check_tied_head_unadapted(adapted, f"the target_modules of {Path(adapter) / 'adapter_config.json'}")
     return adapted.merge_and_unload()
 

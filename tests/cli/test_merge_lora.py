@@ -64,6 +64,10 @@ def test_merge_lora_names_what_is_missing(tied_model_dir, tmp_path):
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "peft_type": "LORA"}))
+    # Without its weights PEFT would look for them on the hub and say only that it could not reach it.
+    with pytest.raises(FileNotFoundError, match=r"adapter/adapter_model.safetensors: no such file \(nor adapter_model"):
+        run_merge_lora(MergeLoraConfig(adapter=str(adapter), output_dir=str(tmp_path / "out")))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")  # read only after the checks below
     with pytest.raises(ValueError, match="names no base_model_name_or_path; give the base model with --base"):
         run_merge_lora(MergeLoraConfig(adapter=str(adapter), output_dir=str(tmp_path / "out")))
     with pytest.raises(FileNotFoundError, match="missing-base"):
@@ -71,6 +75,27 @@ def test_merge_lora_names_what_is_missing(tied_model_dir, tmp_path):
             MergeLoraConfig(adapter=str(adapter), base=str(tmp_path / "missing-base"), output_dir=str(tmp_path / "o"))
         )
     assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()
+
+
+def test_merge_lora_refuses_an_output_path_it_cannot_write_and_a_base_the_adapter_does_not_fit(
+    tied_model_dir, tmp_path
+):
+    from raylign.models.tiny import build_tiny_model
+
+    adapter = tmp_path / "adapter"
+    trained_lora(tied_model_dir).save_pretrained(adapter)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    # The merge went ahead, transformers only logged that it wrote nothing, and the command said "written".
+    with pytest.raises(NotADirectoryError, match="output_dir '.*a_file' is a file, not a folder"):
+        run_merge_lora(MergeLoraConfig(adapter=str(adapter), base=str(tied_model_dir), output_dir=str(a_file)))
+    assert a_file.read_text() == ""
+    narrower = build_tiny_model(tmp_path / "narrower", hidden_size=32, num_layers=2, seed=1)
+    # It was torch's whole load_state_dict traceback.
+    with pytest.raises(
+        ValueError, match=r"the adapter .*adapter does not fit the base model .*narrower: size mismatch"
+    ):
+        run_merge_lora(MergeLoraConfig(adapter=str(adapter), base=str(narrower), output_dir=str(tmp_path / "out")))
 
 
 def embedding_adapter(model_dir, folder):
