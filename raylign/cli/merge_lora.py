@@ -78,18 +78,24 @@ def run_merge_lora(cfg: MergeLoraConfig) -> str:
 
     adapter = Path(cfg.adapter)
     base_path = resolve_model_path(adapter_base(adapter, cfg.base))
-    if Path(cfg.output_dir).is_file():
-        raise NotADirectoryError(f"output_dir '{cfg.output_dir}' is a file, not a folder")
-    check_writable(cfg.output_dir, "output_dir")  # before minutes of loading and merging
-    dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(base_path)
-    labels = score_head_outputs(adapter)
-    if labels is None:
-        merged = merge_adapter_folder(adapter, base_path, dtype=dtype)
-    else:  # a reward model: its head comes from the adapter, and padded batches need the pad id in the config
-        config = AutoConfig.from_pretrained(base_path, num_labels=labels, pad_token_id=tokenizer.pad_token_id)
-        merged = merge_adapter_folder(adapter, base_path, AutoModelForSequenceClassification, config, dtype)
     output = Path(cfg.output_dir)
+    if output.is_file():
+        raise NotADirectoryError(f"output_dir '{output}' is a file, not a folder")
+    created = not output.exists()
+    check_writable(output, "output_dir")  # before minutes of loading and merging
+    try:
+        dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+        tokenizer = AutoTokenizer.from_pretrained(base_path)
+        labels = score_head_outputs(adapter)
+        if labels is None:
+            merged = merge_adapter_folder(adapter, base_path, dtype=dtype)
+        else:  # a reward model: its head comes from the adapter, and padded batches need the pad id in the config
+            config = AutoConfig.from_pretrained(base_path, num_labels=labels, pad_token_id=tokenizer.pad_token_id)
+            merged = merge_adapter_folder(adapter, base_path, AutoModelForSequenceClassification, config, dtype)
+    except BaseException:
+        if created:  # the check made it; a refused merge leaves nothing behind
+            output.rmdir()
+        raise
     merged.save_pretrained(output)
     tokenizer.save_pretrained(output)
     log.info("merged the adapter %s into %s: written to %s", adapter, base_path, output)

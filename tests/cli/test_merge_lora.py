@@ -96,6 +96,7 @@ def test_merge_lora_refuses_an_output_path_it_cannot_write_and_a_base_the_adapte
         ValueError, match=r"the adapter .*adapter does not fit the base model .*narrower: size mismatch"
     ):
         run_merge_lora(MergeLoraConfig(adapter=str(adapter), base=str(narrower), output_dir=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()  # made to check it can be written, removed with the refusal
 
 
 def embedding_adapter(model_dir, folder):
