@@ -8,6 +8,7 @@ field and what it allows, before any work starts.
 from __future__ import annotations
 
 import copy
+import re
 import types
 from collections.abc import Iterable
 from pathlib import Path, PurePath
@@ -124,6 +125,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             first_line[key] = line
 
 
+# YAML 1.1 (PyYAML) reads a number in exponent form without a dot, 1e-5 or 1e3, as text; YAML 1.2 and
+# the command line (_parse_scalar) read a number. The file reads it as the command line does.
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -147,17 +155,10 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def _parse_scalar(text: str) -> Any:
     """Read a command-line value the way YAML would ('1e-5' -> float, 'true' -> bool, '[a, b]' -> list)."""
-    try:
-        value = yaml.safe_load(text)
-    except (yaml.YAMLError, ValueError, RecursionError):  # not YAML, or a value YAML cannot build: plain text
+    try:  # the file's reading (1e-5 a number, as in YAML 1.2); quoted, '1e-5' stays text
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except (yaml.YAMLError, ValueError, RecursionError, _DuplicateKeyError):  # not YAML, or not buildable: text
         return text
-    if isinstance(value, str):
-        # YAML 1.1 reads '1e-5' as a string; users mean a number.
-        try:
-            return float(value) if any(c in value for c in ".eE") else int(value)
-        except ValueError:
-            return value
-    return value
 
 
 def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
