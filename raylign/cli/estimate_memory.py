@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from raylign.config.base import Section
+from raylign.config.engine import EngineConfig
 from raylign.engine.memory import (
     KNOWN_SHAPES,
     Layout,
@@ -63,6 +64,27 @@ class EstimateMemoryConfig(Section):
         description="Print instead the documentation's table: the sizes 0.5b-32b (bf16, 4096-token micro-batches) "
         "under six layouts.",
     )
+
+    @model_validator(mode="after")
+    def _a_layout_training_accepts(self) -> EstimateMemoryConfig:
+        """The layout checks of a training run's config (the error names engine's field), so that no
+        figure is printed for a layout training would refuse."""
+        EngineConfig(
+            backend=self.backend,
+            zero_stage=self.zero_stage,
+            num_processes=self.num_processes,
+            tensor_parallel_size=self.tensor_parallel_size,
+            sequence_parallel_size=self.sequence_parallel_size,
+            offload_params=self.offload_params,
+            offload_optimizer=self.offload_optimizer,
+        )
+        if self.backend == "deepspeed" and self.offload_params and self.zero_stage != 3:
+            raise ValueError(f"offload_params needs zero_stage 3 with deepspeed (got {self.zero_stage})")
+        if not self.master_weights and self.backend == "deepspeed":
+            raise ValueError(
+                "master_weights: false needs backend 'local' or 'fsdp2' (DeepSpeed's bf16 mode keeps them)"
+            )
+        return self
 
 
 def model_shape(name: str) -> ModelShape:

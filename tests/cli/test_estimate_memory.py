@@ -30,3 +30,19 @@ def test_deepspeed_optimizer_offload_leaves_the_bf16_weights_and_gradients_on_th
     assert offloaded["weights"] == kept["weights"] == QWEN25_7B_PARAMETERS * 2
     assert offloaded["gradients"] == kept["gradients"] == QWEN25_7B_PARAMETERS * 2 / 8
     assert offloaded["total"] == pytest.approx(kept["total"] - QWEN25_7B_PARAMETERS * (8 + 8) / 8)
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"backend": "local", "num_processes": 2, "tensor_parallel_size": 2}, "needs engine.backend 'fsdp2' or"),
+        ({"backend": "local", "num_processes": 8}, "engine.num_processes 8 needs engine.backend"),
+        ({"backend": "deepspeed", "zero_stage": 2, "offload_params": True}, "offload_params needs zero_stage 3"),
+        ({"backend": "deepspeed", "master_weights": False}, "master_weights: false needs backend 'local' or"),
+    ],
+)
+def test_a_layout_training_refuses_gets_no_estimate(fields, error):
+    # Each printed figures (the local TP run's weights halved, ZeRO-2's weights offloaded) for a layout
+    # whose training run stops at its config.
+    with pytest.raises(ValueError, match=error):
+        EstimateMemoryConfig(model="0.5b", **fields)
