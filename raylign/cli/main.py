@@ -187,7 +187,7 @@ def command_help(name: str) -> str:
 
 
 def _split_args(argv: list[str]) -> tuple[str | None, bool, bool, list[str]]:
-    config_path, print_config, want_help, rest = None, False, False, []
+    config_paths, print_config, want_help, rest = [], False, False, []
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -198,14 +198,19 @@ def _split_args(argv: list[str]) -> tuple[str | None, bool, bool, list[str]]:
         elif arg == "--config":
             if i + 1 >= len(argv):
                 raise ConfigError("--config needs a file path")
-            config_path = argv[i + 1]
+            config_paths.append(argv[i + 1])
             i += 1
         elif arg.startswith("--config="):
-            config_path = arg.split("=", 1)[1]
+            config_paths.append(arg.split("=", 1)[1])
         else:
             rest.append(arg)
         i += 1
-    return config_path, print_config, want_help, rest
+    if len(config_paths) > 1:  # the last one won, and the others were dropped without a word
+        raise ConfigError(
+            f"--config is given {len(config_paths)} times ({', '.join(config_paths)}); give one file, and the "
+            "fields that differ as --section.field VALUE"
+        )
+    return (config_paths[0] if config_paths else None), print_config, want_help, rest
 
 
 def setup_logging() -> None:

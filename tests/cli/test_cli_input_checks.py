@@ -138,3 +138,12 @@ def test_several_processes_on_the_local_backend_are_refused_before_any_start():
     with pytest.raises(ConfigError, match="engine.num_processes 2 needs engine.backend 'fsdp2' or 'deepspeed'"):
         parse_config(EngineConfig, {"backend": "local", "num_processes": 2})
     assert parse_config(EngineConfig, {"backend": "fsdp2", "num_processes": 2}).num_processes == 2
+
+
+def test_a_second_config_file_is_refused_not_dropped(tmp_path, capsys):
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("model: {path: /m}\ndata: {train: [t.jsonl]}\noptim: {lr: 0.5}\n")
+    second.write_text("model: {path: /m}\ndata: {train: [t.jsonl]}\n")
+    # The last file won: lr 0.5 of the first was gone with nothing said.
+    assert main(["sft", "--config", str(first), f"--config={second}", "--print-config"]) == 2
+    assert f"--config is given 2 times ({first}, {second}); give one file" in capsys.readouterr().err
