@@ -15,7 +15,7 @@ from pathlib import Path, PurePath
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 T = TypeVar("T", bound="Section")
 
@@ -31,6 +31,16 @@ class Section(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """true/false where a number belongs is refused: pydantic would read them as 1 and 0
+        (``--model.lora.rank true`` trained rank 1)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _takes_a_number_not_a_bool(field.annotation):
+            raise ValueError("expected a number, not a boolean")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -56,6 +66,23 @@ class Section(BaseModel):
             for f in fields
             if f in self.model_fields_set and getattr(self, f) != defaults[f].get_default(call_default_factory=True)
         ]
+
+
+def _takes_a_number_not_a_bool(annotation: Any) -> bool:
+    """Whether a field of this type takes an int or float (a Literal of numbers too) and no bool."""
+    options = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    numbers = bools = False
+    for option in options:
+        if get_origin(option) is Literal:
+            values = get_args(option)
+            bools = bools or any(isinstance(v, bool) for v in values)
+            numbers = numbers or any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        elif get_origin(option) is Annotated:
+            numbers = numbers or _takes_a_number_not_a_bool(get_args(option)[0])
+        else:
+            bools = bools or option is bool
+            numbers = numbers or option in (int, float)
+    return numbers and not bools
 
 
 def _path_part(part: str | int) -> str:

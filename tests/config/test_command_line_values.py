@@ -10,7 +10,15 @@ import pytest
 import yaml
 
 from raylign.cli.main import main
-from raylign.config.base import ConfigError, describe_fields, load_yaml, overrides_from_argv, resolve_config
+from raylign.config.base import (
+    ConfigError,
+    describe_fields,
+    load_yaml,
+    overrides_from_argv,
+    parse_config,
+    resolve_config,
+    set_dotted,
+)
 from raylign.config.commands import SFTConfig
 from raylign.config.pipeline import GenerateConfig
 from raylign.config.rl import RLConfig
@@ -212,3 +220,25 @@ def test_a_file_reads_numbers_in_exponent_form_as_the_command_line_does(tmp_path
     assert load_yaml(write_yaml(tmp_path, {}, "t.yaml")) == {}
     (tmp_path / "steps.yaml").write_text("train:\n  max_steps: 1e3\n")
     assert load_yaml(tmp_path / "steps.yaml") == {"train": {"max_steps": 1000.0}}
+
+
+@pytest.mark.parametrize("field", ["model.lora.rank", "train.epochs", "engine.zero_stage", "train.max_steps"])
+def test_true_or_false_where_a_number_belongs_is_refused(field):
+    # pydantic reads them as 1 and 0: --model.lora.rank true trained an adapter of rank 1.
+    with pytest.raises(ConfigError, match=rf"{field}: Value error, expected a number, not a boolean"):
+        resolve_argv([f"--{field}", "true"])
+    with pytest.raises(ConfigError, match=rf"{field}: Value error, expected a number, not a boolean"):
+        parse_config(SFTConfig, _nested(field, False, MINIMAL), "a file")
+
+
+def _nested(dotted, value, base):
+    data = yaml.safe_load(yaml.safe_dump(base))
+    set_dotted(data, dotted, value)
+    return data
+
+
+def test_numbers_and_booleans_still_go_where_they_belong():
+    cfg = resolve_argv(["--optim.warmup_steps", "0", "--model.gradient_checkpointing", "false"])
+    assert cfg.optim.warmup_steps == 0 and cfg.model.gradient_checkpointing is False
+    rl = resolve_argv(["--train.early_reference", "false"], base=MINIMAL_RL, cls=RLConfig)  # bool | "auto"
+    assert rl.train.early_reference is False
