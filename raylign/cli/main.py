@@ -179,8 +179,12 @@ def command_help(name: str) -> str:
     for dotted, type_text, default, description in describe_fields(cls):
         if type_text in ("section", "optional section"):
             lines.append(f"\n  [{dotted}] {description}")
+            if not dotted.endswith("]") and "[]." not in dotted and description.endswith("Each item has these fields:"):
+                lines.append(f"        On the command line, the whole list: --{dotted} '[{{field: value, ...}}, ...]'")
             continue
-        lines.append(f"  --{dotted}  ({type_text}, default {default})")
+        # An item's field is no option of its own: its list is given whole (a file, or the line above).
+        option = dotted if "[]." in dotted else f"--{dotted}"
+        lines.append(f"  {option}  ({type_text}, default {default})")
         if description:
             lines.append(f"        {description}")
     return "\n".join(lines)

@@ -20,7 +20,7 @@ def test_help_lists_every_field_with_default_and_description(capsys):
     for dotted, type_text, _default, description in describe_fields(SFTConfig):
         if type_text == "section":
             continue
-        assert f"--{dotted}  (" in text, dotted
+        assert f"  {dotted if '[].' in dotted else '--' + dotted}  (" in text, dotted
         assert description, f"{dotted} has no description"
         assert description in text
     assert "--optim.lr  (float, default 1e-05)" in text
@@ -85,6 +85,9 @@ def test_a_setting_whose_package_is_missing_ends_in_one_line_naming_the_install(
 def test_rl_help_lists_the_fields_of_its_optional_sections_and_says_presets_change_defaults(capsys):
     assert main(["rl", "--help"]) == 0
     text = capsys.readouterr().out
-    assert "[reward] " in text and "--reward.sources[].kind  (" in text
+    # A list item's field is not an option of its own (--reward.sources[].kind is an unknown field): the help
+    # names it without dashes and says how the list is given on the command line.
+    assert "[reward] " in text and "\n  reward.sources[].kind  (" in text and "--reward.sources[]" not in text
+    assert "the whole list: --reward.sources '[{field: value, ...}, ...]'" in text
     assert "[reference] " in text and "--reference.path  (" in text
     assert "A preset sets some of these defaults its own way" in text
