@@ -161,6 +161,12 @@ def _usage() -> str:
     return USAGE.format(commands=rows)
 
 
+def help_option(dotted: str) -> str:
+    """How ``--help`` names a field: ``--a.b``; a list item's field without dashes, since it is no option
+    of its own (its list is given whole, in a file or as one value)."""
+    return dotted if "[]." in dotted else f"--{dotted}"
+
+
 def command_help(name: str) -> str:
     cls = COMMANDS[name].config_cls()
     lines = [
@@ -182,9 +188,7 @@ def command_help(name: str) -> str:
             if not dotted.endswith("]") and "[]." not in dotted and description.endswith("Each item has these fields:"):
                 lines.append(f"        On the command line, the whole list: --{dotted} '[{{field: value, ...}}, ...]'")
             continue
-        # An item's field is no option of its own: its list is given whole (a file, or the line above).
-        option = dotted if "[]." in dotted else f"--{dotted}"
-        lines.append(f"  {option}  ({type_text}, default {default})")
+        lines.append(f"  {help_option(dotted)}  ({type_text}, default {default})")
         if description:
             lines.append(f"        {description}")
     return "\n".join(lines)

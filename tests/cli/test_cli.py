@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from raylign.cli.main import main
+from raylign.cli.main import help_option, main
 from raylign.config.base import describe_fields
 from raylign.config.commands import SFTConfig
 
@@ -20,7 +20,7 @@ def test_help_lists_every_field_with_default_and_description(capsys):
     for dotted, type_text, _default, description in describe_fields(SFTConfig):
         if type_text == "section":
             continue
-        assert f"  {dotted if '[].' in dotted else '--' + dotted}  (" in text, dotted
+        assert f"  {help_option(dotted)}  (" in text, dotted
         assert description, f"{dotted} has no description"
         assert description in text
     assert "--optim.lr  (float, default 1e-05)" in text

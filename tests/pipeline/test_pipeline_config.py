@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raylign.cli.main import main
+from raylign.cli.main import help_option, main
 from raylign.config.base import ConfigError, describe_fields, parse_config
 from raylign.config.pipeline import GenerateConfig, ScoreConfig, SelectConfig
 
@@ -16,7 +16,7 @@ def test_help_describes_every_field(name, cls, capsys):
     for dotted, type_text, _, description in describe_fields(cls):
         if type_text != "section":
             assert description, f"{dotted} has no description"
-            assert f"--{dotted}  (" in text
+            assert f"{help_option(dotted)}  (" in text
 
 
 def test_generate_defaults_to_vllm_with_four_samples_and_accepts_one_prompt_path():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from raylign.cli.main import main
+from raylign.cli.main import help_option, main
 from raylign.config.base import ConfigError, describe_fields, parse_config
 from raylign.config.prm import PRMConfig
 from raylign.data import RowError
@@ -155,7 +155,7 @@ def test_help_describes_every_field(capsys):
     text = capsys.readouterr().out
     for dotted, type_text, _, description in describe_fields(PRMConfig):
         if type_text != "section":
-            assert description and f"--{dotted}  (" in text and description in text, dotted
+            assert description and f"{help_option(dotted)}  (" in text and description in text, dotted
 
 
 def test_example_config_runs(tmp_path, tiny_model_dir, monkeypatch):
