@@ -32,6 +32,20 @@ def check_prompt_template(value: str) -> str:
     return value
 
 
+# The keys of a dataset's responses, pairs and conversations: a prompt dataset reads none of them.
+RESPONSE_KEYS = ("output_key", "messages_key", "chosen_key", "rejected_key")
+
+
+def refuse_keys_prompts_ignore(specs: list[DatasetSpec], keys: tuple[str, ...], field: str, reads: str) -> None:
+    """Refuse a prompt dataset that sets one of ``keys`` (it would be accepted and ignored), naming it."""
+    for i, spec in enumerate(specs):
+        unused = spec.set_away_from_default(keys)
+        if unused:
+            raise ValueError(
+                f"{field}.{i}: {', '.join(unused)} {'is' if len(unused) == 1 else 'are'} for training data; {reads}"
+            )
+
+
 class DatasetSpec(Section):
     """One dataset file or folder, with the names of the keys its rows use."""
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from raylign.config.base import Section
-from raylign.config.data import DatasetSpec, check_prompt_template
+from raylign.config.data import RESPONSE_KEYS, DatasetSpec, check_prompt_template, refuse_keys_prompts_ignore
 from raylign.config.reward import RewardConfig
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 
@@ -37,7 +37,7 @@ class GenerateModelConfig(Section):
 
 
 # DatasetSpec keys that a prompt dataset does not read.
-UNUSED_BY_PROMPTS = ("weight", "output_key", "messages_key", "chosen_key", "rejected_key")
+UNUSED_BY_PROMPTS = ("weight", *RESPONSE_KEYS)
 
 
 class PromptDataConfig(Section):
@@ -75,13 +75,8 @@ class PromptDataConfig(Section):
     @classmethod
     def _prompt_keys_only(cls, specs: list[DatasetSpec]) -> list[DatasetSpec]:
         """The keys of training data (responses, pairs, mixing weights) would be accepted and ignored."""
-        for i, spec in enumerate(specs):
-            unused = spec.set_away_from_default(UNUSED_BY_PROMPTS)
-            if unused:
-                raise ValueError(
-                    f"prompts.{i}: {', '.join(unused)} {'is' if len(unused) == 1 else 'are'} for training data; every "
-                    "prompt row is read once (its keys: input_key, label_key, system_key, max_samples, split)"
-                )
+        reads = "every prompt row is read once (its keys: input_key, label_key, system_key, max_samples, split)"
+        refuse_keys_prompts_ignore(specs, UNUSED_BY_PROMPTS, "prompts", reads)
         return specs
 
     @field_validator("prompt_template")

@@ -13,7 +13,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from raylign.config.agent import AgentConfig
 from raylign.config.base import Section, check_registered, deep_merge, registered
-from raylign.config.data import DatasetSpec
+from raylign.config.data import RESPONSE_KEYS, DatasetSpec, refuse_keys_prompts_ignore
 from raylign.config.engine import LORA_AUTOTP, EngineConfig, refuse_quantized_layout
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
@@ -69,7 +69,9 @@ class AlgorithmConfig(Section):
         "KL estimator (Schulman's k1/k2/k3); k3 is clamped at 10 per token (it grows as "
         "exp(-log_ratio)), k1 and k2 are not clamped.",
     )
-    kl_coef: float = Field(0.001, ge=0, description="KL coefficient (reward penalty or loss weight).")
+    kl_coef: float = Field(
+        0.001, ge=0, description="KL coefficient (reward penalty or loss weight); with kl_mode none, leave it out."
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
     vf_coef: float = Field(0.5, gt=0, description="Value-loss weight (PPO critic).")
     value_clip: float | None = Field(0.2, gt=0, description="Value clipping range; None disables.")
@@ -122,6 +124,15 @@ class AlgorithmConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _kl_coef_with_a_kl_term(self) -> AlgorithmConfig:
+        if self.kl_mode == "none" and self.kl_coef > 0 and self.set_away_from_default(["kl_coef"]):
+            raise ValueError(
+                f"algorithm.kl_coef {self.kl_coef} weighs a KL term, but algorithm.kl_mode is none (as the dr_grpo, "
+                "gspo and dapo presets set it), which would ignore it: set kl_mode to loss or reward"
+            )
+        return self
+
     def estimator_needs(self, what: str) -> bool:
         """Whether the advantage estimator's registration says it needs ``what`` (``needs_groups``,
         ``needs_values``); built-in names are answered without importing the algorithm library."""
@@ -150,6 +161,15 @@ class RLDataConfig(Section):
     max_prompt_length: int = Field(512, ge=1, description="Longer prompts are an error naming the row.")
     source_key: str = Field("data_source", description="Row key naming its data source (eval is reported per source).")
     seed: int = Field(0, ge=0, description="Shuffling and mixing seed.")
+
+    @model_validator(mode="after")
+    def _prompt_keys_only(self) -> RLDataConfig:
+        """A prompt row's conversation is read from input_key: the keys of training responses would be
+        accepted and ignored."""
+        reads = "a prompt's text or conversation is read from input_key (keys: input_key, label_key, system_key, "
+        for field, specs in (("train", self.train), ("eval", self.eval)):
+            refuse_keys_prompts_ignore(specs, RESPONSE_KEYS, field, reads + "max_samples, split, weight)")
+        return self
 
     @model_validator(mode="after")
     def _weights_on_every_train_dataset_or_none(self) -> RLDataConfig:
@@ -253,7 +273,11 @@ class RLTrainConfig(Section):
         None, description="Replaced by rollout.max_staleness (async_rollout: true is rollout.max_staleness: 1)."
     )
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (and at start and end); 0 only start/end.")
-    eval_n: int = Field(1, ge=1, description="Samples per eval prompt (pass@k for k <= eval_n).")
+    eval_n: int = Field(
+        1,
+        ge=1,
+        description="Samples per eval prompt: pass@1 and pass@eval_n are logged (above 1 needs eval_temperature > 0).",
+    )
     eval_temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 greedy).")
     eval_max_new_tokens: int | None = Field(
         None, ge=1, description="Most tokens per eval completion (default: sampling.max_new_tokens)."
@@ -487,6 +511,27 @@ class RLConfig(Section):
             raise ValueError(
                 f"algorithm.advantage '{a.advantage}' compares samples of a prompt: "
                 f"sampling.n must be at least 2 (got {s.n})"
+            )
+        if s.temperature == 0 and (a.estimator_needs("needs_groups") or a.dynamic_sampling):
+            raise ValueError(
+                f"sampling.temperature 0 samples one greedy answer {s.n} times: every group's rewards are equal, so "
+                f"algorithm.advantage '{a.advantage}' gives no sample an advantage and nothing trains; sample at a "
+                "temperature above 0"
+            )
+        if t.eval_n > 1 and t.eval_temperature == 0:
+            raise ValueError(
+                f"train.eval_n {t.eval_n} with train.eval_temperature 0 evaluates one greedy answer {t.eval_n} times "
+                f"(pass@{t.eval_n} would equal pass@1): set eval_temperature above 0, or eval_n 1"
+            )
+        if self.engine.num_processes != 1:
+            raise ValueError(
+                f"engine.num_processes {self.engine.num_processes} is how the offline trainers start their ranks; "
+                "raylign rl places its ranks with placement.policy_workers and placement.critic_workers"
+            )
+        if self.reference is not None and not self.uses_reference:
+            raise ValueError(
+                "reference is set but no KL term uses it (algorithm.kl_mode none or kl_coef 0): remove reference, "
+                "or set algorithm.kl_mode to loss or reward with a kl_coef above 0"
             )
         if self.critic.path is not None and not self.uses_critic:
             raise ValueError(

@@ -185,6 +185,63 @@ def test_one_sample_per_prompt_with_a_group_estimator_is_refused(preset, base, t
     assert "sampling.n" in message and preset in message and "got 1" in message
 
 
+# ---- settings another setting would ignore, refused --------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["dr_grpo", "gspo", "dapo"])
+def test_a_kl_coefficient_without_a_kl_term_is_refused(preset, base, tmp_path):
+    # These presets turn the KL term off (kl_mode none): a kl_coef given on top of them did nothing.
+    base["preset"] = preset
+    base["sampling"].pop("max_new_tokens")  # room for DAPO's overlong buffer
+    base["algorithm"] = {"kl_coef": 0.05}
+    assert "algorithm.kl_coef 0.05 weighs a KL term, but algorithm.kl_mode is none" in _error(tmp_path, base)
+    base["algorithm"]["kl_mode"] = "loss"
+    assert resolve(tmp_path, base).uses_reference
+
+
+def test_a_reference_model_no_kl_term_uses_is_refused(base, tmp_path):
+    base["reference"] = {"path": str(base["model"]["path"])}
+    base["algorithm"] = {"kl_mode": "none"}
+    assert "reference is set but no KL term uses it" in _error(tmp_path, base)
+    base["algorithm"] = {"kl_mode": "loss", "kl_coef": 0.01}
+    assert resolve(tmp_path, base).uses_reference
+
+
+@pytest.mark.parametrize(("preset", "dynamic"), [("grpo", False), ("rloo", False), ("ppo", True)])
+def test_greedy_sampling_where_samples_are_compared_is_refused(preset, dynamic, base, tmp_path):
+    # One greedy answer copied n times: every group's rewards are equal, every advantage 0, nothing trains.
+    base["preset"] = preset
+    base["sampling"]["temperature"] = 0.0
+    base["algorithm"] = {"dynamic_sampling": dynamic}
+    if dynamic:
+        base["sampling"]["n"] = 2
+    assert "sampling.temperature 0 samples one greedy answer" in _error(tmp_path, base)
+    base["preset"], base["algorithm"] = "ppo", {}
+    base["sampling"]["n"] = 1
+    assert resolve(tmp_path, base).sampling.temperature == 0.0  # a critic's baseline needs no group
+
+
+def test_several_greedy_evaluation_samples_are_refused(base, tmp_path):
+    base["train"].update(eval_n=4)
+    assert "pass@4 would equal pass@1" in _error(tmp_path, base)
+    base["train"].update(eval_temperature=0.7)
+    assert resolve(tmp_path, base).train.eval_n == 4
+
+
+def test_engine_num_processes_is_refused_in_rl(base, tmp_path):
+    # raylign rl never starts torchrun: the setting trained on placement.policy_workers (1) regardless.
+    base["engine"] = {"backend": "fsdp2", "num_processes": 4}
+    assert "placement.policy_workers" in _error(tmp_path, base)
+
+
+@pytest.mark.parametrize("key", ["messages_key", "output_key", "chosen_key", "rejected_key"])
+def test_a_prompt_dataset_key_rl_never_reads_is_refused(key, base, tmp_path):
+    base["data"]["train"] = [{**base["data"]["train"][0], key: "conversation"}]
+    assert f"train.0: {key} is for training data; a prompt's text or conversation is read from input_key" in (
+        _error(tmp_path, base)
+    )
+
+
 def test_rollout_batch_must_divide_into_mini_batches(base, tmp_path):
     base["train"].update(prompts_per_step=3, mini_batches=5)  # 3 x 4 = 12 samples
     message = _error(tmp_path, base)
