@@ -617,6 +617,16 @@ class RLConfig(Section):
                 "'fsdp2' or 'deepspeed' for data-parallel training ranks"
             )
         r = self.rollout
+        filtered = ([f"sampling.top_p {s.top_p}"] if s.top_p < 1 else []) + (
+            [f"sampling.top_k {s.top_k}"] if s.top_k >= 1 else []
+        )
+        if filtered and (r.max_staleness > 0 or a.off_policy != "none"):
+            raise ValueError(
+                f"{' and '.join(filtered)}: the engine's log-probs are those of the filtered distribution, and with "
+                "rollout.max_staleness above 0 or an algorithm.off_policy correction they enter the loss beside the "
+                "trainer's unfiltered ones, so the ratio is off even for equal weights; sample from the whole "
+                "distribution (top_p 1, top_k -1)"
+            )
         if t.async_rollout is not None:
             raise ValueError(
                 "train.async_rollout is replaced by rollout.max_staleness: use rollout.max_staleness: 1 "

@@ -242,6 +242,27 @@ def test_a_prompt_dataset_key_rl_never_reads_is_refused(key, base, tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    ("sampling", "rollout", "algorithm"),
+    [
+        ({"top_p": 0.9}, {"max_staleness": 1}, {}),
+        ({"top_k": 20}, {}, {"off_policy": "truncated_is"}),
+    ],
+)
+def test_filtered_sampling_where_the_engine_log_probs_enter_the_loss_is_refused(
+    sampling, rollout, algorithm, base, tmp_path
+):
+    # The engine's log-probs are of the top-p/top-k distribution, the trainer's of the whole one: as the
+    # behaviour policy (staleness) or in the correction's weight, the ratio was off with equal weights.
+    base["sampling"].update(sampling)
+    base["rollout"].update(rollout)
+    base["algorithm"] = algorithm
+    assert "the engine's log-probs are those of the filtered distribution" in _error(tmp_path, base)
+    base["rollout"].pop("max_staleness", None)
+    base["algorithm"] = {}
+    assert resolve(tmp_path, base).sampling.top_p == sampling.get("top_p", 1.0)  # synchronous: the trainer's own
+
+
 def test_rollout_batch_must_divide_into_mini_batches(base, tmp_path):
     base["train"].update(prompts_per_step=3, mini_batches=5)  # 3 x 4 = 12 samples
     message = _error(tmp_path, base)
