@@ -278,7 +278,15 @@ class RLTrainConfig(Section):
         ge=1,
         description="Samples per eval prompt: pass@1 and pass@eval_n are logged (above 1 needs eval_temperature > 0).",
     )
-    eval_temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 greedy).")
+    eval_temperature: float = Field(
+        0.0, ge=0, le=10.0, description="Eval sampling temperature: 0 decodes greedily, else 0.01-10 (as sampling's)."
+    )
+
+    @field_validator("eval_temperature")
+    @classmethod
+    def _eval_greedy_or_at_least_a_hundredth(cls, value: float) -> float:
+        return SamplingConfig.greedy_or_at_least_a_hundredth(value)
+
     eval_max_new_tokens: int | None = Field(
         None, ge=1, description="Most tokens per eval completion (default: sampling.max_new_tokens)."
     )
@@ -658,6 +666,7 @@ class RLConfig(Section):
                 "train.early_reference: true (the reference computes beside the engines)": (
                     self.train.early_reference is True
                 ),
+                "placement.reference_workers above 1 (the policy's ranks host it)": p.reference_workers > 1,
             }
             for why, present in conflicts.items():
                 if present:
@@ -665,6 +674,16 @@ class RLConfig(Section):
                         f"placement.reference_with_policy: true cannot host the reference with the policy "
                         f"under {why}; use false or auto"
                     )
+        if p.colocate and self.train.early_reference is True:
+            raise ValueError(
+                "train.early_reference: true computes reference log-probs while the engines generate, but under "
+                "placement.colocate the reference shares its device with the generating engine: use auto or false"
+            )
+        if a.length_penalty == "kimi" and s.n < 2:
+            raise ValueError(
+                f"algorithm.length_penalty: kimi compares the lengths of a prompt's samples: with sampling.n {s.n} "
+                "it is always 0; use linear, or sample at least 2 per prompt"
+            )
         if p.colocate and max(self.worker_roles.values()) > p.policy_workers:
             raise ValueError(
                 "placement.colocate puts rank r of every model beside policy rank r: "

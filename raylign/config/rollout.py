@@ -48,7 +48,7 @@ class SamplingConfig(Section):
 
     @field_validator("temperature")
     @classmethod
-    def _greedy_or_at_least_a_hundredth(cls, value: float) -> float:
+    def greedy_or_at_least_a_hundredth(cls, value: float) -> float:
         # vLLM raises a temperature in (0, 0.01) to 0.01 with only a warning: it would sample, and report
         # log-probs, at another temperature than the trainer and the hf engine use.
         if 0 < value < 0.01:

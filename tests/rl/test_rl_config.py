@@ -263,6 +263,31 @@ def test_filtered_sampling_where_the_engine_log_probs_enter_the_loss_is_refused(
     assert resolve(tmp_path, base).sampling.top_p == sampling.get("top_p", 1.0)  # synchronous: the trainer's own
 
 
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"train": {"eval_temperature": 0.005, "eval_n": 2}}, "0.005 is below 0.01, which vLLM would sample at"),
+        ({"train": {"eval_temperature": 50.0, "eval_n": 2}}, "less than or equal to 10"),
+        ({"preset": "ppo", "algorithm": {"length_penalty": "kimi"}}, "length_penalty: kimi compares the lengths"),
+        ({"placement": {"colocate": True}, "train": {"early_reference": True}}, "early_reference: true computes"),
+        (
+            {"placement": {"reference_with_policy": True, "reference_workers": 3}, "engine": {"backend": "fsdp2"}},
+            "under placement.reference_workers above 1",
+        ),
+    ],
+)
+def test_settings_the_run_would_ignore_or_bend_are_refused(changes, error, base, tmp_path):
+    # Each was accepted: the eval temperature skipped sampling's range checks (vLLM samples 0.005 at 0.01);
+    # kimi's group-relative penalty is 0 for one sample; the early reference and the extra reference
+    # ranks were dropped in silence.
+    for key, value in changes.items():
+        if isinstance(value, dict):
+            base.setdefault(key, {}).update(value)
+        else:
+            base[key] = value
+    assert error in _error(tmp_path, base)
+
+
 def test_rollout_batch_must_divide_into_mini_batches(base, tmp_path):
     base["train"].update(prompts_per_step=3, mini_batches=5)  # 3 x 4 = 12 samples
     message = _error(tmp_path, base)
