@@ -40,6 +40,21 @@ class GenerateModelConfig(Section):
 UNUSED_BY_PROMPTS = ("weight", *RESPONSE_KEYS)
 
 
+# Rollout settings of raylign rl's weight syncs and streaming: a generate run loads its weights once.
+RL_ONLY_ROLLOUT_FIELDS = (
+    "bucket_mb",
+    "sync_timeout_s",
+    "verify_every",
+    "verify_max_logprob_diff",
+    "max_staleness",
+    "stale_samples",
+    "partial_rollouts",
+    "lora_sync",
+    "reproducible",
+    "max_engine_restarts",
+)
+
+
 class PromptDataConfig(Section):
     """The prompt datasets and how a row becomes the prompt the model sees."""
 
@@ -133,8 +148,21 @@ class GenerateConfig(Section):
 
     @model_validator(mode="after")
     def _possible(self) -> GenerateConfig:
-        if self.rollout.engine == "hf" and self.rollout.tensor_parallel_size != 1:
+        r = self.rollout
+        if r.engine == "hf" and r.tensor_parallel_size != 1:
             raise ValueError("rollout.tensor_parallel_size must be 1 with the hf engine")
+        rl_only = r.set_away_from_default(RL_ONLY_ROLLOUT_FIELDS)
+        if rl_only:
+            raise ValueError(
+                f"{', '.join('rollout.' + f for f in rl_only)}: for raylign rl's weight syncs and streaming; "
+                "raylign generate loads its weights once and would ignore it"
+            )
+        cpus = r.num_engines * r.num_cpus_per_engine
+        if self.ray.address is None and self.ray.num_cpus is not None and self.ray.num_cpus < cpus:
+            raise ValueError(
+                f"ray.num_cpus ({self.ray.num_cpus}) is below the {cpus:g} CPU slots of rollout.num_engines x "
+                "rollout.num_cpus_per_engine: the engines would wait for CPUs until ray.startup_timeout_s"
+            )
         return self
 
 

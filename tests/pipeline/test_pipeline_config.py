@@ -42,6 +42,24 @@ def test_generate_rejects_a_template_without_input():
         )
 
 
+@pytest.mark.parametrize(
+    ("rollout", "ray", "error"),
+    [
+        ({"max_staleness": 1, "verify_every": 5}, {}, r"rollout.verify_every, rollout.max_staleness: for raylign rl"),
+        ({"max_engine_restarts": 9}, {}, r"rollout.max_engine_restarts: for raylign rl's weight syncs"),
+        ({"num_engines": 4}, {"num_cpus": 1}, r"ray.num_cpus \(1\) is below the 4 CPU slots"),
+    ],
+)
+def test_generate_refuses_settings_it_would_ignore_or_wait_on_forever(rollout, ray, error):
+    # Accepted before: generate loads its weights once and has no engine restarts; with fewer CPUs than
+    # its engines reserve, they waited ray.startup_timeout_s (600 s) before it failed.
+    data = {"model": {"path": "m"}, "data": {"prompts": "p.jsonl"}, "rollout": rollout, "ray": ray}
+    with pytest.raises(ConfigError, match=error):
+        parse_config(GenerateConfig, data)
+    del data["rollout"], data["ray"]
+    assert parse_config(GenerateConfig, data).rollout.max_staleness == 0
+
+
 def test_score_needs_reward_sources():
     with pytest.raises(ConfigError, match="reward: Field required"):
         parse_config(ScoreConfig, {"input_path": "g.jsonl"})
