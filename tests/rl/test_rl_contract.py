@@ -104,7 +104,7 @@ def test_on_policy_and_async_experience_carry_no_recomputed_logprobs(rl_model_di
 @pytest.mark.parametrize(
     ("algorithm", "reads_reference"),
     [
-        ({"kl_mode": "none", "kl_coef": 0.05}, False),
+        ({"kl_mode": "none"}, False),  # a kl_coef above 0 with it is refused (test_rl_config.py)
         ({"kl_mode": "loss", "kl_coef": 0.0}, False),
         ({"kl_mode": "reward", "kl_coef": 0.0}, False),
         ({"kl_mode": "loss", "kl_coef": 0.05}, True),
@@ -136,7 +136,8 @@ def test_micro_batches_are_one_row_where_every_model_computes_samples_apart(
 ):
     """The tiny Qwen2 with sdpa attends within each packed sample (raylign_sdpa): a micro-batch is one row.
     An eager policy, or an eager reference beside an sdpa policy, keeps rows as long as the longest sample."""
-    data = _config_data(rl_model_dir, prompt_file, tmp_path)
+    kl = {} if reference_kernel is None else {"kl_mode": "loss", "kl_coef": 0.05}  # a KL term reads the reference
+    data = _config_data(rl_model_dir, prompt_file, tmp_path, **kl)
     data["model"]["attn_implementation"] = kernel
     if reference_kernel is not None:
         data["reference"] = {"path": str(rl_model_dir), "attn_implementation": reference_kernel}
