@@ -478,6 +478,53 @@ class RLConfig(Section):
         return workers * p.cpus_per_worker + r.num_engines * r.num_cpus_per_engine + reward_models
 
     @model_validator(mode="after")
+    def _no_setting_another_would_ignore(self) -> RLConfig:
+        """Settings that others would make do nothing, or bend, are refused naming both."""
+        a, t, s, p = self.algorithm, self.train, self.sampling, self.placement
+        if s.temperature == 0 and (a.estimator_needs("needs_groups") or a.dynamic_sampling):
+            raise ValueError(
+                f"sampling.temperature 0 samples one greedy answer {s.n} times: every group's rewards are equal, so "
+                f"algorithm.advantage '{a.advantage}' gives no sample an advantage and nothing trains; sample at a "
+                "temperature above 0"
+            )
+        if t.eval_n > 1 and t.eval_temperature == 0:
+            raise ValueError(
+                f"train.eval_n {t.eval_n} with train.eval_temperature 0 evaluates one greedy answer {t.eval_n} times "
+                f"(pass@{t.eval_n} would equal pass@1): set eval_temperature above 0, or eval_n 1"
+            )
+        if self.engine.num_processes != 1:
+            raise ValueError(
+                f"engine.num_processes {self.engine.num_processes} is how the offline trainers start their ranks; "
+                "raylign rl places its ranks with placement.policy_workers and placement.critic_workers"
+            )
+        if self.reference is not None and not self.uses_reference:
+            raise ValueError(
+                "reference is set but no KL term uses it (algorithm.kl_mode none or kl_coef 0): remove reference, "
+                "or set algorithm.kl_mode to loss or reward with a kl_coef above 0"
+            )
+        filtered = ([f"sampling.top_p {s.top_p}"] if s.top_p < 1 else []) + (
+            [f"sampling.top_k {s.top_k}"] if s.top_k >= 1 else []
+        )
+        if filtered and (self.rollout.max_staleness > 0 or a.off_policy != "none"):
+            raise ValueError(
+                f"{' and '.join(filtered)}: the engine's log-probs are those of the filtered distribution, and with "
+                "rollout.max_staleness above 0 or an algorithm.off_policy correction they enter the loss beside the "
+                "trainer's unfiltered ones, so the ratio is off even for equal weights; sample from the whole "
+                "distribution (top_p 1, top_k -1)"
+            )
+        if p.colocate and self.train.early_reference is True:
+            raise ValueError(
+                "train.early_reference: true computes reference log-probs while the engines generate, but under "
+                "placement.colocate the reference shares its device with the generating engine: use auto or false"
+            )
+        if a.length_penalty == "kimi" and s.n < 2:
+            raise ValueError(
+                f"algorithm.length_penalty: kimi compares the lengths of a prompt's samples: with sampling.n {s.n} "
+                "it is always 0; use linear, or sample at least 2 per prompt"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _possible(self) -> RLConfig:
         a, t, s, p = self.algorithm, self.train, self.sampling, self.placement
         refuse_quantized_layout(self.engine, self.model, "rl")
@@ -519,27 +566,6 @@ class RLConfig(Section):
             raise ValueError(
                 f"algorithm.advantage '{a.advantage}' compares samples of a prompt: "
                 f"sampling.n must be at least 2 (got {s.n})"
-            )
-        if s.temperature == 0 and (a.estimator_needs("needs_groups") or a.dynamic_sampling):
-            raise ValueError(
-                f"sampling.temperature 0 samples one greedy answer {s.n} times: every group's rewards are equal, so "
-                f"algorithm.advantage '{a.advantage}' gives no sample an advantage and nothing trains; sample at a "
-                "temperature above 0"
-            )
-        if t.eval_n > 1 and t.eval_temperature == 0:
-            raise ValueError(
-                f"train.eval_n {t.eval_n} with train.eval_temperature 0 evaluates one greedy answer {t.eval_n} times "
-                f"(pass@{t.eval_n} would equal pass@1): set eval_temperature above 0, or eval_n 1"
-            )
-        if self.engine.num_processes != 1:
-            raise ValueError(
-                f"engine.num_processes {self.engine.num_processes} is how the offline trainers start their ranks; "
-                "raylign rl places its ranks with placement.policy_workers and placement.critic_workers"
-            )
-        if self.reference is not None and not self.uses_reference:
-            raise ValueError(
-                "reference is set but no KL term uses it (algorithm.kl_mode none or kl_coef 0): remove reference, "
-                "or set algorithm.kl_mode to loss or reward with a kl_coef above 0"
             )
         if self.critic.path is not None and not self.uses_critic:
             raise ValueError(
@@ -625,16 +651,6 @@ class RLConfig(Section):
                 "'fsdp2' or 'deepspeed' for data-parallel training ranks"
             )
         r = self.rollout
-        filtered = ([f"sampling.top_p {s.top_p}"] if s.top_p < 1 else []) + (
-            [f"sampling.top_k {s.top_k}"] if s.top_k >= 1 else []
-        )
-        if filtered and (r.max_staleness > 0 or a.off_policy != "none"):
-            raise ValueError(
-                f"{' and '.join(filtered)}: the engine's log-probs are those of the filtered distribution, and with "
-                "rollout.max_staleness above 0 or an algorithm.off_policy correction they enter the loss beside the "
-                "trainer's unfiltered ones, so the ratio is off even for equal weights; sample from the whole "
-                "distribution (top_p 1, top_k -1)"
-            )
         if t.async_rollout is not None:
             raise ValueError(
                 "train.async_rollout is replaced by rollout.max_staleness: use rollout.max_staleness: 1 "
@@ -674,16 +690,6 @@ class RLConfig(Section):
                         f"placement.reference_with_policy: true cannot host the reference with the policy "
                         f"under {why}; use false or auto"
                     )
-        if p.colocate and self.train.early_reference is True:
-            raise ValueError(
-                "train.early_reference: true computes reference log-probs while the engines generate, but under "
-                "placement.colocate the reference shares its device with the generating engine: use auto or false"
-            )
-        if a.length_penalty == "kimi" and s.n < 2:
-            raise ValueError(
-                f"algorithm.length_penalty: kimi compares the lengths of a prompt's samples: with sampling.n {s.n} "
-                "it is always 0; use linear, or sample at least 2 per prompt"
-            )
         if p.colocate and max(self.worker_roles.values()) > p.policy_workers:
             raise ValueError(
                 "placement.colocate puts rank r of every model beside policy rank r: "
