@@ -344,6 +344,7 @@ def _user_facing_errors() -> tuple[type[BaseException], ...]:
         ValueError,  # ConfigError, DataError and the checks of every command
         FileNotFoundError,
         NotADirectoryError,  # a file given where a folder belongs (a model or tokenizer path)
+        PermissionError,  # a file or folder this user may not read or write, named by the error
         MissingPackageError,  # a missing optional package, named with its install command
         FloatingPointError,  # too many steps in a row skipped for non-finite values
         RewardError,

@@ -167,6 +167,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError(f"config file {path} is not UTF-8 text: {err}") from None
+    except OSError as err:  # unreadable: permissions, an I/O error
+        raise ConfigError(f"config file {path} cannot be read: {err.strerror or err}") from None
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except _DuplicateKeyError as err:

@@ -67,6 +67,10 @@ def read_rows(
     if reader is None:
         kind = path.suffix or "(no extension)"
         raise DataError(f"{path}: unsupported file type {kind!r}; supported: {SUPPORTED_TEXT}")
+    try:  # before any reader starts: a file that cannot be opened is the file's error, not a traceback
+        path.open("rb").close()
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read: {err.strerror or err}") from None
     yield from reader(path, on_bad_row)
 
 

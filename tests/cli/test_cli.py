@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 
@@ -65,6 +66,20 @@ def test_a_run_stopped_by_a_known_fault_ends_in_one_line_and_exit_1(tmp_path):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert f"train.output_dir {blocker}/run cannot be written (Not a directory)" in proc.stderr.splitlines()[-1]
+
+
+def test_a_model_folder_the_user_may_not_read_ends_in_one_line_naming_the_file(tied_model_dir, tmp_path):
+    from tests.unreadable import run_unable_to_read
+
+    model = tmp_path / "model"
+    shutil.copytree(tied_model_dir, model)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(f'{{"prompt": "a{i}", "completion": "b{i}"}}\n' for i in range(32)))
+    args = ["-m", "raylign.cli.main", "sft", "--model.path", str(model), "--data.train", f"[{data}]"]
+    proc = run_unable_to_read(model, [*args, "--train.output_dir", str(tmp_path / "run")], cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert f"Permission denied: '{model}/" in proc.stderr.splitlines()[-1]
 
 
 def test_a_setting_whose_package_is_missing_ends_in_one_line_naming_the_install(tied_model_dir, tmp_path):

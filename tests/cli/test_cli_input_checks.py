@@ -147,3 +147,13 @@ def test_a_second_config_file_is_refused_not_dropped(tmp_path, capsys):
     # The last file won: lr 0.5 of the first was gone with nothing said.
     assert main(["sft", "--config", str(first), f"--config={second}", "--print-config"]) == 2
     assert f"--config is given 2 times ({first}, {second}); give one file" in capsys.readouterr().err
+
+
+def test_a_config_file_the_user_may_not_read_ends_in_one_line_and_exit_2(tmp_path):
+    from tests.unreadable import run_unable_to_read
+
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text("data: {train: [rows.jsonl]}\n")
+    proc = run_unable_to_read(run_yaml, ["-m", "raylign.cli.main", "sft", "--config", str(run_yaml)], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"raylign sft: config file {run_yaml} cannot be read: Permission denied"

@@ -215,3 +215,18 @@ def test_split_on_a_file_is_rejected(write_dataset):
     path = write_dataset(TEXT_ROWS, "jsonl")
     with pytest.raises(DataError, match="split='train' applies only to datasets folders"):
         list(read_rows(path, split="train"))
+
+
+def test_file_the_user_may_not_read_is_named_not_a_traceback(tmp_path):
+    from tests.unreadable import run_unable_to_read
+
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"prompt": "a", "completion": "b"}\n')
+    code = (
+        "import sys; from raylign.data import DataError, read_rows\n"
+        f"try: list(read_rows({str(path)!r}))\n"
+        "except DataError as err: print(err); sys.exit(3)\n"
+    )
+    done = run_unable_to_read(path, ["-c", code], cwd=tmp_path)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.strip() == f"{path}: cannot be read: Permission denied"
