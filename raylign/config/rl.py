@@ -27,10 +27,25 @@ ADVANTAGE_ESTIMATORS = (
     "gae", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "grpo", "dr_grpo"
 )  # fmt: skip
 GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"}
+# The AlgorithmConfig fields each built-in estimator reads (its registration's ``options``).
+ESTIMATOR_OPTIONS = {
+    "gae": ("gamma", "lam"),
+    "reinforce": ("gamma",),
+    "reinforce_plus_plus": ("gamma",),
+    "reinforce_plus_plus_baseline": ("gamma",),
+    "rloo": (),
+    "grpo": ("normalize_std",),
+    "dr_grpo": (),
+}
 POLICY_LOSSES = ("ppo", "gspo")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant_normalizer")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 PresetName = Literal["ppo", "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "gspo", "dapo"]
+
+
+def _either(names: list[str]) -> str:
+    """``a, b or c``."""
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 class AlgorithmConfig(Section):
@@ -132,6 +147,62 @@ class AlgorithmConfig(Section):
                 "gspo and dapo presets set it), which would ignore it: set kl_mode to loss or reward"
             )
         return self
+
+    @model_validator(mode="after")
+    def _no_option_the_choices_ignore(self) -> AlgorithmConfig:
+        """A field that only some choices of another field read (gamma, tis_cap), given a value while
+        another is chosen (grpo, no off-policy correction), would do nothing: refused naming both."""
+        estimator = f"advantage {self.advantage}"
+        readers = {f: [name for name, fields in ESTIMATOR_OPTIONS.items() if f in fields] for f in ("gamma", "lam")}
+        readers["normalize_std"] = ["grpo"]
+        reads = self.estimator_options()
+        critic = self.estimator_needs("needs_values")
+        # field: (whether the current choices read it, the choices that would, the choice made)
+        table = {
+            **{f: (f in reads, f"advantage {_either(r)}", estimator) for f, r in readers.items()},
+            "vf_coef": (critic, "advantage gae (a critic)", estimator),
+            "value_clip": (critic, "advantage gae (a critic)", estimator),
+            "tis_cap": (self.off_policy == "truncated_is", "off_policy truncated_is", f"off_policy {self.off_policy}"),
+            "mask_low": (self.off_policy == "ratio_mask", "off_policy ratio_mask", f"off_policy {self.off_policy}"),
+            "mask_high": (self.off_policy == "ratio_mask", "off_policy ratio_mask", f"off_policy {self.off_policy}"),
+            "constant_normalizer": (
+                self.aggregation == "constant_normalizer",
+                "aggregation constant_normalizer",
+                f"aggregation {self.aggregation}",
+            ),
+            "overlong_penalty": (self.overlong_buffer > 0, "overlong_buffer above 0", "overlong_buffer 0"),
+            "length_penalty_coef": (
+                self.length_penalty != "none",
+                "length_penalty linear or kimi",
+                f"length_penalty {self.length_penalty}",
+            ),
+            "length_penalty_free_tokens": (
+                self.length_penalty == "linear",
+                "length_penalty linear",
+                f"length_penalty {self.length_penalty}",
+            ),
+            "correct_reward": (
+                self.length_penalty == "kimi",
+                "length_penalty kimi",
+                f"length_penalty {self.length_penalty}",
+            ),
+            "max_refill_rounds": (self.dynamic_sampling, "dynamic_sampling true", "dynamic_sampling false"),
+        }
+        for field in self.set_away_from_default([f for f, (read, _, _) in table.items() if not read]):
+            _, read_by, chosen = table[field]
+            raise ValueError(
+                f"algorithm.{field} {getattr(self, field)} is read only with algorithm.{read_by}; with "
+                f"algorithm.{chosen} it would do nothing: leave it unset, or choose what reads it"
+            )
+        return self
+
+    def estimator_options(self) -> tuple[str, ...]:
+        """The fields of this section the advantage estimator reads (its registration's ``options``)."""
+        if self.advantage in ESTIMATOR_OPTIONS:
+            return ESTIMATOR_OPTIONS[self.advantage]
+        from raylign.algorithms import ADVANTAGE_ESTIMATORS as registry
+
+        return tuple(registry.metadata(self.advantage).get("options", ()))
 
     def estimator_needs(self, what: str) -> bool:
         """Whether the advantage estimator's registration says it needs ``what`` (``needs_groups``,

@@ -10,7 +10,7 @@ import yaml
 
 from raylign.cli.main import main
 from raylign.config.base import ConfigError
-from raylign.config.rl import RLConfig
+from raylign.config.rl import AlgorithmConfig, RLConfig
 
 from .rl_helpers import resolve, rl_config_data, write_yaml
 
@@ -205,6 +205,65 @@ def test_a_reference_model_no_kl_term_uses_is_refused(base, tmp_path):
     assert "reference is set but no KL term uses it" in _error(tmp_path, base)
     base["algorithm"] = {"kl_mode": "loss", "kl_coef": 0.01}
     assert resolve(tmp_path, base).uses_reference
+
+
+@pytest.mark.parametrize(
+    ("given", "read_by", "chosen", "reading"),
+    [
+        (
+            {"gamma": 0.99},
+            "advantage gae, reinforce, reinforce_plus_plus or reinforce_plus_plus_baseline",
+            "advantage grpo",
+            {"advantage": "reinforce"},
+        ),
+        ({"lam": 0.9}, "advantage gae", "advantage grpo", {"advantage": "gae"}),
+        ({"advantage": "rloo", "normalize_std": False}, "advantage grpo", "advantage rloo", {"advantage": "grpo"}),
+        ({"vf_coef": 1.0}, "advantage gae (a critic)", "advantage grpo", {"advantage": "gae"}),
+        ({"value_clip": None}, "advantage gae (a critic)", "advantage grpo", {"advantage": "gae"}),
+        ({"tis_cap": 3.0}, "off_policy truncated_is", "off_policy none", {"off_policy": "truncated_is"}),
+        (
+            {"off_policy": "truncated_is", "mask_high": 3.0},
+            "off_policy ratio_mask",
+            "off_policy truncated_is",
+            {"off_policy": "ratio_mask"},
+        ),
+        (
+            {"constant_normalizer": 64},
+            "aggregation constant_normalizer",
+            "aggregation seq_mean_token_mean",
+            {"aggregation": "constant_normalizer"},
+        ),
+        ({"overlong_penalty": 0.5}, "overlong_buffer above 0", "overlong_buffer 0", {"overlong_buffer": 4}),
+        (
+            {"length_penalty_coef": 0.01},
+            "length_penalty linear or kimi",
+            "length_penalty none",
+            {"length_penalty": "linear"},
+        ),
+        (
+            {"length_penalty": "kimi", "length_penalty_free_tokens": 8},
+            "length_penalty linear",
+            "length_penalty kimi",
+            {"length_penalty": "linear"},
+        ),
+        ({"correct_reward": 0.5}, "length_penalty kimi", "length_penalty none", {"length_penalty": "kimi"}),
+        ({"max_refill_rounds": 5}, "dynamic_sampling true", "dynamic_sampling false", {"dynamic_sampling": True}),
+    ],
+    ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else "",
+)
+def test_an_option_the_choice_made_does_not_read_is_refused(given, read_by, chosen, reading, base, tmp_path):
+    # Each of these was accepted and did nothing: gamma under grpo, a truncation cap with no correction.
+    base["algorithm"] = dict(given)
+    (field, value), *_ = [(k, v) for k, v in given.items() if k not in ("advantage", "off_policy", "length_penalty")]
+    expected = (
+        f"algorithm.{field} {value} is read only with algorithm.{read_by}; with algorithm.{chosen} it would do nothing"
+    )
+    assert expected in _error(tmp_path, base)
+    base["algorithm"].update(reading)  # the same value, with a choice that reads it
+    assert getattr(resolve(tmp_path, base).algorithm, field) == value
+    # Given at its default (a dumped config lists every field), it changes nothing and passes.
+    base["algorithm"] = {**given, field: AlgorithmConfig.model_fields[field].default}
+    resolve(tmp_path, base)
 
 
 @pytest.mark.parametrize(("preset", "dynamic"), [("grpo", False), ("rloo", False), ("ppo", True)])

@@ -70,6 +70,24 @@ def test_the_configs_built_in_names_are_the_registries_own(builtin, functions):
     assert sorted(builtin) == own
 
 
+def test_the_configs_estimator_options_are_the_registrations_own():
+    """The fields each built-in estimator reads, listed in the config, are those its registration declares."""
+    declared = {
+        name: registry.ADVANTAGE_ESTIMATORS.metadata(name).get("options", ()) for name in rl_config.ESTIMATOR_OPTIONS
+    }
+    assert declared == rl_config.ESTIMATOR_OPTIONS
+
+
+def test_an_option_a_plugin_estimator_does_not_declare_is_refused(rl_model_dir, prompt_file, plugin_file, tmp_path):
+    data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "out")
+    data["plugins"] = [str(plugin_file)]
+    data["algorithm"] = {"advantage": "unit_advantage", "gamma": 0.9}
+    with pytest.raises(
+        ConfigError, match=r"algorithm\.gamma 0\.9 is read only with algorithm\.advantage gae, reinforce,"
+    ):
+        resolve(tmp_path, data)
+
+
 def test_a_name_no_plugin_registered_is_refused_with_the_registered_names(rl_model_dir, prompt_file, tmp_path):
     data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "out")
     data["algorithm"] = {"advantage": "group_median"}
