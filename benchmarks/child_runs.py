@@ -77,6 +77,62 @@ def matmul_rate(hw: dict[str, Any], threads: int) -> float:
     return hw["matmul_gflops_1thread"] * threads
 
 
+def model_matmul_gflops(
+    model_path: str, dtype: str, threads: int, rows: int = 1024, repeats: int = 3
+) -> dict[str, float]:
+    """GFLOP/s of the model's own matrix products on ``rows`` token rows at ``dtype`` on ``threads``
+    threads, best of ``repeats``: ``trunk_forward`` the seven projections of one decoder layer (q, k, v,
+    o, gate, up, down: ``X W^T``), ``trunk_train`` those and both products of their backward (``dY W``,
+    ``dY^T X``), ``head_forward`` and ``head_train`` the same for the output layer. The square products
+    of :func:`machine` run faster than a model's narrow ones (576 wide for SmolLM2); these rates say what
+    the matrix products of this model can reach here."""
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    hidden, inner = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    trunk = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inner), (hidden, inner), (inner, hidden)]
+    dt = getattr(torch, dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+
+        def rate(shapes: list[tuple[int, int]], backward: bool) -> float:
+            tensors = [
+                (torch.randn(rows, d_in).to(dt), torch.randn(d_out, d_in).to(dt), torch.randn(rows, d_out).to(dt))
+                for d_in, d_out in shapes
+            ]
+
+            def products() -> None:
+                for x, w, dy in tensors:
+                    torch.nn.functional.linear(x, w)
+                    if backward:
+                        dy @ w
+                        dy.t() @ x
+
+            products()  # warm-up
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                products()
+                best = min(best, time.perf_counter() - start)
+            flop = sum(2 * rows * d_in * d_out for d_in, d_out in shapes) * (3 if backward else 1)
+            return flop / best / 1e9
+
+        head = [(hidden, config.vocab_size)]
+        return {
+            "rows": rows,
+            "trunk_forward": rate(trunk, False),
+            "trunk_train": rate(trunk, True),
+            "head_forward": rate(head, False),
+            "head_train": rate(head, True),
+        }
+    finally:
+        torch.set_num_threads(before)
+
+
 def copy_gb_s(megabytes: int = 256, repeats: int = 3) -> float:
     """Best-of-``repeats`` rate of one tensor copy (bytes copied per second, one thread), in GB/s."""
     import torch

@@ -18,7 +18,10 @@ without a graph, as the experience phase's behaviour and reference passes), time
 the median seconds of each over ``--repeats`` steps after one warm-up step, beside the floor of the
 matrix products (a forward ``2 x (trunk weights x tokens + output layer x response tokens)`` FLOP, the
 backward twice that) at the matmul GFLOP/s measured in the run on the same threads; the CPU, its
-instruction set, the load average, the peak resident memory. ``--profile`` adds torch.profiler's top
+instruction set, the load average, the peak resident memory. A second table per side puts the same
+work against the rates this model's own products reach (:func:`child_runs.model_matmul_gflops`: its
+narrow projections run slower than a square product) with attention's products counted too
+(:func:`attention_flop`), which the first floor leaves out. ``--profile`` adds torch.profiler's top
 operators by self CPU time over one more update (its per-call overhead inflates the many small ones).
 
 Each side runs in a child process with a policy actor's environment (one OpenMP thread at start,
@@ -48,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from child_runs import ALL_CORE_SIZES, CHILD_ENV, MATMUL_SIZES
+from child_runs import ALL_CORE_SIZES, CHILD_ENV, MATMUL_SIZES, model_matmul_gflops
 
 PHASES = ("forward", "logprobs", "loss", "backward", "step")
 
@@ -171,6 +174,14 @@ def matmul_flop(model: torch.nn.Module, batches: list) -> tuple[float, float]:
     return forward, 2 * forward
 
 
+def attention_flop(model: torch.nn.Module, samples: list) -> float:
+    """FLOP of one forward's attention products (``Q K^T`` and ``A V``, causal: half of each) over every
+    sample, attending within itself: ``2 x length^2 x query width`` per layer. The backward is twice that."""
+    c = model.config
+    width = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    return 2.0 * c.num_hidden_layers * width * sum((len(s.prompt_ids) + len(s.response_ids)) ** 2 for s in samples)
+
+
 class Side:
     """One side of the comparison in this process: the worker, its batch and its phase clock."""
 
@@ -178,8 +189,8 @@ class Side:
         torch.manual_seed(args.seed)
         self.worker = policy_worker(args.model, args.dtype, args.threads)
         torch.set_num_threads(args.threads)
-        samples = long_tailed_samples(args.samples, self.worker.module.config.vocab_size, args.seed)
-        self.batches = micro_batches(samples, args.micro_batch_tokens, args.seed)
+        self.samples = long_tailed_samples(args.samples, self.worker.module.config.vocab_size, args.seed)
+        self.batches = micro_batches(self.samples, args.micro_batch_tokens, args.seed)
         self.clock = PhaseClock(self.worker)
         self.top = args.top
 
@@ -189,8 +200,17 @@ class Side:
 
         sizes = MATMUL_SIZES if args.threads == 1 else ALL_CORE_SIZES
         dtype = getattr(torch, args.dtype)
+        from raylign.models import resolve_model_path
+
         forward, backward = matmul_flop(self.worker.module, self.batches)
+        module = self.worker.module
+        head = module.get_output_embeddings().weight.numel()
+        responses = sum(int(b.mask.sum()) for b in self.batches)
+        shapes = model_matmul_gflops(str(resolve_model_path(args.model)), args.dtype, args.threads)
         return {
+            "shape_rates": shapes,
+            "head_flop": 2.0 * head * responses,
+            "attention_flop": attention_flop(module, self.samples),
             "raylign": str(Path(raylign.__file__).parent),
             "attn": self.worker.module.config._attn_implementation,
             "rate_gflops": max(matmul_gflops(dtype, size=n, repeats=5, threads=args.threads) for n in sizes),
@@ -333,6 +353,25 @@ def print_side(label: str, info: dict[str, Any], steps: list[dict[str, float]], 
     )
     print("updates, s:", " ".join(f"{s['total']:.2f}" for s in steps), f"; peak resident {steps[-1]['peak_mb']:.0f} MB")
     print("losses:", " ".join(f"{s['loss_value']:.8f}" for s in steps))
+    # The same work at the rates this model's own products reach, attention's products counted.
+    r, head, attention = info["shape_rates"], info["head_flop"], info["attention_flop"]
+    trunk = info["flop"]["forward"] - head
+    shaped = {
+        "forward": (trunk / r["trunk_forward"] + head / r["head_forward"] + attention / rate) / 1e9,
+        "backward": (2 * trunk / r["trunk_train"] + 2 * head / r["head_train"] + 2 * attention / rate) / 1e9,
+    }
+    print(
+        f"\n{label}, at this model's own products ({r['rows']} rows, GFLOP/s: trunk {r['trunk_forward']:.0f} forward, "
+        f"{r['trunk_train']:.0f} with backward; output layer {r['head_forward']:.0f}, {r['head_train']:.0f}) "
+        f"with attention's {attention / 1e9:.1f} GFLOP a forward counted at {rate:.0f}:"
+    )
+    for phase, seconds in (*((p, medians[p]) for p in shaped), ("total", medians["total"])):
+        floor = shaped[phase] if phase in shaped else sum(shaped.values())
+        print(f"{phase:10s} {seconds:8.3f} {'':6s} {floor:8.2f} {floor / seconds:15.2f}")
+    print(
+        f"{'experience':10s} {medians['experience']:8.3f} {'':6s} {shaped['forward']:8.2f} "
+        f"{shaped['forward'] / medians['experience']:15.2f}"
+    )
 
 
 def print_profile(label: str, profile: dict[str, list[tuple[str, float, int]]]) -> None:

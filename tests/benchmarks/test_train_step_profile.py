@@ -36,3 +36,32 @@ def test_each_phase_is_timed_on_both_sides_and_their_losses_agree(tmp_path):
     losses = [re.search(r"losses: (.*)", table).group(1).split() for table in tables]
     assert len(losses[0]) == 2 and losses[0] == losses[1]
     assert done.stdout.count("top operators by self CPU time, all phases") == 2
+    # The floors at the model's own product rates, attention counted: one table per side, whose forward
+    # floor adds attention's FLOP at the square rate to the products' at the rates printed beside it.
+    shaped = [part for part in done.stdout.split("\n\n") if "at this model's own products" in part]
+    assert len(shaped) == 2
+    for part in shaped:
+        rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in part.splitlines()[1:]}
+        assert set(rows) == {"forward", "backward", "total", "experience"}
+        assert rows["total"][1] == pytest.approx(rows["forward"][1] + rows["backward"][1], abs=0.01)
+        assert rows["experience"][1] == rows["forward"][1]
+
+
+def test_attention_flop_is_two_length_squared_times_the_query_width_per_layer():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from train_step_profile import attention_flop
+
+    from raylign.rl.experience import Sample
+
+    class Config:  # 3 layers, 4 heads of 16: queries 64 wide
+        num_attention_heads, hidden_size, head_dim, num_hidden_layers = 4, 64, 16, 3
+
+    class Model:
+        config = Config()
+
+    samples = [
+        Sample([1] * 5, [2] * 3, [0.0] * 3, "", "", None, "t", "stop"),
+        Sample([1] * 2, [2], [0.0], "", "", None, "t", "stop"),
+    ]
+    # Causal Q K^T and A V: 2 x L^2 x width / 2 each; lengths 8 and 3.
+    assert attention_flop(Model(), samples) == 3 * (2 * 8**2 * 64 + 2 * 3**2 * 64)
