@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -77,20 +78,46 @@ def resident_bytes(pids: set[int]) -> int:
     return total
 
 
-def disk_usage(directory: str) -> int:
-    """Bytes of disk that the files and directories under ``directory`` take (allocated blocks, not sizes)."""
-    total, stack = 0, [directory]
+def scratch_usage(directory: str) -> tuple[int, int]:
+    """Bytes of disk that the files and folders under ``directory`` take (allocated blocks, not
+    sizes), and how many there are."""
+    total, count, stack = 0, 0, [directory]
     while stack:
         try:
             with os.scandir(stack.pop()) as entries:
                 for entry in entries:
+                    count += 1
                     with contextlib.suppress(OSError):
                         total += entry.stat(follow_symlinks=False).st_blocks * 512
                         if entry.is_dir(follow_symlinks=False):
                             stack.append(entry.path)
         except OSError:
             continue
-    return total
+    return total, count
+
+
+def entries_on_own_mounts(processes: Iterable[int], mounts: tuple[str, ...]) -> int | None:
+    """Files and folders on the filesystems mounted at ``mounts`` as a process of ``processes`` in a
+    mount namespace of its own sees them (a sandbox's tmpfs), read through that process's ``/proc``
+    root: each mount's inodes in use, less its root folder. None when no such process can be read."""
+    own = os.readlink("/proc/self/ns/mnt")
+    for pid in processes:
+        try:
+            if os.readlink(f"/proc/{pid}/ns/mnt") == own:
+                continue  # a process outside the sandbox (its wrapper), which sees the host's mounts
+            used = [os.statvfs(f"/proc/{pid}/root{mount}") for mount in mounts]
+        except PermissionError as err:
+            if not _UNREADABLE_MOUNTS_LOGGED:
+                _UNREADABLE_MOUNTS_LOGGED.append(pid)
+                logger.warning("sandbox files are not counted: its mounts cannot be read here (%s)", err)
+            continue
+        except OSError:  # gone
+            continue
+        return sum(st.f_files - st.f_ffree - 1 for st in used)
+    return None
+
+
+_UNREADABLE_MOUNTS_LOGGED: list[int] = []  # once per process
 
 
 def kill_tree(root: int, include_root: bool = True) -> None:

@@ -16,8 +16,10 @@ one only; anonymous and shared-memory pages, counted in each process that maps t
 no size-limited tmpfs bounds it, more than ``max_disk_mb`` of files in the scratch directory.
 These checks are approximate: a run may overshoot for one interval. With a pid namespace they
 read the sandbox's own process tree only; without one, every process (a child that left the tree
-stays in the process group or session). Not bounded but by the wall time: the number of (empty)
-files, and memory held in memfd or System V shared memory that no process maps. On wall-time
+stays in the process group or session). And more than ``max_files`` files and folders, which
+take kernel memory but no space (the scratch directory walked, or the sandbox's own tmpfs mounts'
+inodes in use, read through the ``/proc`` root of a process inside them). Not bounded but by the
+wall time: memory held in memfd or System V shared memory that no process maps. On wall-time
 expiry the whole process tree is killed; with a pid namespace the kernel kills everything in it
 once its first process dies.
 """
@@ -41,16 +43,24 @@ from raylign.agents import sandbox_backends
 from raylign.agents.process_tree import (
     HAS_CHILDREN_FILES,
     descendants,
-    disk_usage,
+    entries_on_own_mounts,
     kill_tree,
     process_tree,
     resident_bytes,
+    scratch_usage,
 )
-from raylign.agents.sandbox_backends import MIB, Backend, environment, interpreter, wrapper_argv
+from raylign.agents.sandbox_backends import (
+    MIB,
+    SCRATCH_IN_SANDBOX,
+    Backend,
+    environment,
+    interpreter,
+    wrapper_argv,
+)
 
 logger = logging.getLogger(__name__)
 
-FailureKind = Literal["timeout", "cpu_time", "memory", "processes", "disk", "filesystem", "network", "error"]
+FailureKind = Literal["timeout", "cpu_time", "memory", "processes", "disk", "files", "filesystem", "network", "error"]
 
 BOOTSTRAP_MARKER = "raylign-sandbox-bootstrap"
 _CPU_MARKER = "CPU time limit exceeded"
@@ -69,6 +79,7 @@ class SandboxLimits:
     max_processes: int = 16  # processes and threads the code may run at once
     max_file_mb: int = 16  # largest file the code may write, in MiB (RLIMIT_FSIZE)
     max_disk_mb: int = 64  # MiB its files may take together in the scratch directory (and in /dev/shm)
+    max_files: int = 10_000  # files and folders it may create there (empty ones take kernel memory, not space)
     max_output_chars: int = 4000  # characters of stdout and of stderr kept in the result
 
     def __post_init__(self) -> None:
@@ -215,8 +226,14 @@ def _past_limit(root: int, backend: Backend, limits: SandboxLimits, scratch: str
         return "processes"
     if resident_bytes(processes) > limits.memory_mb * MIB:
         return "memory"
-    if not backend.bounds_disk and disk_usage(scratch) > limits.max_disk_mb * MIB:
-        return "disk"
+    if backend.bounds_disk:  # its own tmpfs mounts, full at max_disk_mb, but not of (empty) files
+        files = entries_on_own_mounts(processes, (SCRATCH_IN_SANDBOX, "/dev/shm"))
+    else:
+        used, files = scratch_usage(scratch)
+        if used > limits.max_disk_mb * MIB:
+            return "disk"
+    if files is not None and files > limits.max_files:
+        return "files"
     return None
 
 
@@ -316,6 +333,7 @@ _FAILURE_TEXT: dict[str, str] = {
     "memory": "failed: out of memory (the limit is {memory} MB for all its processes together)",
     "processes": "failed: too many processes or threads (the limit is {processes})",
     "disk": "failed: out of disk space (the limits are {file} MB per file and {disk} MB for all files together)",
+    "files": "failed: too many files (the limit is {files} files and folders)",
     "filesystem": "failed: only the current directory is writable and nothing outside it is visible",
     "network": "failed: there is no network access in this sandbox",
     "error": "failed with exit code {exit_code}",
@@ -340,6 +358,7 @@ def _message(
         processes=limits.max_processes,
         file=limits.max_file_mb,
         disk=limits.max_disk_mb,
+        files=limits.max_files,
         exit_code=exit_code,
     )
     last = _last_error_line(stderr.decode("utf-8", errors="replace"))

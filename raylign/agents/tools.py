@@ -405,7 +405,8 @@ class CalculatorEnv(ToolEnv):
 class PythonEnv(ToolEnv):
     """Questions answered with the help of a Python interpreter that runs in a sandbox
     (:mod:`raylign.agents.sandbox`: no network, a scratch folder, limits on time, memory,
-    processes and disk space: ``max_disk_mb`` for all the files of one call). What the code prints
+    processes and disk space: ``max_disk_mb`` for all the files of one call, ``max_files`` files and
+    folders). What the code prints
     is the tool's result; a sandbox failure is a failed call.
     A call may take ``wall_time_s`` (and a few seconds to start and stop the sandbox); the calls
     of one turn together ``step_budget_s`` (see :class:`ToolEnv`)."""
@@ -419,13 +420,18 @@ class PythonEnv(ToolEnv):
         wall_time_s: float = 10.0,
         memory_mb: int = 512,
         max_disk_mb: int = 64,
+        max_files: int = 10_000,
         template_tools: bool = False,
         step_budget_s: float = 25.0,
     ):
         from raylign.agents.sandbox import SandboxLimits, run_python_async
 
         limits = SandboxLimits(
-            cpu_time_s=cpu_time_s, wall_time_s=wall_time_s, memory_mb=memory_mb, max_disk_mb=max_disk_mb
+            cpu_time_s=cpu_time_s,
+            wall_time_s=wall_time_s,
+            memory_mb=memory_mb,
+            max_disk_mb=max_disk_mb,
+            max_files=max_files,
         )
 
         async def python(code: str) -> str:

@@ -114,6 +114,64 @@ def test_python_env_passes_max_disk_mb_on_and_reports_a_disk_failure():
     assert message["content"].startswith(f"error: {DISK_FULL}")
 
 
+# ---- number of files -----------------------------------------------------------------------------
+
+FILES = SandboxLimits(cpu_time_s=4, wall_time_s=8, memory_mb=256, max_files=1000)
+TOO_MANY_FILES = "failed: too many files (the limit is 1000 files and folders)"
+
+# Creates empty files in a folder (they take no space, only kernel memory), 100 at a time with a
+# 5 ms pause, printing how many it made; unchecked it would make 20,000.
+MAKE_FILES = """
+import os, time
+made = 0
+for i in range(200):
+    for j in range(100):
+        open(os.path.join({folder!r}, f"f{{made}}"), "w").close()
+        made += 1
+    print(made, flush=True)
+    time.sleep(0.005)
+"""
+
+
+@pytest.mark.parametrize("folder", [".", "/dev/shm"], ids=["scratch", "dev-shm"])
+def test_empty_files_past_the_file_count_stop_the_call(folder, monkeypatch):
+    if folder == "/dev/shm" and not TMPFS_BOUNDS_DISK:
+        pytest.skip(f"backend {BACKEND!r} gives the call no /dev/shm of its own")
+    before = scratch_dirs()
+    result = run_python(MAKE_FILES.format(folder=folder), FILES)
+    assert (result.ok, result.failure, result.exit_code) == (False, "files", None)
+    assert result.message == TOO_MANY_FILES
+    # 100 files per 5 ms at most, checked every 20 ms: stopped within a few hundred past the limit.
+    made = int(result.stdout.split()[-1])
+    assert 1000 <= made <= 3000, made
+    assert scratch_dirs() == before
+
+
+def test_where_no_tmpfs_holds_them_the_scratch_folders_files_are_counted(monkeypatch):
+    monkeypatch.setattr(sandbox_backends, "chosen_backend", sandbox_backends.rlimit_backend)
+    result = run_python(MAKE_FILES.format(folder="."), FILES)
+    assert (result.ok, result.failure, result.message) == (False, "files", TOO_MANY_FILES)
+    assert 1000 <= int(result.stdout.split()[-1]) <= 3000
+
+
+def test_files_and_folders_up_to_the_limit_are_allowed():
+    # 499 folders of one file each, and one more file: 999 entries.
+    code = "import os\nfor i in range(499):\n    os.mkdir(f'd{i}')\n    open(f'd{i}/f', 'w').close()\n"
+    code += "open('last', 'w').close()\nprint(sum(len(files) + len(dirs) for _, dirs, files in os.walk('.')))"
+    result = run_python(code, FILES)
+    assert (result.ok, result.stdout) == (True, "999\n")
+
+
+def test_python_env_passes_max_files_on():
+    env = PythonEnv(system_prompt="", cpu_time_s=4, wall_time_s=8, memory_mb=256, max_files=1000)
+    env.reset("q", 1, {})
+    code = MAKE_FILES.format(folder=".")
+    call = f"<tool_call>{json.dumps({'name': 'python', 'arguments': {'code': code}})}</tool_call>"
+    (message,), _, _, info = asyncio.run(env.step(call, []))
+    assert info == {"tool_calls": 1, "tool_failures": ["files"]}
+    assert message["content"] == f"error: {TOO_MANY_FILES}"
+
+
 # ---- memory of all processes together ------------------------------------------------------------
 
 
