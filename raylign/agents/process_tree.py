@@ -65,17 +65,28 @@ def descendants(root: int) -> set[int]:
 
 
 def resident_bytes(pids: set[int]) -> int:
-    """Memory resident in ``pids`` that they hold themselves: anonymous and shared-memory pages, not files'."""
-    total = 0
+    """Memory resident in ``pids`` that they hold themselves: anonymous and shared-memory pages, not
+    files', and memory files (``memfd_create``) they hold open, once each, which no process need map:
+    a memfd's pages, mapped too, count in both."""
+    total, memory_files = 0, {}
     for pid in pids:
         try:
             with open(f"/proc/{pid}/status") as status:
                 for line in status:
                     if line.startswith(("RssAnon:", "RssShmem:")):
                         total += int(line.split()[1]) * 1024  # in kB
+            fds = os.listdir(f"/proc/{pid}/fd")
         except (OSError, ValueError):
             continue
-    return total
+        for fd in fds:
+            path = f"/proc/{pid}/fd/{fd}"
+            try:
+                if os.readlink(path).startswith("/memfd:"):
+                    st = os.stat(path)
+                    memory_files[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+            except OSError:  # closed meanwhile
+                continue
+    return total + sum(memory_files.values())
 
 
 def scratch_usage(directory: str) -> tuple[int, int]:

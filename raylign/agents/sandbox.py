@@ -12,14 +12,16 @@ what limits per process cannot bound, every ``_WATCH_INTERVAL_S`` (or less often
 is slow, so that checking takes at most about 1/``_WATCH_COST_RATIO`` of a core), and kills the
 sandbox past one: more than ``max_processes`` processes (the kernel never applies RLIMIT_NPROC
 to uid 0), more than ``memory_mb`` resident in all its processes together (RLIMIT_AS bounds each
-one only; anonymous and shared-memory pages, counted in each process that maps them), and, where
+one only; anonymous and shared-memory pages, counted in each process that maps them, and the
+memory files (``memfd_create``) they hold open, which RLIMIT_AS does not see), and, where
 no size-limited tmpfs bounds it, more than ``max_disk_mb`` of files in the scratch directory.
 These checks are approximate: a run may overshoot for one interval. With a pid namespace they
 read the sandbox's own process tree only; without one, every process (a child that left the tree
 stays in the process group or session). And more than ``max_files`` files and folders, which
 take kernel memory but no space (the scratch directory walked, or the sandbox's own tmpfs mounts'
 inodes in use, read through the ``/proc`` root of a process inside them). Not bounded but by the
-wall time: memory held in memfd or System V shared memory that no process maps. On wall-time
+wall time: System V shared memory that no process maps, freed with the call's IPC namespace when it
+ends (the ``rlimit`` backend has none: there it outlives the call). On wall-time
 expiry the whole process tree is killed; with a pid namespace the kernel kills everything in it
 once its first process dies.
 """
@@ -67,6 +69,7 @@ _CPU_MARKER = "CPU time limit exceeded"
 _WATCH_INTERVAL_S = 0.02
 _WATCH_COST_RATIO = 5  # a check that took t seconds waits at least 5 t for the next
 _REAP_TIMEOUT_S = 5.0
+_MAX_OPEN_FILES = 1024  # RLIMIT_NOFILE: the watch reads every open file of every process
 
 
 @dataclass
@@ -111,6 +114,9 @@ resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # open files: the parent reads each one's kind
+files = {_MAX_OPEN_FILES} if hard == resource.RLIM_INFINITY else min(hard, {_MAX_OPEN_FILES})
+resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
 if nproc > 0:
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 def out_of_cpu(signum, frame):

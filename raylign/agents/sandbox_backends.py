@@ -146,7 +146,7 @@ def _unshare_backend() -> Backend | None:
     unshare = shutil.which("unshare")
     if unshare is None:
         return None
-    namespaces = ["--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
+    namespaces = ["--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
     missing = "the filesystem (the code can read and write what this user can; only the scratch dir's space is bounded)"
     for user in (["--user", "--map-root-user"], []):
         backend = Backend(
@@ -166,8 +166,8 @@ def _unshare_backend() -> Backend | None:
 
 def rlimit_backend() -> Backend:
     missing = (
-        "the filesystem, the network, and processes that leave the process group (setsid); "
-        "only the scratch dir's space is bounded"
+        "the filesystem, the network, processes that leave the process group (setsid), and System V "
+        "shared memory (it outlives the call); only the scratch dir's space is bounded"
     )
     return Backend("rlimit", (), 0, False, None, missing, bounds_disk=False, pid_namespace=False)
 

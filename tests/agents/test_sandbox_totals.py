@@ -194,6 +194,72 @@ def test_forked_children_share_one_memory_limit():
     assert sandbox_processes() == []
 
 
+# Memory files of 15 MiB each (within the 16 MiB file-size limit), held open and never mapped, so
+# that no process's resident memory shows them: 64 of them would be 960 MiB.
+MEMORY_FILES = """
+import os
+chunk = b"x" * (1 << 20)
+held = []
+for i in range(64):
+    fd = os.memfd_create(f"m{i}")
+    for _ in range(15):
+        os.write(fd, chunk)
+    held.append(fd)
+    print(15 * len(held), flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["chosen", "rlimit"])
+def test_memory_files_held_open_count_towards_the_memory_limit(backend, monkeypatch):
+    if backend == "rlimit":
+        monkeypatch.setattr(sandbox_backends, "chosen_backend", sandbox_backends.rlimit_backend)
+    result = run_python(MEMORY_FILES, SandboxLimits(cpu_time_s=4, wall_time_s=8, memory_mb=256))
+    assert (result.ok, result.failure, result.exit_code) == (False, "memory", None)
+    assert result.message == "failed: out of memory (the limit is 256 MB for all its processes together)"
+    # The interpreter's own 15-25 MiB count too, so past 256 MiB at the 16th to 18th file; at about
+    # 1 GB/s a 20 ms check lets a few more through. Unwatched, the 64 files (960 MiB) were all made.
+    held_mb = int(result.stdout.split()[-1])
+    assert 225 <= held_mb <= 600, held_mb
+
+
+SYSV_KEY = 0x5A4D0001
+# A System V segment under a fixed key, left behind when the code ends (no IPC_RMID).
+SYSV_SEGMENT = f"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.shmget({SYSV_KEY}, 1 << 20, 0o1600) >= 0)  # IPC_CREAT | 0600
+"""
+
+
+def host_segment_exists() -> bool:
+    """Whether this machine's own IPC namespace holds the segment; removed if so (IPC_RMID), so that
+    a leak fails one run and not every later one."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    segment = libc.shmget(SYSV_KEY, 0, 0)
+    if segment >= 0:
+        libc.shmctl(segment, 0, None)
+    return segment >= 0
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "unshare"])
+def test_system_v_shared_memory_ends_with_the_call(backend, monkeypatch):
+    chosen = sandbox_backends._bwrap_backend() if backend == "bwrap" else sandbox_backends._unshare_backend()
+    if chosen is None:
+        pytest.skip(f"no working {backend} here")
+    monkeypatch.setattr(sandbox_backends, "chosen_backend", lambda: chosen)
+    assert not host_segment_exists()
+    result = run_python(SYSV_SEGMENT)
+    assert (result.ok, result.stdout) == (True, "True\n")
+    assert not host_segment_exists()  # it lived in the call's own IPC namespace
+
+
+def test_open_files_are_limited_so_that_the_watch_stays_cheap():
+    code = "import resource\nprint(resource.getrlimit(resource.RLIMIT_NOFILE))"
+    assert run_python(code).stdout == "(1024, 1024)\n"
+
+
 def test_a_small_process_pool_runs_within_the_limits():
     code = (
         "import multiprocessing\n"
