@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from raylign.config.base import Section
-from raylign.config.engine import EngineConfig
+from raylign.config.engine import EngineConfig, refuse_master_weights_off
 from raylign.engine.memory import (
     KNOWN_SHAPES,
     Layout,
@@ -69,7 +69,7 @@ class EstimateMemoryConfig(Section):
     def _a_layout_training_accepts(self) -> EstimateMemoryConfig:
         """The layout checks of a training run's config (the error names engine's field), so that no
         figure is printed for a layout training would refuse."""
-        EngineConfig(
+        engine = EngineConfig(
             backend=self.backend,
             zero_stage=self.zero_stage,
             num_processes=self.num_processes,
@@ -78,12 +78,7 @@ class EstimateMemoryConfig(Section):
             offload_params=self.offload_params,
             offload_optimizer=self.offload_optimizer,
         )
-        if self.backend == "deepspeed" and self.offload_params and self.zero_stage != 3:
-            raise ValueError(f"offload_params needs zero_stage 3 with deepspeed (got {self.zero_stage})")
-        if not self.master_weights and self.backend == "deepspeed":
-            raise ValueError(
-                "master_weights: false needs backend 'local' or 'fsdp2' (DeepSpeed's bf16 mode keeps them)"
-            )
+        refuse_master_weights_off(engine, self, field="master_weights")
         return self
 
 

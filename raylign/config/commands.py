@@ -6,7 +6,7 @@ from pydantic import Field, model_validator
 
 from raylign.config.base import Section
 from raylign.config.data import DataConfig
-from raylign.config.engine import EngineConfig, refuse_unsupported_layouts
+from raylign.config.engine import EngineConfig, refuse_master_weights_off, refuse_unsupported_layouts
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.config.train import TrainConfig
@@ -24,4 +24,5 @@ class SFTConfig(Section):
     @model_validator(mode="after")
     def _layouts_it_can_train(self) -> SFTConfig:
         refuse_unsupported_layouts(self.engine, self.model, "sft", packing=self.data.packing)
+        refuse_master_weights_off(self.engine, self.optim)
         return self

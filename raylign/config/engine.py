@@ -95,6 +95,15 @@ class EngineConfig(Section):
     )
 
     @model_validator(mode="after")
+    def _parameters_offload_under_zero3(self) -> EngineConfig:
+        if self.backend == "deepspeed" and self.offload_params and self.zero_stage != 3:
+            raise ValueError(
+                f"engine.offload_params needs engine.zero_stage 3 with engine.backend deepspeed (got "
+                f"{self.zero_stage}): only ZeRO-3 partitions parameters"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _processes_need_a_distributed_backend(self) -> EngineConfig:
         if self.backend == "local" and self.num_processes > 1:  # caught here, before torchrun starts the ranks
             raise ValueError(
@@ -164,6 +173,15 @@ LORA_AUTOTP = (
     "splits the linear layers the adapters wrap; use engine.backend fsdp2, whose plan splits the adapters with them"
 )
 SPLITS_ROWS = {"sft", "rm", "prm", "dpo", "kto", "kd"}  # offline commands whose rows sequence parallelism splits
+
+
+def refuse_master_weights_off(engine: EngineConfig, optim: Any, field: str = "optim.master_weights") -> None:
+    """``optim.master_weights: false`` where the backend keeps fp32 masters whatever it says."""
+    if engine.backend == "deepspeed" and not optim.master_weights:
+        raise ValueError(
+            f"{field}: false needs engine.backend 'local' or 'fsdp2': DeepSpeed's bf16 mode always "
+            "keeps fp32 master partitions"
+        )
 
 
 def refuse_unsupported_layouts(engine: EngineConfig, model: Any, command: str, packing: bool = True) -> None:

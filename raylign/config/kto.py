@@ -6,7 +6,7 @@ from pydantic import Field, model_validator
 
 from raylign.config.base import Section
 from raylign.config.data import DataConfig
-from raylign.config.engine import EngineConfig, refuse_unsupported_layouts
+from raylign.config.engine import EngineConfig, refuse_master_weights_off, refuse_unsupported_layouts
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.config.train import TrainConfig
@@ -52,6 +52,7 @@ class KTOConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> KTOConfig:
         refuse_unsupported_layouts(self.engine, self.model, "kto", packing=self.data.packing)
+        refuse_master_weights_off(self.engine, self.optim)
         if self.data.loss == "full":
             raise ValueError("data.loss 'full' does not apply to KTO (it scores the completion given the prompt)")
         if self.kto.estimate_kl and self.train.micro_batch_size < 2:

@@ -14,7 +14,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from raylign.config.agent import AgentConfig
 from raylign.config.base import Section, check_registered, deep_merge, registered
 from raylign.config.data import RESPONSE_KEYS, DatasetSpec, refuse_keys_prompts_ignore
-from raylign.config.engine import LORA_AUTOTP, EngineConfig, refuse_quantized_layout
+from raylign.config.engine import LORA_AUTOTP, EngineConfig, refuse_master_weights_off, refuse_quantized_layout
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
 from raylign.config.reward import RewardConfig
@@ -599,6 +599,9 @@ class RLConfig(Section):
     def _possible(self) -> RLConfig:
         a, t, s, p = self.algorithm, self.train, self.sampling, self.placement
         refuse_quantized_layout(self.engine, self.model, "rl")
+        refuse_master_weights_off(self.engine, self.optim)
+        if self.uses_critic:
+            refuse_master_weights_off(self.engine, self.critic.optim, "critic.optim.master_weights")
         for field in ("tensor_parallel_size", "sequence_parallel_size"):
             size = getattr(self.engine, field)
             if size == 1:

@@ -55,12 +55,10 @@ def create_engine(
 
         return FSDP2Engine(model, engine_cfg, optim_cfg, total_steps)
     if engine_cfg.backend == "deepspeed":
-        if not optim_cfg.master_weights:
-            raise ValueError(
-                "optim.master_weights: false needs engine.backend 'local' or 'fsdp2': DeepSpeed's bf16 mode always "
-                "keeps fp32 master partitions"
-            )
+        from raylign.config.engine import refuse_master_weights_off
         from raylign.engine.deepspeed import DeepSpeedZeroEngine
+
+        refuse_master_weights_off(engine_cfg, optim_cfg)  # the commands' configs refuse it before anything starts
 
         return DeepSpeedZeroEngine(model, engine_cfg, optim_cfg, total_steps)
     raise ValueError(f"engine.backend must be one of local, fsdp2, deepspeed (got {engine_cfg.backend!r})")

@@ -120,11 +120,6 @@ def deepspeed_config(
     engine_cfg: EngineConfig, optim_cfg: OptimConfig, model_dtype: torch.dtype, device: torch.device
 ) -> dict[str, Any]:
     """The DeepSpeed JSON config that gives this engine's step semantics."""
-    if engine_cfg.offload_params and engine_cfg.zero_stage != 3:
-        raise ValueError(
-            f"engine.offload_params needs engine.zero_stage 3 (got {engine_cfg.zero_stage}): "
-            "only ZeRO-3 partitions parameters"
-        )
     if model_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the deepspeed backend trains float32 or bfloat16 models, got {model_dtype}")
     pin = device.type == "cuda"

@@ -37,8 +37,8 @@ def test_deepspeed_optimizer_offload_leaves_the_bf16_weights_and_gradients_on_th
     [
         ({"backend": "local", "num_processes": 2, "tensor_parallel_size": 2}, "needs engine.backend 'fsdp2' or"),
         ({"backend": "local", "num_processes": 8}, "engine.num_processes 8 needs engine.backend"),
-        ({"backend": "deepspeed", "zero_stage": 2, "offload_params": True}, "offload_params needs zero_stage 3"),
-        ({"backend": "deepspeed", "master_weights": False}, "master_weights: false needs backend 'local' or"),
+        ({"backend": "deepspeed", "zero_stage": 2, "offload_params": True}, "offload_params needs engine.zero_stage 3"),
+        ({"backend": "deepspeed", "master_weights": False}, "master_weights: false needs engine.backend 'local' or"),
     ],
 )
 def test_a_layout_training_refuses_gets_no_estimate(fields, error):

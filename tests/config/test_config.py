@@ -99,3 +99,39 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         resolve_config(SFTConfig, bad)
+
+
+def _trained_commands() -> list[str]:
+    from raylign.cli.main import COMMANDS
+
+    return [name for name, c in COMMANDS.items() if {"engine", "optim"} <= set(c.config_cls().model_fields)]
+
+
+def test_every_command_that_trains_is_checked():
+    assert set(_trained_commands()) == {"sft", "rm", "prm", "dpo", "kto", "kd", "rl"}
+
+
+@pytest.mark.parametrize("name", _trained_commands())
+def test_deepspeed_without_master_weights_or_offloading_parameters_below_zero3_is_refused_at_the_config(name):
+    """Each was found only once the engine started (in rl, after Ray and every worker had started)."""
+    from raylign.cli.main import COMMANDS
+
+    cls = COMMANDS[name].config_cls()
+    data: dict = {"model": {"path": "m"}, "data": {"train": ["x.jsonl"]}, "engine": {"backend": "deepspeed"}}
+    data |= {"teacher": {"path": "t"}} if name == "kd" else {}
+    data |= {"reward": {"sources": [{"kind": "exact_match"}]}} if name == "rl" else {}
+    with pytest.raises(ConfigError, match="optim.master_weights: false needs engine.backend 'local' or 'fsdp2'"):
+        parse_config(cls, {**data, "optim": {"master_weights": False}})
+    with pytest.raises(ConfigError, match=r"engine.offload_params needs engine.zero_stage 3 .* \(got 2\)"):
+        parse_config(cls, {**data, "engine": {"backend": "deepspeed", "zero_stage": 2, "offload_params": True}})
+    parse_config(cls, {**data, "engine": {"backend": "deepspeed", "zero_stage": 3, "offload_params": True}})
+    parse_config(cls, {**data, "engine": {"backend": "fsdp2"}, "optim": {"master_weights": False}})
+
+
+def test_rl_checks_the_critics_optimizer_too():
+    from raylign.config.rl import RLConfig
+
+    data = {"preset": "ppo", "model": {"path": "m"}, "data": {"train": ["x.jsonl"]}, "engine": {"backend": "deepspeed"}}
+    data["reward"] = {"sources": [{"kind": "exact_match"}]}
+    with pytest.raises(ConfigError, match="critic.optim.master_weights: false needs engine.backend"):
+        parse_config(RLConfig, {**data, "critic": {"optim": {"master_weights": False}}})

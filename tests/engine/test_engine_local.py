@@ -232,9 +232,11 @@ def test_deepspeed_config_leaves_accumulation_and_schedule_to_the_caller():
 
 
 def test_deepspeed_param_offload_needs_zero3():
-    cfg = EngineConfig(backend="deepspeed", zero_stage=2, offload_params=True)
     with pytest.raises(ValueError, match=r"offload_params needs engine\.zero_stage 3"):
-        deepspeed_config(cfg, OptimConfig(), torch.float32, torch.device("cpu"))
+        EngineConfig(backend="deepspeed", zero_stage=2, offload_params=True)
+    cfg = EngineConfig(backend="deepspeed", zero_stage=3, offload_params=True)
+    config = deepspeed_config(cfg, OptimConfig(), torch.float32, torch.device("cpu"))
+    assert config["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": False}
 
 
 def test_torch_extensions_dir_is_the_users_or_one_per_environment(monkeypatch):
