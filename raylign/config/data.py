@@ -94,6 +94,33 @@ class DatasetSpec(Section):
         return {"path": data} if isinstance(data, str) else data
 
 
+# The keys of a row each offline command reads (DatasetSpec's *_key fields); rm and dpo read pairs,
+# kd its SFT rows, prm its prompt (its steps and labels come from prm.steps_key and prm.labels_key).
+COMMAND_KEYS = {
+    "sft": ("input_key", "output_key", "messages_key", "system_key"),
+    "kd": ("input_key", "output_key", "messages_key", "system_key"),
+    "rm": ("input_key", "chosen_key", "rejected_key", "system_key"),
+    "dpo": ("input_key", "chosen_key", "rejected_key", "system_key"),
+    "kto": ("input_key", "output_key", "label_key", "system_key"),
+    "prm": ("input_key",),
+}
+
+
+def refuse_keys_the_command_ignores(data: DataConfig, command: str) -> None:
+    """A dataset key the command does not read (chosen_key in sft), given a value: refused naming it,
+    where it would be accepted and ignored."""
+    reads = COMMAND_KEYS[command]
+    ignored = [f for f in DatasetSpec.model_fields if f.endswith("_key") and f not in reads]
+    for field, specs in (("data.train", data.train), ("data.eval", data.eval)):
+        for i, spec in enumerate(specs):
+            unused = spec.set_away_from_default(ignored)
+            if unused:
+                raise ValueError(
+                    f"{field}.{i}: {command} does not read {', '.join(unused)}; it reads {', '.join(reads)}"
+                    + (" (and prm.steps_key, prm.labels_key)" if command == "prm" else "")
+                )
+
+
 class DataConfig(Section):
     """Datasets, formatting, tokenisation limits and batching layout."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -135,3 +137,29 @@ def test_rl_checks_the_critics_optimizer_too():
     data["reward"] = {"sources": [{"kind": "exact_match"}]}
     with pytest.raises(ConfigError, match="critic.optim.master_weights: false needs engine.backend"):
         parse_config(RLConfig, {**data, "critic": {"optim": {"master_weights": False}}})
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "reads"),
+    [
+        ("sft", "chosen_key", "input_key, output_key, messages_key, system_key"),
+        ("kd", "label_key", "input_key, output_key, messages_key, system_key"),
+        ("rm", "output_key", "input_key, chosen_key, rejected_key, system_key"),
+        ("dpo", "messages_key", "input_key, chosen_key, rejected_key, system_key"),
+        ("kto", "rejected_key", "input_key, output_key, label_key, system_key"),
+        ("prm", "system_key", "input_key (and prm.steps_key, prm.labels_key)"),
+    ],
+)
+def test_a_dataset_key_the_command_does_not_read_is_refused(name, key, reads):
+    # Each was accepted and did nothing: sft reads no chosen_key, dpo no messages_key.
+    from raylign.cli.main import COMMANDS
+
+    cls = COMMANDS[name].config_cls()
+    data: dict = {"model": {"path": "m"}} | ({"teacher": {"path": "t"}} if name == "kd" else {})
+    spec = {"path": "x.jsonl", key: "answer"}
+    with pytest.raises(ConfigError, match=rf"data\.train\.0: {name} does not read {key}; it reads {re.escape(reads)}"):
+        parse_config(cls, {**data, "data": {"train": [spec]}})
+    with pytest.raises(ConfigError, match=rf"data\.eval\.0: {name} does not read {key}"):
+        parse_config(cls, {**data, "data": {"train": ["x.jsonl"], "eval": [spec]}})
+    taken = parse_config(cls, {**data, "data": {"train": [{"path": "x.jsonl", "input_key": "q"}]}})  # read by all
+    assert taken.data.train[0].input_key == "q"
