@@ -5,9 +5,10 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from raylign.config.base import Section
-from raylign.config.data import DataConfig, refuse_keys_the_command_ignores
-from raylign.config.engine import EngineConfig, refuse_master_weights_off, refuse_unsupported_layouts
+from raylign.config.data import DataConfig
+from raylign.config.engine import EngineConfig
 from raylign.config.model import ModelConfig
+from raylign.config.offline import refuse_what_the_command_cannot_use
 from raylign.config.optim import OptimConfig
 from raylign.config.train import TrainConfig
 
@@ -23,7 +24,5 @@ class SFTConfig(Section):
 
     @model_validator(mode="after")
     def _layouts_it_can_train(self) -> SFTConfig:
-        refuse_unsupported_layouts(self.engine, self.model, "sft", packing=self.data.packing)
-        refuse_master_weights_off(self.engine, self.optim)
-        refuse_keys_the_command_ignores(self.data, "sft")
+        refuse_what_the_command_cannot_use(self, "sft")
         return self

@@ -7,9 +7,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from raylign.config.base import Section
-from raylign.config.data import DataConfig, refuse_keys_the_command_ignores
-from raylign.config.engine import EngineConfig, refuse_master_weights_off, refuse_unsupported_layouts
+from raylign.config.data import DataConfig
+from raylign.config.engine import EngineConfig
 from raylign.config.model import ModelConfig
+from raylign.config.offline import refuse_what_the_command_cannot_use
 from raylign.config.optim import OptimConfig
 from raylign.config.train import TrainConfig
 
@@ -103,9 +104,7 @@ class DPOConfig(Section):
 
     @model_validator(mode="after")
     def _pairs_have_no_loss_mode(self) -> DPOConfig:
-        refuse_unsupported_layouts(self.engine, self.model, "dpo", packing=self.data.packing)
-        refuse_master_weights_off(self.engine, self.optim)
-        refuse_keys_the_command_ignores(self.data, "dpo")
+        refuse_what_the_command_cannot_use(self, "dpo")
         if self.data.loss != "prompt_masked":
             raise ValueError("data.loss applies to sft only; preference losses score the responses")
         return self

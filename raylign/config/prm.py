@@ -7,9 +7,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from raylign.config.base import Section
-from raylign.config.data import DataConfig, refuse_keys_the_command_ignores
-from raylign.config.engine import EngineConfig, refuse_master_weights_off, refuse_unsupported_layouts
+from raylign.config.data import DataConfig
+from raylign.config.engine import EngineConfig
 from raylign.config.model import ModelConfig
+from raylign.config.offline import refuse_what_the_command_cannot_use
 from raylign.config.optim import OptimConfig
 from raylign.config.train import TrainConfig
 
@@ -57,9 +58,7 @@ class PRMConfig(Section):
 
     @model_validator(mode="after")
     def _step_targets_only(self) -> PRMConfig:
-        refuse_unsupported_layouts(self.engine, self.model, "prm", packing=self.data.packing)
-        refuse_master_weights_off(self.engine, self.optim)
-        refuse_keys_the_command_ignores(self.data, "prm")
+        refuse_what_the_command_cannot_use(self, "prm")
         if self.data.loss == "full":
             raise ValueError("data.loss 'full' does not apply to a process reward model (it trains on step labels)")
         return self

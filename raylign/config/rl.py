@@ -588,6 +588,12 @@ class RLConfig(Section):
                 "train.early_reference: true computes reference log-probs while the engines generate, but under "
                 "placement.colocate the reference shares its device with the generating engine: use auto or false"
             )
+        evals = t.set_away_from_default(["eval_every", "eval_n", "eval_temperature", "eval_max_new_tokens"])
+        if evals and not self.data.eval:
+            raise ValueError(
+                f"{', '.join(f'train.{f}' for f in evals)}: there are no eval prompts to evaluate on; give "
+                "data.eval (eval prompt datasets), or leave these unset"
+            )
         if a.length_penalty == "kimi" and s.n < 2:
             raise ValueError(
                 f"algorithm.length_penalty: kimi compares the lengths of a prompt's samples: with sampling.n {s.n} "

@@ -163,3 +163,18 @@ def test_a_dataset_key_the_command_does_not_read_is_refused(name, key, reads):
         parse_config(cls, {**data, "data": {"train": ["x.jsonl"], "eval": [spec]}})
     taken = parse_config(cls, {**data, "data": {"train": [{"path": "x.jsonl", "input_key": "q"}]}})  # read by all
     assert taken.data.train[0].input_key == "q"
+
+
+@pytest.mark.parametrize("name", ["sft", "rm", "prm", "dpo", "kto", "kd"])
+def test_eval_every_without_anything_to_evaluate_is_refused(name):
+    # It evaluated nothing: OfflineTrainer.evaluate returns no metrics without eval samples.
+    from raylign.cli.main import COMMANDS
+
+    cls = COMMANDS[name].config_cls()
+    data: dict = {"model": {"path": "m"}, "train": {"eval_every": 5}} | (
+        {"teacher": {"path": "t"}} if name == "kd" else {}
+    )
+    with pytest.raises(ConfigError, match="train.eval_every 5: there is nothing to evaluate on; give data.eval"):
+        parse_config(cls, {**data, "data": {"train": ["x.jsonl"]}})
+    assert parse_config(cls, {**data, "data": {"train": ["x.jsonl"], "eval_fraction": 0.1}}).train.eval_every == 5
+    assert parse_config(cls, {**data, "data": {"train": ["x.jsonl"], "eval": ["y.jsonl"]}}).train.eval_every == 5

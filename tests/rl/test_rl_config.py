@@ -281,10 +281,23 @@ def test_greedy_sampling_where_samples_are_compared_is_refused(preset, dynamic, 
 
 
 def test_several_greedy_evaluation_samples_are_refused(base, tmp_path):
+    base["data"]["eval"] = base["data"]["train"]
     base["train"].update(eval_n=4)
     assert "pass@4 would equal pass@1" in _error(tmp_path, base)
     base["train"].update(eval_temperature=0.7)
     assert resolve(tmp_path, base).train.eval_n == 4
+
+
+@pytest.mark.parametrize(
+    "train", [{"eval_every": 2}, {"eval_n": 2, "eval_temperature": 0.7}, {"eval_max_new_tokens": 8}], ids=str
+)
+def test_evaluation_settings_without_eval_prompts_are_refused(train, base, tmp_path):
+    # eval_every without data.eval evaluated nothing, logging "step 2 eval: " with no figures.
+    base["train"].update(train)
+    named = ", ".join(f"train.{k}" for k in train)
+    assert f"{named}: there are no eval prompts to evaluate on; give data.eval" in _error(tmp_path, base)
+    base["data"]["eval"] = base["data"]["train"]
+    assert resolve(tmp_path, base).data.eval
 
 
 def test_engine_num_processes_is_refused_in_rl(base, tmp_path):
