@@ -95,6 +95,25 @@ class EngineConfig(Section):
     )
 
     @model_validator(mode="after")
+    def _no_setting_the_backend_ignores(self) -> EngineConfig:
+        """A setting only other backends read, given a value, would do nothing: refused naming both."""
+        read_by = {
+            "zero_stage": ("deepspeed",),
+            "offload_optimizer": ("fsdp2", "deepspeed"),
+            "offload_params": ("fsdp2", "deepspeed"),
+            "reduce_dtype": ("fsdp2", "deepspeed"),  # one process reduces nothing
+            "load_sharded": ("fsdp2",),
+            "reshard_after_forward": ("fsdp2",),
+            "tensor_parallel_shard_activations": ("fsdp2",),
+        }
+        for field in self.set_away_from_default([f for f, backends in read_by.items() if self.backend not in backends]):
+            raise ValueError(
+                f"engine.{field} {getattr(self, field)} is read by engine.backend {' or '.join(read_by[field])} only; "
+                f"with {self.backend!r} it would do nothing: leave it unset, or choose that backend"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _parameters_offload_under_zero3(self) -> EngineConfig:
         if self.backend == "deepspeed" and self.offload_params and self.zero_stage != 3:
             raise ValueError(

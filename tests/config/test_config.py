@@ -178,3 +178,29 @@ def test_eval_every_without_anything_to_evaluate_is_refused(name):
         parse_config(cls, {**data, "data": {"train": ["x.jsonl"]}})
     assert parse_config(cls, {**data, "data": {"train": ["x.jsonl"], "eval_fraction": 0.1}}).train.eval_every == 5
     assert parse_config(cls, {**data, "data": {"train": ["x.jsonl"], "eval": ["y.jsonl"]}}).train.eval_every == 5
+
+
+@pytest.mark.parametrize(
+    ("engine", "read_by"),
+    [
+        ({"backend": "local", "offload_optimizer": True}, "fsdp2 or deepspeed"),
+        ({"backend": "local", "offload_params": True}, "fsdp2 or deepspeed"),
+        ({"backend": "local", "reduce_dtype": "bfloat16"}, "fsdp2 or deepspeed"),
+        ({"backend": "fsdp2", "zero_stage": 3}, "deepspeed"),
+        ({"backend": "deepspeed", "load_sharded": False}, "fsdp2"),
+        ({"backend": "deepspeed", "reshard_after_forward": False}, "fsdp2"),
+        ({"backend": "local", "tensor_parallel_shard_activations": False}, "fsdp2"),
+    ],
+    ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else "",
+)
+def test_an_engine_setting_the_backend_does_not_read_is_refused(engine, read_by):
+    # offload_optimizer under the default local backend kept the optimizer on the device without a word.
+    from raylign.config.engine import EngineConfig
+
+    field, value = list(engine.items())[1]
+    with pytest.raises(ValueError, match=rf"engine\.{field} {value} is read by engine\.backend {read_by} only; with "):
+        EngineConfig(**engine)
+    backend = read_by.split(" or ")[0]
+    kept = EngineConfig(**{**engine, "backend": backend})
+    assert getattr(kept, field) == value
+    EngineConfig(**{**engine, field: EngineConfig.model_fields[field].default})  # its default passes
