@@ -88,16 +88,17 @@ def test_model_parallel_training_equals_data_parallel_ranks(runs, layout):
 @pytest.fixture(scope="module")
 def lora_runs(ray_session, prompt_file, tmp_path_factory):
     """A LoRA policy's GRPO run with a KL term to its base (the policy with its adapters off), on 2
-    data-parallel ranks, on 2 ranks sharing every row (ring and Ulysses attention), on 2 ranks
-    splitting every matrix and its adapter, and on 4 ranks doing both (each row's 2 chunks split over
-    2 ranks each): each layout's metrics and merged export."""
+    data-parallel ranks, on 2 ranks sharing every row (ring attention), on 2 ranks splitting every
+    matrix and its adapter, and on 4 ranks doing both (each row's 2 chunks split over 2 ranks each):
+    each layout's metrics and merged export. Ulysses attention takes the same path through the RL
+    workers (engine.sequence_parallel_mode only picks the attention function): it is checked against
+    whole attention in tests/models/test_sequence_parallel.py and trained in the SFT layouts."""
     tmp_path = tmp_path_factory.mktemp("model_parallel_lora")
     model_dir = build_tiny_model(tmp_path / "policy", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, seed=3)
     out = {}
     layouts = {
         "data": {},
         "sequence": {"sequence_parallel_size": 2},
-        "sequence_ulysses": {"sequence_parallel_size": 2, "sequence_parallel_mode": "ulysses"},
         "tensor": {"tensor_parallel_size": 2},
         "tensor_sequence": {"tensor_parallel_size": 2, "sequence_parallel_size": 2},
     }
@@ -115,7 +116,7 @@ def lora_runs(ray_session, prompt_file, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", ["sequence", "sequence_ulysses", "tensor", "tensor_sequence"])
+@pytest.mark.parametrize("layout", ["sequence", "tensor", "tensor_sequence"])
 def test_a_lora_policy_trains_with_rows_or_matrices_split_like_data_parallel_ranks(lora_runs, layout):
     (whole_records, whole_weights), (split_records, split_weights) = lora_runs["data"], lora_runs[layout]
     assert [r["step"] for r in split_records] == [r["step"] for r in whole_records] == [1, 2]

@@ -33,7 +33,6 @@ RUNS: dict[str, dict] = {
     "tp2_resumed": {"tensor_parallel_size": 2, "stop_after": 2},
     "deepspeed_tp2": AUTOTP2,
     "deepspeed_tp2_sp2": {**AUTOTP2, "sequence_parallel_size": 2},
-    "deepspeed_tp2_sp2_ulysses": {**AUTOTP2, "sequence_parallel_size": 2, "sequence_parallel_mode": "ulysses"},
     "tp2_sp2": {"tensor_parallel_size": 2, "sequence_parallel_size": 2},
     "tp2_sp2_ulysses": {"tensor_parallel_size": 2, "sequence_parallel_size": 2, "sequence_parallel_mode": "ulysses"},
     "lora_tp1": {"model": {"lora": {"rank": 4}}},
