@@ -36,6 +36,20 @@ def check_prompt_template(value: str) -> str:
 RESPONSE_KEYS = ("output_key", "messages_key", "chosen_key", "rejected_key")
 
 
+def refuse_plain_settings_under_chat(section: Any, fields: list[str]) -> None:
+    """Plain-format settings (``prompt_template``, ``add_eos``) given a value under ``format: chat``, where
+    the tokenizer's chat template writes the prompt and would leave them unread: refused naming them."""
+    if section.format != "chat":
+        return
+    given = section.set_away_from_default(fields)
+    if given:
+        values = ", ".join(f"data.{f} {getattr(section, f)!r}" for f in given)
+        raise ValueError(
+            f"{values}: read by data.format plain only; under data.format chat (the default) the tokenizer's chat "
+            "template writes the prompt: set data.format plain, or leave them unset"
+        )
+
+
 def refuse_keys_prompts_ignore(specs: list[DatasetSpec], keys: tuple[str, ...], field: str, reads: str) -> None:
     """Refuse a prompt dataset that sets one of ``keys`` (it would be accepted and ignored), naming it."""
     for i, spec in enumerate(specs):
@@ -209,4 +223,5 @@ class DataConfig(Section):
             raise ValueError("set a weight on every train dataset or on none (none: each contributes all its rows)")
         if self.eval and self.eval_fraction > 0:
             raise ValueError("set either eval (separate eval datasets) or eval_fraction (held out of train), not both")
+        refuse_plain_settings_under_chat(self, ["prompt_template", "add_eos"])
         return self

@@ -14,7 +14,13 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from raylign.config.base import Section
-from raylign.config.data import RESPONSE_KEYS, DatasetSpec, check_prompt_template, refuse_keys_prompts_ignore
+from raylign.config.data import (
+    RESPONSE_KEYS,
+    DatasetSpec,
+    check_prompt_template,
+    refuse_keys_prompts_ignore,
+    refuse_plain_settings_under_chat,
+)
 from raylign.config.reward import RewardConfig
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 
@@ -98,6 +104,11 @@ class PromptDataConfig(Section):
     @classmethod
     def _template_has_only_input(cls, value: str) -> str:
         return check_prompt_template(value)
+
+    @model_validator(mode="after")
+    def _plain_template_under_plain_only(self) -> PromptDataConfig:
+        refuse_plain_settings_under_chat(self, ["prompt_template"])
+        return self
 
     @field_validator("passthrough_keys")
     @classmethod

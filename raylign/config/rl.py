@@ -13,7 +13,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from raylign.config.agent import AgentConfig
 from raylign.config.base import Section, check_registered, deep_merge, registered
-from raylign.config.data import RESPONSE_KEYS, DatasetSpec, refuse_keys_prompts_ignore
+from raylign.config.data import RESPONSE_KEYS, DatasetSpec, refuse_keys_prompts_ignore, refuse_plain_settings_under_chat
 from raylign.config.engine import LORA_AUTOTP, EngineConfig, refuse_master_weights_off, refuse_quantized_layout
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
@@ -240,6 +240,7 @@ class RLDataConfig(Section):
         reads = "a prompt's text or conversation is read from input_key (keys: input_key, label_key, system_key, "
         for field, specs in (("train", self.train), ("eval", self.eval)):
             refuse_keys_prompts_ignore(specs, RESPONSE_KEYS, field, reads + "max_samples, split, weight)")
+        refuse_plain_settings_under_chat(self, ["prompt_template"])
         return self
 
     @model_validator(mode="after")

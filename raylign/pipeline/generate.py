@@ -31,12 +31,8 @@ log = logging.getLogger("raylign")
 
 def prompt_loading_config(data: PromptDataConfig) -> RLDataConfig:
     """The RL prompt section that renders prompts the way ``data`` asks."""
-    return RLDataConfig(
-        train=data.prompts,
-        format=data.format,
-        prompt_template=data.prompt_template,
-        max_prompt_length=data.max_prompt_length,
-    )
+    plain = {"prompt_template": data.prompt_template} if data.format == "plain" else {}  # chat reads no template
+    return RLDataConfig(train=data.prompts, format=data.format, max_prompt_length=data.max_prompt_length, **plain)
 
 
 def passthrough(row: dict[str, Any], spec: DatasetSpec, keys: list[str] | None) -> dict[str, Any]:

@@ -50,7 +50,7 @@ def resolve_argv(argv, base=MINIMAL, cls=SFTConfig):
     "text", ["Solve {input} # show your work", "Q: {input}", "{input}", "[draft] {input}", "- {input}"]
 )
 def test_text_field_takes_the_text_exactly_as_typed(text):
-    cfg = resolve_argv(["--data.prompt_template", text])
+    cfg = resolve_argv(["--data.format", "plain", "--data.prompt_template", text])
     assert cfg.data.prompt_template == text
 
 
@@ -97,7 +97,10 @@ def test_cli_prints_a_prompt_template_with_a_hash_as_typed(tmp_path):
     path = write_yaml(tmp_path, MINIMAL)
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        code = main(["sft", "--config", str(path), "--print-config", "--data.prompt_template", "Solve {input} # why"])
+        code = main(
+            ["sft", "--config", str(path), "--print-config", "--data.format", "plain"]
+            + ["--data.prompt_template", "Solve {input} # why"]
+        )
     assert code == 0
     assert yaml.safe_load(stdout.getvalue())["data"]["prompt_template"] == "Solve {input} # why"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from raylign.config.base import ConfigError, describe_fields, parse_config
@@ -50,3 +52,27 @@ def test_train_datasets_are_required():
 @pytest.mark.parametrize("section", [DataConfig, DatasetSpec])
 def test_every_field_has_help_text(section):
     assert all(description for _, _, _, description in describe_fields(section))
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"prompt_template": "Q: {input}\nA:"}, "data.prompt_template 'Q: {input}\\nA:'"),
+        ({"add_eos": False}, "data.add_eos False"),
+    ],
+)
+def test_plain_format_settings_under_the_chat_format_are_refused(fields, named, tmp_path):
+    # Under chat (the default) the chat template writes the prompt: the template was accepted and unread.
+    with pytest.raises(ValueError, match=re.escape(f"{named}: read by data.format plain only")):
+        DataConfig(train=["x.jsonl"], **fields)
+    assert DataConfig(train=["x.jsonl"], format="plain", **fields).format == "plain"
+
+
+def test_rl_and_generate_refuse_a_prompt_template_under_the_chat_format():
+    from raylign.config.pipeline import PromptDataConfig
+    from raylign.config.rl import RLDataConfig
+
+    for cls, data in ((RLDataConfig, {"train": ["p.jsonl"]}), (PromptDataConfig, {"prompts": ["p.jsonl"]})):
+        with pytest.raises(ValueError, match="data.prompt_template 'Q: {input}': read by data.format plain only"):
+            cls(**data, prompt_template="Q: {input}")
+        assert cls(**data, format="plain", prompt_template="Q: {input}").prompt_template == "Q: {input}"

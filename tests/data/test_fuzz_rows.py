@@ -149,8 +149,8 @@ def data_configs(
             format=fmt,
             truncation=truncation,
             loss=loss,
-            add_eos=add_eos,
-            prompt_template=template,
+            # plain-format settings (chat refuses them given a value)
+            **({"add_eos": add_eos, "prompt_template": template} if fmt == "plain" else {}),
             max_length=MAX_LENGTH,
             min_response_tokens=4,
         ),
