@@ -1,12 +1,11 @@
-"""After one policy update and a weight sync, the rollout engine samples from the trained policy.
+"""After one policy update and a weight sync, the rollout engines sample from the trained policy.
 
-For each training backend (``local`` on one rank, ``fsdp2`` and DeepSpeed ZeRO-3 on two) and each
-engine (hf; vLLM, which takes the weights through its weight-transfer API on raylign's gloo
-backend) the pieces the controller uses are driven directly: a policy ``WorkerGroup``,
-``connect_engines`` to the engine actor, one ``train_policy`` step on hand-made micro-batches,
-``sync_weights``. Then the engine's greedy log-probs of fixed prompts must equal the workers'
-``compute_logprobs`` of the same sequences. The model has tied embeddings (vLLM on CPU keeps a
-separately repacked output head, which must follow).
+For each training backend (``local`` on one rank, ``fsdp2`` and DeepSpeed ZeRO-3 on two) the pieces
+the controller uses are driven directly: a policy ``WorkerGroup``, ``connect_engines`` to two engine
+actors at once (hf; vLLM, which takes the weights through its weight-transfer API on raylign's gloo
+backend), one ``train_policy`` step on hand-made micro-batches, ``sync_weights``. Then each engine's
+greedy log-probs of fixed prompts must equal the workers' ``compute_logprobs`` of the same sequences.
+The model has tied embeddings (vLLM on CPU keeps a separately repacked output head, which must follow).
 """
 
 from __future__ import annotations
@@ -53,26 +52,25 @@ BACKENDS = [
 # The vLLM engine takes the weights through vLLM's weight-transfer API (raylign's gloo backend)
 # and computes with its own CPU kernels (repacked GEMMs, paged attention): against the torch
 # forward its fp32 log-probs differ by < 5e-6 on these models (tests/rollout/test_vllm_engine.py).
-ENGINES = [
-    pytest.param(("hf", LOGPROB_TOL), id="hf"),
-    pytest.param(
-        ("vllm", 1e-4),
-        id="vllm",
-        marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
-    ),
-]
+ENGINES = {"hf": LOGPROB_TOL, "vllm": 1e-4}
+if importlib.util.find_spec("vllm") is None:
+    del ENGINES["vllm"]
 
 
-@pytest.fixture(scope="module", params=ENGINES)
-def engine(request, ray_session, rl_model_dir):
-    """An engine actor and the log-prob tolerance against the trainer's forward."""
-    kind, tolerance = request.param
-    config = RolloutConfig(
-        engine=kind, dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=256, sync_timeout_s=60
-    )
-    (engine,) = launch_engines(rl_model_dir, config, env_vars=ENV)
-    yield engine, tolerance
-    stop_engines([engine])
+@pytest.fixture(scope="module")
+def engines(ray_session, rl_model_dir):
+    """One engine actor of each kind, with its log-prob tolerance against the trainer's forward. Each
+    policy group connects to both at once (one sync group of three), as to a pool of engines."""
+    launched = {}
+    try:
+        for kind in ENGINES:
+            config = RolloutConfig(
+                engine=kind, dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=256, sync_timeout_s=60
+            )
+            (launched[kind],) = launch_engines(rl_model_dir, config, env_vars=ENV)
+        yield launched
+    finally:
+        stop_engines(list(launched.values()))
 
 
 def _training_batch(model_dir) -> tuple[list, dict[str, torch.Tensor]]:
@@ -112,32 +110,34 @@ def _gap(completions: list, trainer: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(("backend", "workers", "zero_stage", "lora_rank"), BACKENDS)
-def test_engine_matches_the_trained_policy_after_sync(
-    backend, workers, zero_stage, lora_rank, engine, ray_session, rl_model_dir, prompt_file, tmp_path
+def test_engines_match_the_trained_policy_after_sync(
+    backend, workers, zero_stage, lora_rank, engines, ray_session, rl_model_dir, prompt_file, tmp_path
 ):
     cfg = worker_config(
         rl_model_dir, prompt_file, tmp_path / "run", backend, workers, zero_stage=zero_stage, optim={"lr": 1e-2}
     )
     cfg["model"]["lora"]["rank"] = lora_rank
-    engine, tolerance = engine
     group = WorkerGroup("policy", cfg, workers, 1, None, env=ENV)
     try:
-        group.call("connect_engines", [engine])
-        group.call("sync_weights")  # the initial weights: whatever an earlier test left in the engine is gone
-        initial = _greedy(ray_session, engine)
-        assert _gap(initial, _trainer_logprobs(group, initial)) <= tolerance
+        group.call("connect_engines", list(engines.values()))
+        group.call("sync_weights")  # the initial weights: whatever an earlier test left in the engines is gone
+        initial = {kind: _greedy(ray_session, engine) for kind, engine in engines.items()}
+        for kind, completions in initial.items():
+            assert _gap(completions, _trainer_logprobs(group, completions)) <= ENGINES[kind], kind
 
         samples, per_token = _training_batch(rl_model_dir)
         stats = group.call_sharded("train_policy", shard_for_ranks(samples, per_token, workers, max_tokens=16))
         assert all(s["grad_norm"].value > 0 for s in stats)
-        # The engine still holds the initial weights: its log-probs are now off (so the check below can fail).
-        assert _gap(initial, _trainer_logprobs(group, initial)) > STALE_GAP
+        # The engines still hold the initial weights: their log-probs are now off (so the check below can fail).
+        for kind, completions in initial.items():
+            assert _gap(completions, _trainer_logprobs(group, completions)) > STALE_GAP, kind
 
         sync = group.call("sync_weights")
         assert sync[0]["sync/num_buckets"] > 1 and sync[0]["sync/num_bytes"] > 0
         assert all(s == {} for s in sync[1:])  # only rank 0 talks to the engines
 
-        trained = _greedy(ray_session, engine)
-        assert _gap(trained, _trainer_logprobs(group, trained)) <= tolerance
+        for kind, engine in engines.items():
+            trained = _greedy(ray_session, engine)
+            assert _gap(trained, _trainer_logprobs(group, trained)) <= ENGINES[kind], kind
     finally:
         group.kill()
