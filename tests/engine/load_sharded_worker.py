@@ -1,9 +1,10 @@
-"""One rank of an FSDP2 model loaded whole (``--mode full``) or shard by shard (``--mode sharded``).
+"""One rank of an FSDP2 model loaded whole (``--mode full``), shard by shard (``--mode sharded``), or
+both one after the other in the same processes (``--mode both``, one launch where memory is not measured).
 
 Run under ``python -m torch.distributed.run --nproc_per_node N`` (``--tensor-parallel T``: the
 matrices split over groups of T ranks as well, the FSDP2 shards over the rest). Each rank measures how far its
 resident memory rose while the model was loaded and sharded (the high-water mark ``ru_maxrss``
-against the resident size before), then all ranks train one step on a fixed batch and rank 0
+against the resident size before; under ``both`` for the first load only, ``None`` for the second), then all ranks train one step on a fixed batch and rank 0
 gathers the weights as they were loaded and writes ``<out>/<mode>.json`` and ``<out>/<mode>.pt``.
 """
 
@@ -36,15 +37,21 @@ def peak_resident_bytes() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["full", "sharded"], required=True)
+    parser.add_argument("--mode", choices=["full", "sharded", "both"], required=True)
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--lora-rank", type=int, default=0)
     args = parser.parse_args()
     init_distributed(600)
+    for n, mode in enumerate(["full", "sharded"] if args.mode == "both" else [args.mode]):
+        load_and_step(args, mode, measures_memory=n == 0)
+    exit_process(0)
+
+
+def load_and_step(args: argparse.Namespace, mode: str, measures_memory: bool) -> None:
     rank = dist.get_rank()
-    sharded = args.mode == "sharded"
+    sharded = mode == "sharded"
     before = resident_bytes()
     torch.manual_seed(0)  # the process's seed, from which LoRA adapters are drawn
     model_cfg = ModelConfig(path=args.model_dir, dtype="float32", lora={"rank": args.lora_rank})
@@ -55,7 +62,7 @@ def main() -> None:
         OptimConfig(lr=1e-3),
         total_steps=1,
     )
-    rise = peak_resident_bytes() - before
+    rise = peak_resident_bytes() - before if measures_memory else None
     weights = engine.full_state_dict()  # collective: every rank takes part
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     loss = engine.module(input_ids=ids, labels=ids).loss
@@ -66,12 +73,11 @@ def main() -> None:
     dist.all_gather_object(ranks, {"rise": rise, "bytes_read": getattr(engine, "bytes_read", None)})
     if rank == 0:
         out = Path(args.out)
-        torch.save(weights, out / f"{args.mode}.pt")
-        torch.save(adapters, out / f"{args.mode}_adapters.pt")
+        torch.save(weights, out / f"{mode}.pt")
+        torch.save(adapters, out / f"{mode}_adapters.pt")
         result = {"ranks": ranks, "loss": loss.item(), "grad_norm": metrics["grad_norm"]}
-        (out / f"{args.mode}.json").write_text(json.dumps(result))
-    dist.barrier()  # every rank ends once rank 0 has written
-    exit_process(0)
+        (out / f"{mode}.json").write_text(json.dumps(result))
+    dist.barrier()  # every rank goes on once rank 0 has written
 
 
 if __name__ == "__main__":

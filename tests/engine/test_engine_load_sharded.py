@@ -90,8 +90,7 @@ def test_tensor_parallel_ranks_read_their_blocks_and_train_as_after_a_whole_load
         tmp_path / "model", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=130,
         vocab_size=510, tie_word_embeddings=True,
     )  # fmt: skip
-    for mode in ("full", "sharded"):
-        launch(model, tmp_path, mode, ranks=4, tensor_parallel=2)
+    launch(model, tmp_path, "both", ranks=4, tensor_parallel=2)
     stored = load_file(model / "model.safetensors")
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=True)
     full = torch.load(tmp_path / "full.pt", weights_only=True)
@@ -112,8 +111,7 @@ def test_a_lora_model_reads_its_base_shard_by_shard_and_trains_as_after_a_whole_
     PEFT initialises them and keeps its block. The base weights equal the stored ones (B = 0: the merged
     model is the base), and one step gives the same loss, gradient norm and adapters as loading whole."""
     model = build_tiny_model(tmp_path / "model", hidden_size=64, vocab_size=512, tie_word_embeddings=True)
-    for mode in ("full", "sharded"):
-        launch(model, tmp_path, mode, ranks=2, lora_rank=4)
+    launch(model, tmp_path, "both", ranks=2, lora_rank=4)
     stored = load_file(model / "model.safetensors")
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=True)
     for name, weight in stored.items():

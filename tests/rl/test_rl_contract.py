@@ -273,9 +273,9 @@ def _reference_policy_loss(model_dir, samples, old) -> float:
 @pytest.mark.parametrize(
     ("micro_batch_tokens", "workers", "micro_batches"),
     [
-        # 70 tokens in micro-batches of 24: 12+12, 10+10+3 and 8+6+9
+        # 70 tokens in micro-batches of 24: 12+12, 10+10+3 and 8+6+9 (the whole batch in one micro-batch is
+        # the reference these sums are checked against)
         pytest.param(24, 1, 3, id="3-micro-batches"),
-        pytest.param(4096, 1, 1, id="1-micro-batch"),
         pytest.param(24, 2, 2, id="2-ranks-2-micro-batches"),
     ],
 )
