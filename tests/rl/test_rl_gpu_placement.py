@@ -71,35 +71,30 @@ def _config(model_dir, prompt_file, out: Path, placement: dict) -> dict:
     return data
 
 
-def test_colocated_ranks_share_one_gpu_per_policy_rank(rl_model_dir, prompt_file, tmp_path):
-    (info,) = _placements(
-        tmp_path,
-        2,
-        [
-            _config(
-                rl_model_dir,
-                prompt_file,
-                tmp_path / "a",
-                {"colocate": True, "policy_workers": 2, "reference_workers": 2},
-            )
-        ],
-    )
+@pytest.fixture(scope="module")
+def placements(rl_model_dir, prompt_file, tmp_path_factory) -> dict[str, dict]:
+    """Every scenario's placement on one Ray of 3 logical GPUs (one child process for all)."""
+    tmp_path = tmp_path_factory.mktemp("gpu_placement")
+    scenarios = {
+        "colocated": {"colocate": True, "policy_workers": 2, "reference_workers": 2},
+        # 1 policy + 1 reference + 1 engine = 3 GPUs; then 4 + 1 + 1 = 6 > 3
+        "fits": {"policy_workers": 1},
+        "too_big": {"policy_workers": 4},
+    }
+    configs = [_config(rl_model_dir, prompt_file, tmp_path / name, p) for name, p in scenarios.items()]
+    return dict(zip(scenarios, _placements(tmp_path, 3, configs), strict=True))
+
+
+def test_colocated_ranks_share_one_gpu_per_policy_rank(placements):
+    info = placements["colocated"]
     policy, reference = ([w["gpus"] for w in info[role]] for role in ("policy", "reference"))
     assert all(len(g) == 1 for g in policy + reference)
     assert policy[0] != policy[1]  # data-parallel ranks on different GPUs
     assert reference == policy  # rank r of the reference beside policy rank r (and its engine)
 
 
-def test_separate_placement_gives_each_worker_its_own_gpu_or_fails_before_starting(rl_model_dir, prompt_file, tmp_path):
-    fits, too_big = _placements(
-        tmp_path,
-        3,
-        [
-            # 1 policy + 1 reference + 1 engine = 3 GPUs; then 4 + 1 + 1 = 6 > 3
-            _config(rl_model_dir, prompt_file, tmp_path / "a", {"policy_workers": 1}),
-            _config(rl_model_dir, prompt_file, tmp_path / "b", {"policy_workers": 4}),
-        ],
-    )
+def test_separate_placement_gives_each_worker_its_own_gpu_or_fails_before_starting(placements):
+    fits, too_big = placements["fits"], placements["too_big"]
     assert "error" not in fits, fits
     gpus = [w["gpus"] for role in ("policy", "reference") for w in fits[role]]
     assert [len(g) for g in gpus] == [1, 1] and gpus[0] != gpus[1]
