@@ -1,11 +1,11 @@
 """One rank of an FSDP2 model loaded whole (``--mode full``), shard by shard (``--mode sharded``), or
 both one after the other in the same processes (``--mode both``, one launch where memory is not measured).
-
-Run under ``python -m torch.distributed.run --nproc_per_node N`` (``--tensor-parallel T``: the
-matrices split over groups of T ranks as well, the FSDP2 shards over the rest). Each rank measures how far its
-resident memory rose while the model was loaded and sharded (the high-water mark ``ru_maxrss``
-against the resident size before; under ``both`` for the first load only, ``None`` for the second), then all ranks train one step on a fixed batch and rank 0
-gathers the weights as they were loaded and writes ``<out>/<mode>.json`` and ``<out>/<mode>.pt``.
+Run under ``python -m torch.distributed.run --nproc_per_node N`` (``--tensor-parallel T``: the matrices split
+over groups of T ranks as well, the FSDP2 shards over the rest). Each rank measures how far its resident
+memory rose while the model was loaded and sharded (the high-water mark ``ru_maxrss`` against the resident
+size before; under ``both`` for the first load only, ``None`` for the second), then all ranks train one step
+on a fixed batch and rank 0 gathers the weights as they were loaded and writes ``<out>/<mode>.json`` and
+``<out>/<mode>.pt``.
 """
 
 from __future__ import annotations

@@ -183,8 +183,13 @@ def vllm_engine(ray_session, rl_model_dir):
     stop_engines([engine])
 
 
-@pytest.mark.parametrize("partial", [False, True], ids=["finish-first", "partial"])
-@pytest.mark.parametrize("max_staleness", [1, 2, 4])
+@pytest.mark.parametrize(
+    ("max_staleness", "partial"),
+    # The feed's bound at every staleness is the hf test's; here what vLLM adds: the tightest bound with
+    # whole groups and with sequences paused across updates, and paused ones spanning several versions.
+    [(1, False), (1, True), (4, True)],
+    ids=["1-finish-first", "1-partial", "4-partial"],
+)
 def test_no_admitted_token_is_older_than_the_bound_vllm(vllm_engine, weights, max_staleness, partial):
     start = ray.get(vllm_engine.weight_version_now.remote())
     taken = _run_steps(
