@@ -1,5 +1,6 @@
 """One rank of an FSDP2 model loaded whole (``--mode full``), shard by shard (``--mode sharded``), or
 both one after the other in the same processes (``--mode both``, one launch where memory is not measured).
+
 Run under ``python -m torch.distributed.run --nproc_per_node N`` (``--tensor-parallel T``: the matrices split
 over groups of T ranks as well, the FSDP2 shards over the rest). Each rank measures how far its resident
 memory rose while the model was loaded and sharded (the high-water mark ``ru_maxrss`` against the resident
