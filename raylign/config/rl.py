@@ -653,6 +653,11 @@ class RLConfig(Section):
                 f"critic.path is set but algorithm.advantage '{a.advantage}' uses no critic "
                 "(only gae does); remove critic.path or use the ppo preset"
             )
+        if self.critic.optim != CriticConfig().optim and not self.uses_critic:
+            raise ValueError(
+                f"critic.optim is set but algorithm.advantage '{a.advantage}' uses no critic "
+                "(only gae does); remove critic.optim or use the ppo preset"
+            )
         for field, optim in (("optim", self.optim), ("critic.optim", self.critic.optim if self.uses_critic else None)):
             if optim is not None and optim.warmup_steps > self.optimizer_steps:
                 raise ValueError(

@@ -189,10 +189,11 @@ def test_a_section_given_in_part_keeps_what_its_default_sets(tmp_path):
     # 5e-6, its sampling to n 4: setting another field of the section, on the command line or in a
     # file, used to build the section from the class's defaults (lr 1e-5: ten times the policy's).
     argv = ["--optim.weight_decay", "0.1", "--critic.optim.weight_decay", "0.2", "--sampling.temperature", "0.7"]
-    cfg = resolve_argv(argv, base=MINIMAL_RL, cls=RLConfig)
+    cfg = resolve_argv(["--preset", "ppo", *argv], base=MINIMAL_RL, cls=RLConfig)
     assert (cfg.optim.lr, cfg.optim.weight_decay) == (1e-6, 0.1)
     assert (cfg.critic.optim.lr, cfg.critic.optim.weight_decay) == (5e-6, 0.2)
-    assert (cfg.sampling.n, cfg.sampling.temperature) == (4, 0.7)
+    assert (cfg.sampling.n, cfg.sampling.temperature) == (1, 0.7)  # ppo samples once
+    assert resolve_argv(argv[4:], base=MINIMAL_RL, cls=RLConfig).sampling.n == 4
     in_file = write_yaml(tmp_path, {**MINIMAL_RL, "optim": {"warmup_steps": 3}})
     assert resolve_config(RLConfig, in_file).optim.lr == 1e-6
     # What is given still wins, and a preset's value beats the section's default (ppo samples once).

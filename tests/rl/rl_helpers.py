@@ -11,6 +11,7 @@ import yaml
 from raylign.config.base import resolve_config
 from raylign.config.rl import RLConfig
 from raylign.rl.experience import Behaviour, MicroBatch, Sample
+from raylign.rl.presets import PRESETS
 
 # A response scores 1 when it starts with a lowercase letter: about a third of the random
 # tiny model's samples do, so groups of 4 usually hold both rewards and the policy gets a
@@ -22,7 +23,7 @@ TIMING_PARTS = ("time/generate_s", "time/reward_s", "time/experience_s", "time/t
 
 def rl_config_data(model_dir: Path, prompt_file: Path, output_dir: Path, preset: str = "grpo") -> dict[str, Any]:
     """What a user would write in the YAML file for a 2-step run of ``preset`` on the tiny model."""
-    return {
+    data = {
         "preset": preset,
         "model": {"path": str(model_dir), "dtype": "float32"},
         "reward": {"sources": [dict(source) for source in REWARD_SOURCES]},
@@ -30,7 +31,6 @@ def rl_config_data(model_dir: Path, prompt_file: Path, output_dir: Path, preset:
         "sampling": {"max_new_tokens": 16, "temperature": 1.0, "seed": 7},
         "data": {"train": [{"path": str(prompt_file)}]},
         "optim": {"lr": 1e-3},
-        "critic": {"optim": {"lr": 1e-3}},
         "train": {
             "output_dir": str(output_dir),
             "max_steps": 2,
@@ -39,6 +39,9 @@ def rl_config_data(model_dir: Path, prompt_file: Path, output_dir: Path, preset:
             "logging": {"progress_bar": False, "tensorboard": False},
         },
     }
+    if PRESETS[preset]["algorithm"].get("advantage") == "gae":  # a critic, trained at the policy's rate
+        data["critic"] = {"optim": {"lr": 1e-3}}
+    return data
 
 
 def write_yaml(path: Path, data: dict[str, Any]) -> Path:

@@ -172,9 +172,21 @@ def test_dual_clip_with_a_sequence_level_loss_is_refused_not_ignored(base, tmp_p
 
 
 def test_critic_with_grpo_is_refused(base, tmp_path):
-    base["critic"]["path"] = str(base["model"]["path"])
+    base["critic"] = {"path": str(base["model"]["path"])}
     message = _error(tmp_path, base)
     assert "critic.path" in message and "algorithm.advantage" in message and "grpo" in message
+
+
+def test_a_critic_optimizer_without_a_critic_is_refused_not_ignored(base, tmp_path):
+    # It was accepted and nothing read it. The default (as in a dumped config) passes.
+    base["critic"] = {"optim": {"lr": 1e-4}}
+    message = _error(tmp_path, base)
+    assert "critic.optim" in message and "advantage 'grpo' uses no critic" in message
+    base["critic"] = {"optim": {"lr": 5e-6}}
+    resolve(tmp_path, base)
+    base["critic"] = {"optim": {"lr": 1e-4}}
+    base["algorithm"] = {"advantage": "gae"}
+    assert resolve(tmp_path, base).critic.optim.lr == 1e-4
 
 
 @pytest.mark.parametrize("preset", ["grpo", "rloo", "dr_grpo"])

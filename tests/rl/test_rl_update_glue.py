@@ -146,7 +146,8 @@ def _config(model_dir, prompt_file, tmp_path, preset: str, epochs: int = 1, **al
     )
     optim = {"lr": LR, "betas": list(BETAS), "eps": ADAM_EPS, "max_grad_norm": 0.0, "scheduler": "constant"}
     data["optim"] = dict(optim)
-    data["critic"] = {"optim": dict(optim)}
+    if preset == "ppo":
+        data["critic"] = {"optim": dict(optim)}
     data["placement"] = {"policy_workers": WORKERS, "critic_workers": WORKERS}
     data["engine"] = {"backend": "fsdp2", "dist_timeout_s": 120}
     return resolve(tmp_path, data)
