@@ -32,6 +32,9 @@ def test_async_samples_are_one_update_old(ray_session, rl_model_dir, prompt_file
     straight = _async_run_config(rl_model_dir, prompt_file, tmp_path / "straight")
     straight["data"]["eval"] = [{"path": str(prompt_file)}]
     straight["train"]["eval_every"] = 1  # evaluations share the engines with the training stream
+    # No KL term: its reference pass would start a reference actor beside the stream (train.early_reference),
+    # whose log-probs tests/rl/test_rl_early_reference.py checks; the killed-run test below keeps one.
+    straight["algorithm"] = {"kl_mode": "none", "kl_coef": 0.0}
     trainer = RLTrainer(resolve(tmp_path, straight))
     trainer.run()
     rows = read_metrics(tmp_path / "straight")
@@ -135,6 +138,7 @@ def test_with_long_tailed_lengths_training_begins_before_the_longest_sequence_en
     enters a later step."""
     data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "run", "grpo")
     data["train"].update(max_steps=3, save_every=0)
+    data["algorithm"] = {"kl_mode": "none", "kl_coef": 0.0}  # no reference actor: the stream is what is tested
     # On the random tiny model, stopping at "q" or "7" gives a median of about 18 of 64 tokens, with
     # about one sample in seven running to the limit.
     data["sampling"].update(max_new_tokens=64, stop=["q", "7"])

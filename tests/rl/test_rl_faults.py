@@ -101,7 +101,8 @@ class RankKiller(RLTrainer):
 
 def test_a_dead_policy_rank_stops_the_run_at_once_naming_it(ray_session, rl_model_dir, prompt_file, tmp_path):
     data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "run")
-    data.setdefault("placement", {})["policy_workers"] = 2
+    data["placement"] = {"policy_workers": 2, "colocate": True}  # the two ranks are the run's only actors
+    data["algorithm"] = {"kl_mode": "none", "kl_coef": 0.0}
     data["engine"] = {"backend": "fsdp2"}
     with pytest.raises(ActorDied, match=r"policy workers' train_policy: rank 1 of 2 died") as raised:
         RankKiller(resolve(tmp_path, data)).run()

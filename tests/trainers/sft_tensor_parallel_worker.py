@@ -70,7 +70,6 @@ def sft_config(model_dir: str, train_file: str, out: Path, run: dict, steps: int
             "train": {
                 "output_dir": str(out),
                 "max_steps": steps,
-                "save_every": 1,
                 "global_batch_size": 4,
                 "micro_batch_size": 1,
                 "seed": 0,
