@@ -1,11 +1,11 @@
-"""A policy on two data-parallel Ray workers makes the same first update as one worker.
+"""A policy on two data-parallel Ray workers makes the first update one process makes.
 
-The same eight hand-made samples (with old log-probs and advantages) are split as the controller
-splits a mini-batch (``micro_batches_for_ranks`` + ``pack_samples``: token-balanced shards, several
-micro-batches per rank), and, on two ranks, also into contiguous halves of very different token
-counts. One ``train_policy`` step runs on each layout, and the exported weights are compared with
-each other and with a plain fp32 reference: the token-mean PPO loss of the whole batch in one
-process, and AdamW's first step written out by hand. Which rank holds a sample must not matter.
+The same eight hand-made samples (with old log-probs and advantages) are split over two ranks as the
+controller splits a mini-batch (``micro_batches_for_ranks`` + ``pack_samples``: token-balanced shards,
+several micro-batches per rank), and into contiguous halves of very different token counts. One
+``train_policy`` step runs on each layout, and the exported weights and gradient norms are compared
+with a plain fp32 reference: the token-mean PPO loss of the whole batch in one process, and AdamW's
+first step written out by hand. Which rank holds a sample must not matter.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _max_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize(("backend", "zero_stage"), BACKENDS)
-def test_two_workers_make_the_same_first_update_as_one(
+def test_two_workers_make_the_first_update_of_one_process(
     backend, zero_stage, ray_session, rl_model_dir, prompt_file, tmp_path
 ):
     samples = _samples()
@@ -127,7 +127,7 @@ def test_two_workers_make_the_same_first_update_as_one(
     assert _max_gap(expected, initial) > 1e-4  # the step is large enough for the comparison to mean something
 
     results = {}
-    for name, workers, plan in (("one", 1, None), ("balanced", 2, None), ("contiguous", 2, CONTIGUOUS)):
+    for name, workers, plan in (("balanced", 2, None), ("contiguous", 2, CONTIGUOUS)):
         cfg = worker_config(
             rl_model_dir,
             prompt_file,
@@ -141,8 +141,6 @@ def test_two_workers_make_the_same_first_update_as_one(
         results[name] = _train_and_export(cfg, workers, samples, per_token, tmp_path / f"export-{name}", plan)
 
     assert micro_batches_for_ranks(samples, 2, MAX_TOKENS) != CONTIGUOUS
-    for name in ("balanced", "contiguous"):
-        assert _max_gap(results[name][0], results["one"][0]) <= WEIGHT_ATOL, name
     for name, (weights, _) in results.items():
         assert _max_gap(weights, expected) <= WEIGHT_ATOL, name
     all_stats = [stats for _, rank_stats in results.values() for stats in rank_stats]

@@ -131,8 +131,10 @@ def test_run_whose_policy_worker_cannot_load_its_model_names_the_worker(
     shutil.copytree(rl_model_dir, model)
     for weights in model.glob("*.safetensors"):
         weights.unlink()
-    cfg = resolve(
-        tmp_path, {**rl_config_data(model, prompt_file, tmp_path / "run"), "placement": {"startup_timeout_s": 120}}
-    )
+    data = rl_config_data(model, prompt_file, tmp_path / "run")
+    # The policy worker is the run's only actor: no engine actor (colocated), no reference (no KL term).
+    data["placement"] = {"startup_timeout_s": 120, "colocate": True}
+    data["algorithm"] = {"kl_mode": "none", "kl_coef": 0.0}
+    cfg = resolve(tmp_path, data)
     with pytest.raises(StartupError, match=r"policy worker rank 0 failed to start: .*"):
         RLTrainer(cfg).run()

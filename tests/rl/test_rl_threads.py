@@ -107,6 +107,7 @@ def test_the_engine_actor_computes_with_the_threads_decided(ray_session, rl_mode
     ray = ray_session
     data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "run", "grpo")
     data["rollout"]["threads_per_engine"] = 2
+    data["algorithm"] = {"kl_mode": "none", "kl_coef": 0.0}  # no reference: the policy and the engine start
     trainer = RLTrainer(resolve(tmp_path, data))
     try:
         trainer.setup()
