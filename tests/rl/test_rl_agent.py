@@ -190,7 +190,9 @@ def run(ctx):
 
 @pytest.fixture(scope="module")
 def client_run(ray_session, rl_model_dir, prompt_file, tmp_path_factory):
-    """An agent written against the openai client, trained through the endpoint (hf engine, API key set)."""
+    """An agent written against the openai client, trained through the endpoint (hf engine, API key set),
+    the engine inside the policy worker (``placement.colocate``): the endpoint serves whichever engines the
+    pool holds."""
     tmp = tmp_path_factory.mktemp("agent_client")
     (tmp / "records").mkdir()
     agent_file = tmp / "agent.py"
@@ -200,6 +202,7 @@ def client_run(ray_session, rl_model_dir, prompt_file, tmp_path_factory):
     data["algorithm"] = {"advantage": "reinforce", "kl_mode": "none", "kl_coef": 0.0}
     data["sampling"] = {"n": 2, "max_new_tokens": 5, "temperature": 1.0}
     data["agent"] = {"client": f"{agent_file}:run", "api_key": "sekret", "max_total_tokens": 160}
+    data["placement"] = {"colocate": True}
     data["train"].update(prompts_per_step=2, max_steps=1, micro_batch_tokens=256)
     trainer = RecordingTrainer(resolve(tmp, data))
     trainer.run()
@@ -291,6 +294,7 @@ def test_sandbox_failures_are_failed_tool_calls_and_training_goes_on(ray_session
         "max_total_tokens": 500,
         "log_trajectories": 2,
     }
+    data["placement"] = {"colocate": True}  # episodes generate with the policy worker's own engine
     data["train"].update(prompts_per_step=1, max_steps=1, micro_batch_tokens=512, log_samples=0)
     trainer = RecordingTrainer(resolve(tmp_path, data))
     trainer.run()
