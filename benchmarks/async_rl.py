@@ -68,7 +68,7 @@ def warm_tiny_model(workdir: Path, prompts: Path) -> Path:
             SFTConfig,
             {
                 "model": {"path": str(model), "dtype": "float32"},
-                "data": {"train": [str(sft_file)], "max_length": 64, "min_response_tokens": 8},
+                "data": {"train": [str(sft_file)], "max_length": 64},
                 "optim": {"lr": 3e-3, "warmup_steps": 5},
                 "train": {
                     "output_dir": str(workdir / "sft"),

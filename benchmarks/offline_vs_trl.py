@@ -168,7 +168,6 @@ def raylign_config(w: Workload):
             "format": "plain",
             "prompt_template": "{input}",  # the prompt in the file ends with its newline
             "max_length": w.max_length,
-            "min_response_tokens": min(64, w.max_length - 1),
             "packing": w.packing,
             "shuffle": False,
         },

@@ -127,7 +127,7 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, dict[str, float]]:
             SFTConfig,
             {
                 "model": {"path": str(model), "dtype": "float32"},
-                "data": {"train": [str(sft_file)], "max_length": 64, "min_response_tokens": 8, "seed": cfg.seed},
+                "data": {"train": [str(sft_file)], "max_length": 64, "seed": cfg.seed},
                 "optim": {"lr": 3e-3, "warmup_steps": min(5, cfg.sft_steps)},  # no longer than the run
                 "train": {
                     "output_dir": str(out / "sft"),

@@ -214,7 +214,13 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:
-        if self.min_response_tokens >= self.max_length:
+        if self.truncation != "truncate":
+            if self.min_response_tokens != type(self).model_fields["min_response_tokens"].default:
+                raise ValueError(
+                    f"min_response_tokens ({self.min_response_tokens}) is read only with truncation: truncate "
+                    f"(truncation is '{self.truncation}'); remove it or set truncation: truncate"
+                )
+        elif self.min_response_tokens >= self.max_length:
             raise ValueError(
                 f"min_response_tokens ({self.min_response_tokens}) must be below max_length ({self.max_length})"
             )

@@ -130,7 +130,7 @@ def chat_samples(tmp_path_factory, tokenizer):
         },
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return build_sft_datasets(DataConfig(train=[str(path)], max_length=128, min_response_tokens=4), tokenizer).train
+    return build_sft_datasets(DataConfig(train=[str(path)], max_length=128), tokenizer).train
 
 
 def test_packed_and_padded_batches_give_the_same_per_sample_loss(tiny_model_dir, chat_samples, tokenizer):

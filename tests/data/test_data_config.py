@@ -24,7 +24,15 @@ def test_unknown_dataset_key_is_rejected_with_its_path():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"max_length": 64, "min_response_tokens": 64}, r"min_response_tokens \(64\) must be below max_length \(64\)"),
+        (
+            {"max_length": 64, "truncation": "truncate", "min_response_tokens": 64},
+            r"min_response_tokens \(64\) must be below max_length \(64\)",
+        ),
+        # Read only when truncating: accepted and unread before. Its default passes (as in a dumped config).
+        (
+            {"max_length": 64, "min_response_tokens": 8},
+            r"min_response_tokens \(8\) is read only with truncation: truncate \(truncation is 'error'\)",
+        ),
         ({"eval": ["b.jsonl"], "eval_fraction": 0.1}, "set either eval .* or eval_fraction"),
         ({"prompt_template": "Q: {question}"}, r"must contain the field \{input\} and no other fields"),
         ({"prompt_template": "Q: {input"}, "not a valid format string"),
@@ -35,6 +43,17 @@ def test_unknown_dataset_key_is_rejected_with_its_path():
 def test_invalid_settings_name_the_field_and_the_rule(settings, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(DataConfig, {"train": ["a.jsonl"], **settings})
+
+
+def test_a_short_max_length_needs_min_response_tokens_only_when_truncating():
+    # min_response_tokens (default 64) used to be checked against max_length whatever the truncation, so a
+    # max_length of 64 or less needed a setting that nothing read.
+    assert parse_config(DataConfig, {"train": ["a.jsonl"], "max_length": 32}).max_length == 32
+    assert parse_config(DataConfig, {"train": ["a.jsonl"], "max_length": 32, "truncation": "drop"}).max_length == 32
+    with pytest.raises(ConfigError, match=r"min_response_tokens \(64\) must be below max_length \(32\)"):
+        parse_config(DataConfig, {"train": ["a.jsonl"], "max_length": 32, "truncation": "truncate"})
+    cfg = {"train": ["a.jsonl"], "max_length": 32, "truncation": "truncate", "min_response_tokens": 8}
+    assert parse_config(DataConfig, cfg).min_response_tokens == 8
 
 
 def test_weights_are_set_on_every_train_dataset_or_none():

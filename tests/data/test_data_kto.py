@@ -12,7 +12,7 @@ EOS = "<|im_end|>"
 
 
 def _config(path, **overrides) -> DataConfig:
-    settings = {"train": [str(path)], "max_length": 128, "min_response_tokens": 4}
+    settings = {"train": [str(path)], "max_length": 128}
     settings.update(overrides)
     return DataConfig(**settings)
 
@@ -47,7 +47,7 @@ def test_plain_format_scores_completion_and_eos(write_dataset, tokenizer):
 def test_keys_come_from_the_dataset_spec(write_dataset, tokenizer):
     path = write_dataset([{"q": "hi", "a": "yo", "good": False}])
     spec = DatasetSpec(path=str(path), input_key="q", output_key="a", label_key="good")
-    data = build_kto_datasets(DataConfig(train=[spec], max_length=64, min_response_tokens=4), tokenizer)
+    data = build_kto_datasets(DataConfig(train=[spec], max_length=64), tokenizer)
     assert _targets(tokenizer, data.train[0]) == "yo" + EOS and data.train[0].desirable is False
 
 

@@ -17,7 +17,7 @@ EOS = "<|im_end|>"
 
 
 def _config(path, **overrides) -> DataConfig:
-    settings = {"train": [str(path)], "max_length": 256, "min_response_tokens": 4}
+    settings = {"train": [str(path)], "max_length": 256}
     settings.update(overrides)
     return DataConfig(**settings)
 

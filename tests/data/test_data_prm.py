@@ -23,7 +23,7 @@ def prm_tokenizer():
 
 
 def _data_config(path, **overrides) -> DataConfig:
-    settings = {"train": [str(path)], "format": "plain", "max_length": 256, "min_response_tokens": 4}
+    settings = {"train": [str(path)], "format": "plain", "max_length": 256}
     settings.update(overrides)
     return DataConfig(**settings)
 
@@ -66,7 +66,7 @@ def test_custom_keys_are_read(write_dataset, prm_tokenizer):
     prm = PRMSection(step_separator=SEP, steps_key="chain", labels_key="ok")
     spec = DatasetSpec(path=str(write_dataset([row])), input_key="question")
     data = build_prm_datasets(
-        DataConfig(train=[spec], format="plain", max_length=64, min_response_tokens=4),
+        DataConfig(train=[spec], format="plain", max_length=64),
         prm,
         prm_tokenizer,
         prm_tokenizer.convert_tokens_to_ids(SEP),
@@ -166,7 +166,9 @@ def test_truncate_keeps_the_whole_steps_that_fit(write_dataset, prm_tokenizer):
     row = {"prompt": "p", "steps": ["3+4=7", "7-2=5", "5+1=6"], "labels": [True, False, True]}
     # room for the prompt, two whole steps and part of the third
     max_length = prompt_len + 2 * step_len + 2
-    sample = _only(write_dataset([row]), prm_tokenizer, max_length=max_length, truncation="truncate")
+    sample = _only(
+        write_dataset([row]), prm_tokenizer, max_length=max_length, truncation="truncate", min_response_tokens=4
+    )
     assert prm_tokenizer.decode(sample.input_ids) == "p\n3+4=7<|step|>7-2=5<|step|>"
     assert sample.step_labels == [1.0, 0.0] and sample.truncated
 
@@ -178,7 +180,7 @@ def test_truncate_drops_and_counts_rows_left_without_a_whole_step(write_dataset,
     long_prompt = {"prompt": "word " * 20, "steps": ["3+4=7", "7-2=1"], "labels": [True, False]}  # 16 + 4 kept
     three_of_four = {"prompt": "p", "steps": ["3+4=7", "7-2=5", "5+1=6", "6+1=7"], "labels": [0, 1, 1, 0]}  # 2 + 24
     path = write_dataset([fits, long_first_step, long_prompt, three_of_four])
-    data = _build(path, prm_tokenizer, max_length=20, truncation="truncate")
+    data = _build(path, prm_tokenizer, max_length=20, truncation="truncate", min_response_tokens=4)
     assert [prm_tokenizer.decode(s.input_ids) for s in data.train] == [
         "solve\n3+4=7<|step|>7-2=1<|step|>",
         "p\n3+4=7<|step|>7-2=5<|step|>5+1=6<|step|>",

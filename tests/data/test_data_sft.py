@@ -14,7 +14,7 @@ EOS = "<|im_end|>"
 
 
 def _config(path, **overrides) -> DataConfig:
-    settings = {"train": [str(path)], "max_length": 256, "min_response_tokens": 4}
+    settings = {"train": [str(path)], "max_length": 256}
     settings.update(overrides)
     return DataConfig(**settings)
 
@@ -306,7 +306,7 @@ def _numbered_rows(count: int, tag: str) -> list[dict[str, str]]:
 def test_eval_fraction_holds_out_disjoint_rows_of_each_dataset(write_dataset, tokenizer):
     first = write_dataset(_numbered_rows(50, "a"), name="a")
     second = write_dataset(_numbered_rows(30, "b"), name="b")
-    cfg = DataConfig(train=[str(first), str(second)], eval_fraction=0.1, max_length=64, min_response_tokens=4)
+    cfg = DataConfig(train=[str(first), str(second)], eval_fraction=0.1, max_length=64)
     data = build_sft_datasets(cfg, tokenizer)
     eval_ids = {(s.source, s.row) for s in data.eval}
     train_ids = {(s.source, s.row) for s in data.train}
@@ -320,7 +320,7 @@ def test_eval_fraction_holds_out_disjoint_rows_of_each_dataset(write_dataset, to
 def test_separate_eval_set_is_used_whole_and_train_untouched(write_dataset, tokenizer):
     train = write_dataset(_numbered_rows(12, "t"), name="train")
     evaluation = write_dataset(_numbered_rows(4, "e"), name="eval", fmt="parquet")
-    cfg = DataConfig(train=[str(train)], eval=[str(evaluation)], max_length=64, min_response_tokens=4)
+    cfg = DataConfig(train=[str(train)], eval=[str(evaluation)], max_length=64)
     data = build_sft_datasets(cfg, tokenizer)
     assert sorted(s.row for s in data.train) == list(range(1, 13))
     assert [(s.source, s.row) for s in data.eval] == [(str(evaluation), r) for r in range(1, 5)]

@@ -152,7 +152,7 @@ def data_configs(
             # plain-format settings (chat refuses them given a value)
             **({"add_eos": add_eos, "prompt_template": template} if fmt == "plain" else {}),
             max_length=MAX_LENGTH,
-            min_response_tokens=4,
+            **({"min_response_tokens": 4} if truncation == "truncate" else {}),  # read only when truncating
         ),
         st.sampled_from(formats),
         st.sampled_from(["error", "truncate", "drop"]),
@@ -336,9 +336,7 @@ def first_problem_line(kinds: list[str]) -> tuple[int, str] | None:
 
 
 def sft_config(path: Path, skip_bad_rows: bool) -> DataConfig:
-    return DataConfig(
-        train=[str(path)], format="plain", max_length=MAX_LENGTH, min_response_tokens=4, skip_bad_rows=skip_bad_rows
-    )
+    return DataConfig(train=[str(path)], format="plain", max_length=MAX_LENGTH, skip_bad_rows=skip_bad_rows)
 
 
 @settings(FUZZ, max_examples=60)
@@ -407,7 +405,7 @@ def test_lone_surrogate_in_a_text_names_the_key_instead_of_failing_in_the_tokeni
 def test_lone_surrogate_in_a_message_names_the_message(write_dataset, tokenizer):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\udfff"}]
     path = write_dataset([{"messages": messages}])
-    cfg = DataConfig(train=[str(path)], max_length=MAX_LENGTH, min_response_tokens=4)
+    cfg = DataConfig(train=[str(path)], max_length=MAX_LENGTH)
     with pytest.raises(RowError, match=r"row 1, key 'messages\[1\]\.content': not valid Unicode text"):
         load_sft_samples(cfg.train[0], cfg, tokenizer, DataStats())
 
@@ -464,7 +462,7 @@ def test_json_file_that_python_cannot_load_names_the_file(tmp_path, tokenizer, t
 
 def test_margin_beyond_the_float_range_names_the_key(write_dataset, tokenizer):
     path = write_dataset([{"prompt": "p", "chosen": "a", "rejected": "b", "margin": 10**400}])
-    cfg = DataConfig(train=[str(path)], format="plain", max_length=MAX_LENGTH, min_response_tokens=4)
+    cfg = DataConfig(train=[str(path)], format="plain", max_length=MAX_LENGTH)
     with pytest.raises(RowError) as caught:
         load_pair_samples(cfg.train[0], cfg, tokenizer, DataStats(), margin_key="margin")
     assert str(caught.value).startswith(f"{path}, row 1, key 'margin': expected a finite number (the pair's margin)")
@@ -472,7 +470,7 @@ def test_margin_beyond_the_float_range_names_the_key(write_dataset, tokenizer):
 
 def test_soft_step_label_beyond_the_float_range_names_the_label(write_dataset, prm_tokenizer):
     path = write_dataset([{"prompt": "p", "steps": ["1+1=2"], "labels": [10**400]}])
-    cfg = DataConfig(train=[str(path)], format="plain", max_length=MAX_LENGTH, min_response_tokens=4)
+    cfg = DataConfig(train=[str(path)], format="plain", max_length=MAX_LENGTH)
     prm = PRMSection(step_separator=SEP, label_type="soft")
     separator_id = prm_tokenizer.convert_tokens_to_ids(SEP)
     with pytest.raises(RowError) as caught:
@@ -491,7 +489,6 @@ def test_single_token_document_is_refused_rather_than_kept_without_targets(write
         add_eos=False,
         prompt_template="{input}",
         max_length=MAX_LENGTH,
-        min_response_tokens=4,
     )
     with pytest.raises(RowError) as caught:
         load_sft_samples(cfg.train[0], cfg, tokenizer, DataStats())
@@ -504,7 +501,7 @@ def test_single_token_document_is_refused_rather_than_kept_without_targets(write
 def test_reply_that_starts_with_a_tool_message_names_the_key(write_dataset, tokenizer):
     tool_first = [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "it is 42"}]
     path = write_dataset([{"prompt": "p", "chosen": tool_first, "rejected": "no idea"}])
-    cfg = DataConfig(train=[str(path)], max_length=MAX_LENGTH, min_response_tokens=4)
+    cfg = DataConfig(train=[str(path)], max_length=MAX_LENGTH)
     with pytest.raises(RowError) as caught:
         load_pair_samples(cfg.train[0], cfg, tokenizer, DataStats())
     assert str(caught.value) == (

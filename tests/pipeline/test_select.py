@@ -193,7 +193,7 @@ def test_selected_rows_load_as_sft_and_dpo_data(tmp_path, model_dir):
     tokenizer = load_tokenizer(model_dir)
 
     def data_config(path):
-        return DataConfig(train=[str(path)], format="chat", max_length=64, min_response_tokens=8)
+        return DataConfig(train=[str(path)], format="chat", max_length=64)
 
     def target_text(ids, mask):
         return tokenizer.decode([t for t, m in zip(ids, mask) if m])

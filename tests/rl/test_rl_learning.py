@@ -55,7 +55,7 @@ def warm_model_and_prompts(tmp_path_factory):
         SFTConfig,
         {
             "model": {"path": str(base), "dtype": "float32"},
-            "data": {"train": [str(tmp / "sft.jsonl")], "max_length": 64, "min_response_tokens": 8},
+            "data": {"train": [str(tmp / "sft.jsonl")], "max_length": 64},
             "optim": {"lr": 3e-3, "warmup_steps": 5},
             "train": {
                 "output_dir": str(tmp / "sft"),

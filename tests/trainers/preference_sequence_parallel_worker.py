@@ -39,7 +39,7 @@ def dpo_config(model_dir: str, pairs: str, out: Path, size: int):
     from raylign.config.base import parse_config
     from raylign.config.dpo import DPOConfig
 
-    data = {"train": [pairs], "eval": [pairs], "format": "chat", "max_length": 64, "min_response_tokens": 8}
+    data = {"train": [pairs], "eval": [pairs], "format": "chat", "max_length": 64}
     model = {"path": model_dir, "dtype": "float32"}
     return parse_config(
         DPOConfig,
@@ -51,7 +51,7 @@ def rm_config(model_dir: str, pairs: str, out: Path, size: int):
     from raylign.config.base import parse_config
     from raylign.config.rm import RMConfig
 
-    data = {"train": [pairs], "eval": [pairs], "format": "chat", "max_length": 64, "min_response_tokens": 8}
+    data = {"train": [pairs], "eval": [pairs], "format": "chat", "max_length": 64}
     model = {"path": model_dir, "dtype": "float32"}
     return parse_config(
         RMConfig,
@@ -63,7 +63,7 @@ def prm_config(model_dir: str, chains: str, out: Path, size: int, separator: str
     from raylign.config.base import parse_config
     from raylign.config.prm import PRMConfig
 
-    data = {"train": [chains], "format": "plain", "max_length": 64, "min_response_tokens": 8}
+    data = {"train": [chains], "format": "plain", "max_length": 64}
     model = {"path": model_dir, "dtype": "float32"}
     return parse_config(
         PRMConfig,
@@ -84,7 +84,7 @@ def kto_config(model_dir: str, rows: str, out: Path, size: int):
     from raylign.config.base import parse_config
     from raylign.config.kto import KTOConfig
 
-    data = {"train": [rows], "max_length": 64, "min_response_tokens": 8}
+    data = {"train": [rows], "max_length": 64}
     model = {"path": model_dir, "dtype": "float32"}
     return parse_config(
         KTOConfig,

@@ -36,7 +36,7 @@ def sft_config(
                 "lora": {"rank": lora_rank, "alpha": 8},
                 "gradient_checkpointing": gradient_checkpointing,
             },
-            "data": {"train": [train_file], "format": "chat", "max_length": 64, "min_response_tokens": 8},
+            "data": {"train": [train_file], "format": "chat", "max_length": 64},
             "engine": {
                 "backend": "fsdp2",
                 "sequence_parallel_size": sequence_parallel_size,

@@ -50,7 +50,7 @@ def sft_config(model_dir: str, train_file: str, out: Path, run: dict, steps: int
         SFTConfig,
         {
             "model": {"path": model_dir, "dtype": "float32", **run.get("model", {})},
-            "data": {"train": [train_file], "format": "chat", "max_length": 64, "min_response_tokens": 8},
+            "data": {"train": [train_file], "format": "chat", "max_length": 64},
             "engine": {
                 "backend": "fsdp2",
                 "dist_timeout_s": 120,

@@ -50,7 +50,6 @@ def dpo_config(model_dir, train_file, out, dpo=None, eval_file=None, data=None, 
         "train": [str(train_file)],
         "format": "chat",
         "max_length": 64,
-        "min_response_tokens": 8,
         **(data or {}),
     }
     if eval_file is not None:
@@ -347,8 +346,6 @@ def test_two_ranks_make_a_single_processs_first_loss(
             str(train_file),
             "--data.max_length",
             "64",
-            "--data.min_response_tokens",
-            "8",
             "--dpo.reference_path",
             str(other_reference_dir),
             "--dpo.precompute_reference",

@@ -226,8 +226,6 @@ def test_one_rank_of_two_killed_ends_the_run_at_once_naming_it(tmp_path, tiny_mo
         "chat",
         "--data.max_length",
         "64",
-        "--data.min_response_tokens",
-        "8",
         "--train.output_dir",
         str(out),
         "--train.max_steps",

@@ -41,7 +41,7 @@ def kd_config(student, teacher, train_file, out, kd=None, **train) -> KDConfig:
         {
             "model": {"path": str(student), "dtype": "float32"},
             "teacher": {"path": str(teacher), "dtype": "float32"},
-            "data": {"train": [str(train_file)], "max_length": 64, "min_response_tokens": 8},
+            "data": {"train": [str(train_file)], "max_length": 64},
             "kd": kd or {},
             "optim": {"lr": 3e-3, "weight_decay": 0.0},
             "train": {
@@ -215,7 +215,7 @@ def test_kd_lowers_the_student_teacher_divergence_on_held_out_rows(tmp_path, tin
         SFTConfig,
         {
             "model": {"path": str(tiny_model_dir), "dtype": "float32"},
-            "data": {"train": [str(train_file)], "max_length": 64, "min_response_tokens": 8},
+            "data": {"train": [str(train_file)], "max_length": 64},
             "optim": {"lr": 3e-3, "warmup_steps": 5},
             "train": {
                 "output_dir": str(tmp_path / "teacher"),

@@ -46,7 +46,7 @@ def kto_config(model_dir, train_file, out, kto=None, **train) -> KTOConfig:
         KTOConfig,
         {
             "model": {"path": str(model_dir), "dtype": "float32"},
-            "data": {"train": [str(train_file)], "max_length": 64, "min_response_tokens": 8},
+            "data": {"train": [str(train_file)], "max_length": 64},
             "kto": {"beta": 0.1, **(kto or {})},
             "optim": {"lr": 1e-3, "weight_decay": 0.0},
             "train": {
@@ -233,8 +233,6 @@ def test_two_ranks_average_the_reference_point_like_one_rank_with_their_joint_ba
         "false",
         "--data.max_length",
         "64",
-        "--data.min_response_tokens",
-        "8",
         "--optim.lr",
         "1e-3",
         "--train.max_steps",
@@ -284,7 +282,6 @@ def _sft_base(tmp_path: Path, model_dir: Path) -> Path:
             "data": {
                 "train": [str(write_jsonl(tmp_path / "sft.jsonl", rows))],
                 "max_length": 64,
-                "min_response_tokens": 8,
             },
             "optim": {"lr": 3e-3, "warmup_steps": 5, "min_lr_ratio": 0.1},
             "train": {

@@ -63,7 +63,6 @@ def prm_config(model_dir, train_file, out, data=None, prm=None, **train) -> PRMC
                 "train": [str(train_file)],
                 "format": "plain",
                 "max_length": 64,
-                "min_response_tokens": 8,
                 **(data or {}),
             },
             "prm": {"step_separator": SEP, **(prm or {})},

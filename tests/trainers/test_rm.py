@@ -50,7 +50,7 @@ def ends_with_a_pairs(num_rows: int, seed: int, with_margin: bool = False) -> li
 
 
 def rm_config(model_dir, train_file, out, eval_file=None, rm=None, **train) -> RMConfig:
-    data = {"train": [str(train_file)], "format": "chat", "max_length": 64, "min_response_tokens": 8}
+    data = {"train": [str(train_file)], "format": "chat", "max_length": 64}
     if eval_file is not None:
         data["eval"] = [str(eval_file)]
     return parse_config(
@@ -161,7 +161,7 @@ def test_last_token_scores_of_padded_and_packed_batches_equal_each_sequence_alon
 
     rows = ends_with_a_pairs(3, seed=5)
     tokenizer = load_tokenizer(tiny_model_dir)
-    data = DataConfig(train=[str(write_jsonl(tmp_path / "p.jsonl", rows))], max_length=64, min_response_tokens=8)
+    data = DataConfig(train=[str(write_jsonl(tmp_path / "p.jsonl", rows))], max_length=64)
     pairs = build_pair_datasets(data, tokenizer).train
     model = load_score_model(ModelConfig(path=str(tiny_model_dir), dtype="float32")).eval()
     with torch.no_grad():
@@ -281,8 +281,6 @@ def test_two_rank_fsdp2_run_stores_statistics_of_all_train_pairs(tmp_path, tiny_
             str(eval_file),
             "--data.max_length",
             "64",
-            "--data.min_response_tokens",
-            "8",
             "--train.output_dir",
             str(out),
             "--train.max_steps",

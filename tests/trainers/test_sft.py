@@ -34,7 +34,7 @@ def sft_config(model_dir, train_file, out, **train) -> SFTConfig:
         SFTConfig,
         {
             "model": {"path": str(model_dir), "dtype": "float32"},
-            "data": {"train": [str(train_file)], "format": "chat", "max_length": 64, "min_response_tokens": 8},
+            "data": {"train": [str(train_file)], "format": "chat", "max_length": 64},
             "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0},
             "train": {
                 "output_dir": str(out),
