@@ -504,6 +504,9 @@ def test_the_old_async_rollout_key_names_its_replacement(base, tmp_path):
         # Beyond one update the engine's log-probs are not trusted as the ratio's policy without a correction.
         ({"max_staleness": 2}, {}, ["rollout.max_staleness 2", "algorithm.off_policy", "truncated_is"]),
         ({"partial_rollouts": True}, {}, ["rollout.partial_rollouts", "rollout.max_staleness >= 1"]),
+        # Settings only an asynchronous run reads: accepted and unread by a synchronous one before.
+        ({"stale_samples": "regenerate"}, {}, ["rollout.stale_samples: regenerate", "rollout.max_staleness >= 1"]),
+        ({"reproducible": True}, {}, ["rollout.reproducible", "rollout.max_staleness >= 1"]),
     ],
 )
 def test_impossible_asynchronous_settings_are_refused(base, tmp_path, rollout, extra, fields):
@@ -517,7 +520,7 @@ def test_impossible_asynchronous_settings_are_refused(base, tmp_path, rollout, e
 def test_staleness_beyond_one_update_is_accepted_with_a_correction(base, tmp_path):
     from raylign.rl.experience import behaviour_for
 
-    base["rollout"].update(max_staleness=4, partial_rollouts=True)
+    base["rollout"].update(max_staleness=4, partial_rollouts=True, stale_samples="regenerate", reproducible=True)
     base["algorithm"] = {"off_policy": "truncated_is"}
     cfg = resolve(tmp_path, base)
     assert cfg.rollout.max_staleness == 4

@@ -32,7 +32,6 @@ def _run(rl_model_dir, prompt_file, tmp_path, early: bool, reference_workers: in
     data["placement"] = {"reference_workers": reference_workers}
     data["engine"] = {"backend": "fsdp2", "dist_timeout_s": 120}
     data["train"]["early_reference"] = early
-    data["rollout"]["reproducible"] = True  # seeded sampling, groups in start order: both runs see the same samples
     RLTrainer(resolve(out.parent, data)).run()
     return read_metrics(out)
 

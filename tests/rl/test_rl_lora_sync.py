@@ -43,6 +43,9 @@ def test_adapter_sync_is_the_default_for_a_lora_policy_with_vllm_and_refused_whe
     del full["model"]["lora"]
     with pytest.raises(ValueError, match=r"lora_sync: adapter needs a LoRA policy \(model.lora.rank > 0\)"):
         resolve(tmp_path, full)
+    full["rollout"]["lora_sync"] = "merged"  # unread without adapters: refused, not ignored
+    with pytest.raises(ValueError, match=r"lora_sync: merged needs a LoRA policy \(model.lora.rank > 0\)"):
+        resolve(tmp_path, full)
     big = _data(rl_model_dir, prompt_file, tmp_path)
     big["model"]["lora"] = {**LORA, "rank": 1024}
     with pytest.raises(ValueError, match="vLLM serves adapters up to rank 512"):
