@@ -43,7 +43,9 @@ def test_each_phase_is_timed_on_both_sides_and_their_losses_agree(tmp_path):
     for part in shaped:
         rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in part.splitlines()[1:]}
         assert set(rows) == {"forward", "backward", "total", "experience"}
-        assert rows["total"][1] == pytest.approx(rows["forward"][1] + rows["backward"][1], abs=0.01)
+        # Each of the three printed to 0.01 s: the sum of two rounded values is within 0.005 + 0.005 of theirs,
+        # and the rounded total within 0.005 of that (0.04 against 0.01 + 0.02 came up in a run).
+        assert rows["total"][1] == pytest.approx(rows["forward"][1] + rows["backward"][1], abs=0.0151)
         assert rows["experience"][1] == rows["forward"][1]
 
 
