@@ -215,7 +215,7 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:
         if self.truncation != "truncate":
-            if self.min_response_tokens != type(self).model_fields["min_response_tokens"].default:
+            if self.set_away_from_default(["min_response_tokens"]):
                 raise ValueError(
                     f"min_response_tokens ({self.min_response_tokens}) is read only with truncation: truncate "
                     f"(truncation is '{self.truncation}'); remove it or set truncation: truncate"
