@@ -324,6 +324,11 @@ class VLLMEngine(RolloutEngine):
         """Tokens sampled so far by the sequences still generating."""
         return sum(self._tokens_in_flight.values())
 
+    async def scheduler_state(self) -> dict[str, Any]:
+        """Whether vLLM's scheduler is paused (a weight update is under way) and how many generation
+        requests this engine has in flight, queued ones included."""
+        return {"paused": await self.llm.is_paused(), "requests": len(self._tokens_in_flight)}
+
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False, version: int | None = None
     ) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 
 import pytest
 import torch
@@ -282,22 +283,50 @@ def test_colocated_update_hands_tensors_to_the_worker(ray_session, untied_engine
     assert_logprobs_match(after, trainer)
 
 
+def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+        time.sleep(0.01)
+
+
 def test_a_request_submitted_during_a_weight_update_reports_the_weights_that_generated_it(
     ray_session, untied_engine, untied_model_dir
 ):
-    # The actor starts the update first (same caller, in order); its pause is under way when the
-    # request arrives, so vLLM queues the request until the new weights are in: every token is the
-    # new version's, and so is the completion's weight_version (it was the version at submission).
+    # The request reaches the engine while a sync has paused it and before any weight is sent (the
+    # stream below holds the weights back until then), so vLLM runs it only once the new weights are
+    # in: every token is the new version's, and so is the completion's weight_version, although the
+    # version at submission was the old one. (Ray does not start an async actor's calls in the order
+    # they were made, so submitting an inline update and then a request would not order them.)
     trainer = load_fp32(untied_model_dir)
     perturb_(trainer, seed=7)
-    before = ray_session.get(untied_engine.weight_version_now.remote())
-    updated = untied_engine.update_weights.remote([(n, t) for n, t in trainer.state_dict().items()])
-    pending = untied_engine.generate.remote([PROMPTS[0]], SamplingConfig(temperature=0.0, max_new_tokens=4))
-    ray_session.get(updated, timeout=120)
-    (completion,) = ray_session.get(pending, timeout=120)
+    before = ray_session.get(untied_engine.weight_version_now.remote(), timeout=60)
+
+    def state():
+        return ray_session.get(untied_engine.scheduler_state.remote(), timeout=60)
+
+    pending = []
+
+    def weights_sent_after_a_request_is_queued():
+        wait_until(lambda: state()["paused"], "the engine to pause for the sync")
+        sampling = SamplingConfig(temperature=0.0, max_new_tokens=4)
+        pending.append(untied_engine.generate.remote([PROMPTS[0]], sampling))
+        wait_until(lambda: state()["requests"] == 1, "the request to reach the paused engine")
+        yield from trainer.state_dict().items()
+
+    sender = WeightSyncSender([untied_engine], bucket_mb=0.05, timeout_s=60)
+    sender.connect()
+    try:
+        stats = sender.sync(weights_sent_after_a_request_is_queued())
+    finally:
+        sender.close()
+    assert stats.engine_version == before + 1
+    (completion,) = ray_session.get(pending[0], timeout=120)
     assert completion.token_versions == [before + 1] * 4
     assert completion.weight_version == before + 1
     assert_logprobs_match([completion], trainer)
+    assert state() == {"paused": False, "requests": 0}
 
 
 def test_sleep_is_a_no_op_on_cpu(ray_session, untied_engine):
