@@ -228,11 +228,11 @@ def test_a_sequence_paused_by_a_weight_update_continues_under_the_new_weights(vl
     sampling = SamplingConfig(n=1, temperature=0.0, max_new_tokens=200)
     pending = vllm_engine.generate_group.remote(prompt, sampling, 0)
     # Update once a few tokens exist, well before 200 are done.
-    for _ in range(200):
+    deadline = time.monotonic() + 60
+    while ray.get(vllm_engine.tokens_in_flight.remote(), timeout=60) < 5:
         ready, _ = ray.wait([pending], timeout=0.02)
         assert not ready, "the sequence finished before the update; make it longer"
-        if ray.get(vllm_engine.tokens_in_flight.remote()) >= 5:
-            break
+        assert time.monotonic() < deadline, "the engine sampled fewer than 5 tokens in 60 s"
     ray.get(vllm_engine.update_weights.remote(list(new_model.state_dict().items()), True), timeout=120)
     (completion,) = ray.get(pending, timeout=120)
     versions, tokens = completion.token_versions, completion.response_token_ids

@@ -175,24 +175,23 @@ def test_a_trainer_that_dies_mid_sync_frees_the_engine_with_an_error_naming_the_
 
     @ray.remote(num_cpus=0)
     class Trainer:
-        """Opens the group to the engine, then sends the first bucket of a sync and stalls."""
+        """Opens the group to the engine, then sends the first bucket of a sync and nothing more."""
 
         def __init__(self, engine, named_tensors):
             self.sender = WeightSyncSender([engine], bucket_mb=BUCKET_MB, timeout_s=20)
             self.sender.connect()
             self.named_tensors = named_tensors
 
-        def send_one_bucket_then_stall(self) -> None:
+        def send_one_bucket(self) -> None:
             out = _Broadcasts(self.sender._groups, None)
             out.finish(out.start(next(self.sender.pack(self.named_tensors))))
-            time.sleep(600)
 
     held = ray.get(engine.weight_version_now.remote(), timeout=60)
     sending = Trainer.remote(engine, [(n, t.detach().clone()) for n, t in trainer.named_parameters()])
     ray.get(sending.__ray_ready__.remote(), timeout=120)  # the engine has joined its group
     receiving = engine.receive_weights.remote(False, 2)
-    sending.send_one_bucket_then_stall.remote()
-    time.sleep(5)  # the engine has the first bucket and waits for the second
+    ray.get(sending.send_one_bucket.remote(), timeout=60)  # the first bucket has left; no second comes
+    time.sleep(2)  # for the engine to read it and wait for the second
     started = time.monotonic()
     ray.kill(sending)
     with pytest.raises(Exception, match=r"weight sync 2: receiving the \w+ of bucket 1 failed") as raised:
