@@ -6,7 +6,10 @@ itself with its adapters off, with its matrices split over pairs of ranks and it
 Seeded PPO runs (a policy and a critic, no KL term) on the same tiny model (two key/value heads, so two ranks can
 split them), each model on 2 fsdp2 ranks, with ``engine.tensor_parallel_size`` 2, with
 ``engine.sequence_parallel_size`` 2 (and gradient checkpointing), and with neither; and on 2
-deepspeed ranks with AutoTP 2, and with the rows split (and gradient checkpointing).
+deepspeed ranks with AutoTP 2. The workers split rows the same way whichever backend steps the
+weights (``raylign/rl/worker.py``); DeepSpeed's side of split rows, its gradients over ranks that
+share a row, is held to whole rows in the SFT layouts (``tests/trainers/sft_sequence_parallel_worker.py``
+with ZeRO-3, ``test_sft_tensor_parallel.py`` with AutoTP).
 Rewards, the policy's and critic's loss terms (an entropy bonus keeps the policy's total loss away
 from 0, so its logged value is checked, not only its sign) and gradient norms of both steps, and the
 exported weights agree: the controller hands each group one shard and counts its answer once.
@@ -36,7 +39,6 @@ LAYOUTS = {
     "tensor": {"tensor_parallel_size": 2},
     "sequence": {"sequence_parallel_size": 2},
     "deepspeed_tensor": {"backend": "deepspeed", "zero_stage": 1, "tensor_parallel_size": 2},
-    "deepspeed_sequence": {"backend": "deepspeed", "zero_stage": 1, "sequence_parallel_size": 2},
 }
 
 

@@ -139,6 +139,7 @@ class DriftingTrainer(RLTrainer):
 def test_a_run_whose_engine_drifts_stops_at_that_sync(ray_session, rl_model_dir, prompt_file, tmp_path):
     data = rl_config_data(rl_model_dir, prompt_file, tmp_path / "run")
     data["train"]["max_steps"] = 3
+    data["algorithm"] = {"kl_mode": "none", "kl_coef": 0.0}  # no reference actor: the run stops at its first sync
     with pytest.raises(WeightSyncDrift, match=r"^weight sync 1: rollout engine 0 disagrees with the policy"):
         DriftingTrainer(resolve(tmp_path, data)).run()
     logged = read_metrics(tmp_path / "run") if (tmp_path / "run" / "metrics.jsonl").exists() else []
