@@ -213,10 +213,16 @@ class EpisodeRunner:
         while True:
             room = lim.max_total_tokens - len(ep.prompt_ids) - len(ep.token_ids)
             turn_sampling = sampling.model_copy(update={"n": 1, "max_new_tokens": min(sampling.max_new_tokens, room)})
-            completion = await asyncio.wait_for(
-                generate(ep.prompt_ids + ep.token_ids, turn_sampling, request_index * lim.max_turns + ep.turns),
-                self.generate_timeout_s,
-            )
+            try:
+                completion = await asyncio.wait_for(
+                    generate(ep.prompt_ids + ep.token_ids, turn_sampling, request_index * lim.max_turns + ep.turns),
+                    self.generate_timeout_s,
+                )
+            except TimeoutError:
+                raise TimeoutError(
+                    f"{where}, turn {ep.turns}: the rollout engine returned no completion within "
+                    f"rollout.generate_timeout_s={self.generate_timeout_s:g} s"
+                ) from None
             self._append_policy(ep, completion)
             try:  # the whole step_timeout_s even past the wall time: the turn is trained, so it is graded
                 raw = await asyncio.wait_for(

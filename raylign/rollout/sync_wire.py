@@ -42,7 +42,8 @@ def _broadcast(group: dist.ProcessGroupGloo, tensor: torch.Tensor) -> Any:
 
 
 class ReceiverDied(RuntimeError):
-    """Receiving engines' processes died during a sync (the others were sent the abort marker);
+    """Receiving engines' processes died, or their calls to receive failed, during a sync (the others
+    were sent the abort marker);
     ``positions``: theirs in the list of groups the sync went to."""
 
     def __init__(self, message: str, positions: Sequence[int] = ()):
@@ -192,8 +193,9 @@ def send_buckets(
 
     If packing or sending fails, the receivers get the abort marker at once (rather than waiting
     for the gloo timeout) and the error is re-raised. ``dead_receivers()``: the positions of the
-    groups whose receiver died; once one has, the others are sent the abort marker after the
-    bucket they are in, and :class:`ReceiverDied` is raised."""
+    groups whose receiver is gone (its process died, or its call to receive failed); once one is,
+    the others are sent the abort marker after the bucket they are in, and :class:`ReceiverDied`
+    is raised."""
     sent, checksums = SentSync(), []
     out = _Broadcasts(groups, dead_receivers)
     posted: _Posted | None = None

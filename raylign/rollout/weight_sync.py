@@ -153,21 +153,40 @@ def check_receipts(
             )
 
 
-def _dead_receivers(loading: list[Any]) -> set[int]:
-    """The positions ``i`` whose engine's call to receive this sync (``loading[i]``) failed because
-    its process died."""
+def _gone_receivers(loading: list[Any]) -> set[int]:
+    """The positions ``i`` whose engine's call to receive this sync (``loading[i]``) has ended in an
+    error while the sync is being sent: its process died, or the call failed before taking the sync
+    in (it takes no further part in the broadcasts either way)."""
     import ray
 
     ready, _ = ray.wait(loading, num_returns=len(loading), timeout=0)
-    dead = set()
-    for ref in ready:
-        try:
-            ray.get(ref, timeout=0)
-        except ray.exceptions.RayActorError:
-            dead.add(loading.index(ref))
-        except Exception:  # it failed otherwise: its own error comes back from the sync
-            pass
-    return dead
+    return {loading.index(ref) for ref in ready if _call_error(ref) is not None}
+
+
+def _last_line(error: BaseException) -> str:
+    """An error's message, or its last line (a Ray task error's message ends with the engine's own)."""
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else type(error).__name__
+
+
+def _died(error: BaseException | None) -> bool:
+    """Whether a Ray call ended because the actor's process died."""
+    import ray
+
+    return isinstance(error, ray.exceptions.RayActorError)
+
+
+def _call_error(ref: Any) -> BaseException | None:
+    """The error a finished Ray call ended with, or None if it returned."""
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError("_call_error on a call that has not finished") from None
+    except Exception as err:
+        return err
+    return None
 
 
 @dataclass
@@ -290,16 +309,24 @@ class WeightSyncSender:
             sent = send_buckets(
                 [self._groups[i] for i in indices],
                 self.pack(named_tensors),
-                lambda: _dead_receivers(loading),
+                lambda: _gone_receivers(loading),
             )
         except ReceiverDied as err:
-            self._await_aborted(loading)
+            self._await_aborted(loading, indices)
+            failed = [(p, e) for p in err.positions if not _died(e := _call_error(loading[p]))]
+            if failed:  # alive, but its call failed: its own error says why
+                position, error = failed[0]
+                cause = getattr(error, "cause", None) or error
+                raise RuntimeError(
+                    f"{label}: engine {indices[position]} failed to receive it, and the others were told to "
+                    f"abort it: {type(cause).__name__}: {_last_line(cause)}"
+                ) from error
             dead = [indices[p] for p in err.positions]
             raise ReceiverDied(
                 f"{label}: engine(s) {dead} died during the sync; the others were told to abort it", dead
             ) from err
         except BaseException:
-            self._await_aborted(loading)
+            self._await_aborted(loading, indices)
             raise
         receipts = self._receipts(loading, indices, label)
         check_receipts(receipts, sent, version, indices, label)
@@ -347,15 +374,26 @@ class WeightSyncSender:
                 raise WeightSyncCorrupted(f"engine {index}: {getattr(err, 'cause', err)}") from None
         return receipts
 
-    def _await_aborted(self, loading: list[Any]) -> None:
-        """Let the engines finish failing, so the next sync finds them idle; their errors follow from ours."""
+    def _await_aborted(self, loading: list[Any], indices: Sequence[int]) -> None:
+        """Let the engines finish failing, so the next sync finds them idle; their errors follow from
+        ours. All of them within one ``timeout_s``."""
         import ray
 
-        for ref in loading:
-            try:
-                ray.get(ref, timeout=self.timeout_s)
-            except Exception as err:  # expected: "weight sync aborted by the sender"
-                logger.warning("weight sync: engine reported after abort: %s", str(err).splitlines()[-1])
+        finished, pending = ray.wait(loading, num_returns=len(loading), timeout=self.timeout_s)
+        for ref in finished:
+            error = _call_error(ref)
+            if error is not None:  # expected: "weight sync aborted by the sender"
+                logger.warning(
+                    "weight sync: engine %d reported after abort: %s", indices[loading.index(ref)], _last_line(error)
+                )
+        if pending:
+            late = [indices[loading.index(ref)] for ref in pending]
+            logger.warning(
+                "weight sync: engine(s) %s had not ended the aborted sync after %s=%g s",
+                late,
+                TIMEOUT_SETTING,
+                self.timeout_s,
+            )
 
     def close(self) -> None:
         if self._groups:

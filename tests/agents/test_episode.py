@@ -363,6 +363,21 @@ def test_an_async_step_that_hangs_ends_with_step_timeout(tokenizer, generate):
     assert time.perf_counter() - start < 10
 
 
+def test_an_engine_that_returns_no_turn_ends_the_episode_with_an_error_naming_the_turn_and_the_setting(tokenizer):
+    async def silent_engine(prompt_ids, sampling, request_index):
+        await asyncio.Event().wait()
+
+    env = ScriptedEnv()
+    runner = EpisodeRunner(lambda: env, tokenizer, EpisodeLimits(max_total_tokens=400), generate_timeout_s=0.2)
+    with pytest.raises(
+        TimeoutError,
+        match=r"^episode 3, turn 0: the rollout engine returned no completion within "
+        r"rollout.generate_timeout_s=0.2 s$",
+    ):
+        asyncio.run(runner.run(PROMPT, None, {}, silent_engine, SAMPLING, where="episode 3"))
+    assert env.closed == 1  # the environment is closed all the same
+
+
 def test_episode_timeout_ends_a_slow_endless_episode(tokenizer, generate):
     class SlowEnv(EndlessEnv):
         async def step(self, action_text, action_token_ids):

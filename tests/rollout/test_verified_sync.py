@@ -12,6 +12,7 @@ import signal
 import time
 
 import pytest
+import torch
 import xxhash
 
 from raylign.config.rollout import RolloutConfig, SamplingConfig
@@ -168,6 +169,29 @@ def test_an_engine_that_dies_mid_sync_ends_the_sync_naming_it_long_before_the_ti
     assert raised.value.positions == [0]
     assert elapsed < 60, f"the sync took {elapsed:.0f} s to fail (timeout 300 s)"
     print(f"an engine killed mid-sync failed the sync after {elapsed:.1f} s")
+
+
+def test_an_engine_whose_receive_fails_ends_the_sync_with_its_error_long_before_the_timeout(ray_session, engine):
+    """The engine left its group behind the sender's back, so its call to receive fails at once while
+    the sender's first bucket (64 MB, more than the socket buffers hold) waits for it: the sync ends
+    with the engine's own error, not after rollout.sync_timeout_s with gloo's."""
+    sender = WeightSyncSender([engine], bucket_mb=64, timeout_s=300)
+    sender.connect()
+    try:
+        ray_session.get(engine.leave_weight_sync_group.remote(), timeout=60)
+        started = time.monotonic()
+        with pytest.raises(
+            RuntimeError,
+            match=r"^weight sync 5: engine 0 failed to receive it, and the others were "
+            r"told to abort it: \w+: .+",
+        ) as raised:
+            sender.sync(iter([("model.big", torch.zeros(16 << 20))]), version=5)
+        elapsed = time.monotonic() - started
+    finally:
+        sender.close()
+    print(f"{raised.value} ({elapsed:.1f} s)")
+    assert elapsed < 30, f"the sync took {elapsed:.0f} s to fail (timeout 300 s)"
+    assert not isinstance(raised.value, ReceiverDied)  # alive: the run must not replace it
 
 
 def test_a_trainer_that_dies_mid_sync_frees_the_engine_with_an_error_naming_the_sync(ray_session, engine, trainer):
