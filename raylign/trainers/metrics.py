@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,10 @@ from raylign.config.train import LoggingConfig
 from raylign.errors import MissingPackageError
 
 log = logging.getLogger("raylign")
+
+# How long closing the metrics waits for wandb to finish its run (its uploads); wandb itself sets no
+# limit, and without a network it can wait for ever, holding up the end of the run and its error.
+WANDB_FINISH_TIMEOUT_S = 120.0
 
 
 class MetricsLogger:
@@ -107,8 +112,16 @@ class MetricsLogger:
             self._tb.close()
             self._tb = None
         if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+            run, self._wandb = self._wandb, None
+            finishing = threading.Thread(target=run.finish, name="wandb-finish", daemon=True)
+            finishing.start()
+            finishing.join(WANDB_FINISH_TIMEOUT_S)
+            if finishing.is_alive():
+                log.warning(
+                    "wandb: the run did not finish its uploads within %g s; left unfinished (`wandb sync` "
+                    "uploads its local folder later)",
+                    WANDB_FINISH_TIMEOUT_S,
+                )
 
 
 def set_aside_lines(path: Path, superseded: Callable[[str], bool]) -> int:

@@ -71,3 +71,31 @@ def test_a_resume_at_the_last_step_sets_that_steps_evaluation_aside_as_it_evalua
     assert [r.get("eval/loss") for r in read_metrics(tmp_path)] == [None, 2.5]
     aside = [json.loads(line) for line in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
     assert [(r["step"], r["eval/loss"]) for r in aside] == [(4, 2.0)]
+
+
+def test_closing_waits_a_bounded_time_for_a_wandb_run_that_never_finishes(tmp_path, monkeypatch, caplog):
+    """wandb's finish() sets no limit (it can wait for a network for ever); closing the metrics, which
+    every run's end and every run's error go through, waits WANDB_FINISH_TIMEOUT_S and says so."""
+    import threading
+    import time
+
+    from raylign.trainers import metrics
+
+    release = threading.Event()
+
+    class UploadThatNeverEnds:  # wandb is not a dependency of the tests: what its run does on a dead network
+        def finish(self):
+            release.wait(3600)
+
+    monkeypatch.setattr(metrics, "WANDB_FINISH_TIMEOUT_S", 0.3)
+    logger = MetricsLogger(tmp_path, LoggingConfig(), {})
+    logger._wandb = UploadThatNeverEnds()
+    start = time.monotonic()
+    try:
+        with caplog.at_level("WARNING", logger="raylign"):
+            logger.close()
+        assert time.monotonic() - start < 5
+    finally:
+        release.set()
+    assert "wandb: the run did not finish its uploads within 0.3 s" in caplog.text
+    logger.close()  # closing twice does nothing
