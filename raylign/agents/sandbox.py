@@ -150,9 +150,17 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
     except RuntimeError:
         return asyncio.run(run_python_async(code, limits))
     # Called from inside an event loop: run on a private loop in a worker thread instead.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        wall_time_s = (limits or SandboxLimits()).wall_time_s
+    wall_time_s = (limits or SandboxLimits()).wall_time_s
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
         return pool.submit(asyncio.run, run_python_async(code, limits)).result(timeout=wall_time_s + 60)
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(
+            f"sandbox: the run gave no result within {wall_time_s + 60:g} s (its wall_time_s {wall_time_s:g} "
+            "plus 60 to start and end it)"
+        ) from None
+    finally:
+        pool.shutdown(wait=False)  # not waiting for a run that overran: that is what the limit is for
 
 
 async def run_python_async(code: str, limits: SandboxLimits | None = None) -> SandboxResult:

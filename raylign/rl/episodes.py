@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import threading
@@ -185,10 +184,21 @@ class EpisodeStream:
 
         if self._thread.is_alive():
             # An environment that ignores cancellation: the daemon thread goes with the process.
-            with contextlib.suppress(concurrent.futures.TimeoutError):
+            try:
                 asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(timeout=timeout_s)
+            except concurrent.futures.TimeoutError:
+                log.warning(
+                    "agent episodes: %d still running %g s after they were cancelled (an environment that "
+                    "ignores cancellation?); they end with this process",
+                    len(self._pending),
+                    timeout_s,
+                )
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive():
+                log.warning(
+                    "agent episodes: their event loop did not stop within %g s; it ends with this process", timeout_s
+                )
         self._pending.clear()
 
 

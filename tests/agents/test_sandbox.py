@@ -204,3 +204,11 @@ def test_the_rlimit_fallback_warns_once_and_still_stops_a_loop(monkeypatch, capl
     warnings = [r.getMessage() for r in caplog.records if "'rlimit'" in r.getMessage()]
     assert len(warnings) == 1
     assert "NOT isolated: the filesystem, the network" in warnings[0]
+
+
+def test_run_python_called_inside_a_running_event_loop_runs_on_a_loop_of_its_own():
+    async def a_tool_called_from_async_code():
+        return run_python("print(6 * 7)")
+
+    result = asyncio.run(a_tool_called_from_async_code())
+    assert (result.ok, result.stdout, result.exit_code) == (True, "42\n", 0)

@@ -82,6 +82,8 @@ def _stop_pool(executor: ProcessPoolExecutor) -> None:
     executor.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         process.join(timeout=5)
+        if process.is_alive():
+            log.warning("reward function: worker process %s did not end within 5 s of being killed", process.pid)
 
 
 class _WorkerDied(Exception):

@@ -21,8 +21,8 @@ quoting the server's message (the ``detail`` of a FastAPI error answer).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import logging
 import math
 import threading
 import time
@@ -42,6 +42,8 @@ from raylign.rollout.rewards.base import (
 
 if TYPE_CHECKING:
     import httpx
+
+log = logging.getLogger("raylign")
 
 
 class _Retryable(Exception):
@@ -221,10 +223,14 @@ class HttpRewardSource(RewardSource):
 
     def close(self) -> None:
         if self._stop_background.alive:
-            with contextlib.suppress(TimeoutError):  # connections left open close with the process
+            try:
                 self._background.run(self._client.aclose(), CLOSE_TIMEOUT_S)
+            except TimeoutError:  # connections left open close with the process
+                log.warning("remote reward: its HTTP connections did not close within %g s", CLOSE_TIMEOUT_S)
             self._stop_background()
             self._background.thread.join(timeout=CLOSE_TIMEOUT_S)
+            if self._background.thread.is_alive():
+                log.warning("remote reward: its event loop did not stop within %g s", CLOSE_TIMEOUT_S)
 
     def _score(self, prompts: list[str], responses: list[str], labels: list[Any], metadata: list[dict]) -> RewardResult:
         parts = []
