@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from raylign.cluster import get_within
 from raylign.rollout.buckets import Bucket, BufferPool, iter_packed_buckets
 from raylign.rollout.sync_wire import (  # noqa: F401 - the receiving side's names, re-exported
     CORRUPTION_ADVICE,
+    LIVENESS_CHECK_S,
     TIMEOUT_SETTING,
     IncomingSync,
     ReceiverDied,
@@ -269,9 +271,41 @@ class WeightSyncSender:
         )
         store, port = open_group_as_sender(host, world_size, self.timeout_s)
         joined = engine.join_weight_sync_group.remote(host, port, world_size, self.timeout_s)
-        group = make_gloo_group(store, 0, world_size, self.timeout_s)  # returns once the engine joined
+        group = self._group_once_joined(store, world_size, joined, index)
         get_within(joined, self.timeout_s, "weight sync: joining the group", TIMEOUT_SETTING, [f"engine {index}"])
         return store, group
+
+    def _group_once_joined(
+        self, store: dist.TCPStore, world_size: int, joined: Any, index: int
+    ) -> dist.ProcessGroupGloo:
+        """The sender's side of the group, which forms once the engine's workers join it (a thread
+        waits for that); if the engine's call to join fails first, its error, at once, rather than
+        gloo's after ``timeout_s``."""
+        import ray
+
+        made: dict[str, Any] = {}
+
+        def make() -> None:
+            try:
+                made["group"] = make_gloo_group(store, 0, world_size, self.timeout_s)
+            except BaseException as err:  # handed to the caller below
+                made["error"] = err
+
+        # A daemon: when the engine failed, the thread ends by itself at the group's timeout.
+        forming = threading.Thread(target=make, name=f"sync-group-{index}", daemon=True)
+        forming.start()
+        while forming.is_alive():
+            forming.join(LIVENESS_CHECK_S)
+            done, _ = ray.wait([joined], timeout=0)
+            if done and forming.is_alive() and (error := _call_error(joined)) is not None:
+                cause = getattr(error, "cause", None) or error
+                raise RuntimeError(
+                    f"weight sync: engine {index} could not join its sync group: {type(cause).__name__}: "
+                    f"{_last_line(cause)}"
+                ) from error
+        if "error" in made:
+            raise made["error"]
+        return made["group"]
 
     def replace(self, index: int, engine: Any) -> None:
         """A new engine took the place of engine ``index`` (which died): its own new group replaces the old."""

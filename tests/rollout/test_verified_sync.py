@@ -171,6 +171,26 @@ def test_an_engine_that_dies_mid_sync_ends_the_sync_naming_it_long_before_the_ti
     print(f"an engine killed mid-sync failed the sync after {elapsed:.1f} s")
 
 
+class MiscountingSender(WeightSyncSender):
+    """Counts one engine rank more than the engine says it has, so the engine refuses to join the
+    group (of the wrong size) and the sender's side of it would wait for a rank that never comes."""
+
+    def _results(self, refs, what, names=None):
+        answers = super()._results(refs, what, names)
+        return [n + 1 for n in answers] if what == "the engine's sync ranks" else answers
+
+
+def test_an_engine_that_cannot_join_its_group_ends_the_connect_with_its_error_long_before_the_timeout(engine):
+    sender = MiscountingSender([engine], bucket_mb=BUCKET_MB, timeout_s=300)
+    started = time.monotonic()
+    with pytest.raises(
+        RuntimeError, match=r"^weight sync: engine 0 could not join its sync group: ValueError: sync group of size 3"
+    ):
+        sender.connect()
+    elapsed = time.monotonic() - started
+    assert elapsed < 30, f"the connect took {elapsed:.0f} s to fail (timeout 300 s)"
+
+
 def test_an_engine_whose_receive_fails_ends_the_sync_with_its_error_long_before_the_timeout(ray_session, engine):
     """The engine left its group behind the sender's back, so its call to receive fails at once while
     the sender's first bucket (64 MB, more than the socket buffers hold) waits for it: the sync ends
