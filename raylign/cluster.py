@@ -173,7 +173,7 @@ def wait_until_ready(
         try:
             results[name] = ray.get(done[0], timeout=60)  # ready, so only fetching the result remains
         except Exception as err:  # the actor's constructor raised, or its process died
-            cause = _cause(err)
+            cause = remote_cause(err)
             raise StartupError(f"{name} failed to start: {cause}", cause) from err
     if pending:
         lines = [f"{names[ref]}: {describe_actor(actors[names[ref]])}" for ref in pending]
@@ -268,7 +268,7 @@ def death_cause(err: Exception) -> str:
     return first or type(err).__name__
 
 
-def _cause(err: Exception) -> str:
+def remote_cause(err: BaseException) -> str:
     """The innermost useful line of a Ray actor error: the exception the constructor raised, if any."""
     cause = getattr(err, "cause", None)
     if isinstance(cause, BaseException) and cause is not err:

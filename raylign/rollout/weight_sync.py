@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raylign.cluster import get_within
+from raylign.cluster import get_within, remote_cause
 from raylign.rollout.buckets import Bucket, BufferPool, iter_packed_buckets
 from raylign.rollout.sync_wire import (  # noqa: F401 - the receiving side's names, re-exported
     CORRUPTION_ADVICE,
@@ -163,12 +163,6 @@ def _gone_receivers(loading: list[Any]) -> set[int]:
 
     ready, _ = ray.wait(loading, num_returns=len(loading), timeout=0)
     return {loading.index(ref) for ref in ready if _call_error(ref) is not None}
-
-
-def _last_line(error: BaseException) -> str:
-    """An error's message, or its last line (a Ray task error's message ends with the engine's own)."""
-    lines = str(error).strip().splitlines()
-    return lines[-1] if lines else type(error).__name__
 
 
 def _died(error: BaseException | None) -> bool:
@@ -298,10 +292,8 @@ class WeightSyncSender:
             forming.join(LIVENESS_CHECK_S)
             done, _ = ray.wait([joined], timeout=0)
             if done and forming.is_alive() and (error := _call_error(joined)) is not None:
-                cause = getattr(error, "cause", None) or error
                 raise RuntimeError(
-                    f"weight sync: engine {index} could not join its sync group: {type(cause).__name__}: "
-                    f"{_last_line(cause)}"
+                    f"weight sync: engine {index} could not join its sync group: {remote_cause(error)}"
                 ) from error
         if "error" in made:
             raise made["error"]
@@ -350,10 +342,9 @@ class WeightSyncSender:
             failed = [(p, e) for p in err.positions if not _died(e := _call_error(loading[p]))]
             if failed:  # alive, but its call failed: its own error says why
                 position, error = failed[0]
-                cause = getattr(error, "cause", None) or error
                 raise RuntimeError(
                     f"{label}: engine {indices[position]} failed to receive it, and the others were told to "
-                    f"abort it: {type(cause).__name__}: {_last_line(cause)}"
+                    f"abort it: {remote_cause(error)}"
                 ) from error
             dead = [indices[p] for p in err.positions]
             raise ReceiverDied(
@@ -418,7 +409,7 @@ class WeightSyncSender:
             error = _call_error(ref)
             if error is not None:  # expected: "weight sync aborted by the sender"
                 logger.warning(
-                    "weight sync: engine %d reported after abort: %s", indices[loading.index(ref)], _last_line(error)
+                    "weight sync: engine %d reported after abort: %s", indices[loading.index(ref)], remote_cause(error)
                 )
         if pending:
             late = [indices[loading.index(ref)] for ref in pending]
