@@ -544,7 +544,7 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace, load_befo
     )
     head = (
         f"{'model':8s} {'engine (raylign/TRL)':21s} {'raylign s/step':>14s} {'TRL s/step':>10s} "
-        f"{'TRL/raylign':>11s}   raylign split (s): " + " ".join(f"{p:>10s}" for p in PHASES)
+        f"{'TRL/raylign':>11s} {'per FLOP':>8s}   raylign split (s): " + " ".join(f"{p:>10s}" for p in PHASES)
     )
     print(head)
     for row in rows:
@@ -552,8 +552,13 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace, load_befo
         ratio = t["step_s"] / r["step_s"]  # NaN when either side has no timed step
         print(
             f"{row['model']:8s} {row['engine']:21s} {fmt(r['step_s'], 14)} {fmt(t['step_s'], 10)} "
-            f"{fmt(ratio, 11)}   {'':19s}" + " ".join(fmt(r[p], 10) for p in PHASES)
+            f"{fmt(ratio, 11)} {fmt(ratio_per_flop(row), 8)}   {'':19s}" + " ".join(fmt(r[p], 10) for p in PHASES)
         )
+    print(
+        "per FLOP: TRL/raylign with each side's step divided by its own work (a forward pass over its own "
+        "prompt and response tokens, as in phase_floors):\nthe two sample at temperature 1, so their answers, "
+        "and the work of their steps, differ in length."
+    )
     print(
         "\nMedians per phase in seconds, with mean reward and response length (tokens). TRL's phases are timed "
         "around its GRPOTrainer methods:\ngenerate = model.generate, experience = reference log-probs and batch "
@@ -630,6 +635,14 @@ def print_floors(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     for row in rows:
         best, trl = step_at_floors(row["raylign"], row["floors"]["raylign"]), row["trl"]["step_s"]
         print(f"{row['model']:8s} {fmt(best, 19)} {fmt(trl, 10)} {fmt(trl / best, 12)}")
+
+
+def ratio_per_flop(row: dict[str, Any]) -> float:
+    """TRL / raylign at equal work: each side's seconds per step over its step's FLOP. Both sides' train
+    floors are 3 forward passes over their own tokens at the same matmul rate, so their ratio is the
+    ratio of the two steps' work."""
+    work = row["floors"]["trl"]["train"] / row["floors"]["raylign"]["train"]
+    return row["trl"]["step_s"] / row["raylign"]["step_s"] / work
 
 
 def step_at_floors(measured: dict[str, float], floors: dict[str, float]) -> float:

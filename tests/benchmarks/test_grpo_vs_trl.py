@@ -64,6 +64,14 @@ def test_the_bound_on_the_ratio_adds_up_raylign_s_floors_against_trl_s_measured_
     assert last == ["smollm2", "9.25", "18.50", "2.00"]
 
 
+def test_the_ratio_per_flop_divides_each_side_s_step_by_its_own_work():
+    """TRL 30 s a step with a train floor of 6 s (its step's work), raylign 10 s with 4 s: 3x per step,
+    but TRL's step did 1.5x the work, so 2x at equal work."""
+    row = {"raylign": {"step_s": 10.0}, "trl": {"step_s": 30.0}}
+    row["floors"] = {"raylign": {"train": 4.0}, "trl": {"train": 6.0}}
+    assert grpo_vs_trl.ratio_per_flop(row) == pytest.approx(2.0)
+
+
 def test_the_dtype_defaults_to_bf16_only_where_the_cpu_multiplies_bf16_natively():
     """x86: AMX or AVX512-BF16; ARM: the bf16 feature (the flags /proc/cpuinfo lists)."""
     flags = set()
