@@ -8,7 +8,7 @@ workers' nodes).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -16,6 +16,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylign.cluster import actor_env, get_within, wait_until_ready
 from raylign.rl.worker import ModelWorker
+
+
+class PhaseResults(NamedTuple):
+    """What each rank of a phase call answered (``ModelWorker.in_phase``), in rank order."""
+
+    results: list[Any]
+    threads: list[int]  # the torch threads it computed with
+    peaks: list[int | None]  # its peak memory in bytes (None where it could not be measured)
+    seconds: list[float]  # how long the method ran in the rank's process
 
 
 class WorkerGroup:
@@ -79,20 +88,19 @@ class WorkerGroup:
         """Rank r gets ``per_rank[r]``; results in rank order."""
         return self._results(method, [getattr(w, method).remote(arg) for w, arg in zip(self.workers, per_rank)])
 
-    def call_in_phase(
-        self, method: str, per_rank: list[Any], threads: list[int]
-    ) -> tuple[list[Any], list[int], list[int | None]]:
+    def call_in_phase(self, method: str, per_rank: list[Any], threads: list[int]) -> PhaseResults:
         """:meth:`call_sharded`, rank r computing on ``threads[r]`` torch threads; the results, the
-        threads and the peak memory each rank reported (``ModelWorker.in_phase``), in rank order."""
+        threads, the peak memory and the seconds of compute each rank reported (``ModelWorker.in_phase``),
+        in rank order."""
         return self.phase_results(method, self.submit_in_phase(method, per_rank, threads))
 
     def submit_in_phase(self, method: str, per_rank: list[Any], threads: list[int]) -> list[Any]:
         """:meth:`call_in_phase` without waiting: the calls in flight, for :meth:`phase_results`."""
         return [w.in_phase.remote(n, method, arg) for w, n, arg in zip(self.workers, threads, per_rank)]
 
-    def phase_results(self, method: str, refs: list[Any]) -> tuple[list[Any], list[int], list[int | None]]:
+    def phase_results(self, method: str, refs: list[Any]) -> PhaseResults:
         answers = self._results(method, refs)
-        return [a[0] for a in answers], [a[1] for a in answers], [a[2] for a in answers]
+        return PhaseResults(*([a[i] for a in answers] for i in range(4)))
 
     def _results(self, method: str, refs: list[Any]) -> list[Any]:
         """The ranks' answers, waiting at most ``placement.worker_call_timeout_s``."""

@@ -51,6 +51,7 @@ class EarlyReference:
         self.threads = threads or [1] * len(group)
         self.threads_used: list[int] = []  # what the ranks reported for the passes :meth:`collect` gathered
         self.peaks: list[int | None] = []  # and the peak memory they reported
+        self.compute_s = 0.0  # and the seconds they computed (per pass the slowest rank's, summed)
         self._passes: dict[int, _Pass] = {}  # id(sample) -> its pass (which holds the sample: ids stay unique)
 
     def submit(self, samples: list[Sample], step: int) -> None:
@@ -71,12 +72,13 @@ class EarlyReference:
         if any(p is None or not any(x is s for x in p.samples) for p, s in zip(passes, samples)):
             return None
         rows: dict[int, torch.Tensor] = {}
-        self.threads_used, self.peaks = [], []
+        self.threads_used, self.peaks, self.compute_s = [], [], 0.0
         for p in {id(p): p for p in passes if p is not None}.values():
-            results, used, peaks = self.group.phase_results("compute_logprobs", p.calls)
-            self.threads_used += used
-            self.peaks += peaks
-            for rank_plan, rank_results, real in zip(p.plan, results, p.real):
+            answers = self.group.phase_results("compute_logprobs", p.calls)
+            self.threads_used += answers.threads
+            self.peaks += answers.peaks
+            self.compute_s += max(answers.seconds)
+            for rank_plan, rank_results, real in zip(p.plan, answers.results, p.real):
                 for micro, values in zip(rank_plan[:real], rank_results):
                     for row, i in enumerate(micro):
                         rows[id(p.samples[i])] = values[row]

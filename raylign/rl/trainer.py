@@ -107,6 +107,8 @@ class RLTrainer:
         self.threads: dict[str, list[int]] = {}  # torch threads of each role's ranks in its phases (setup)
         self._threads_used: dict[str, list[int]] = {}  # phase -> the threads its ranks reported, this step
         self._peaks: dict[str, list[int | None]] = {}  # phase -> the peak memory its ranks reported, this step
+        # phase -> seconds its ranks computed this step: per call the slowest rank's, summed over the calls
+        self._compute_s: dict[str, float] = {}
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -407,7 +409,7 @@ class RLTrainer:
         cfg = self.cfg
         timings: dict[str, float] = {"time/reward_s": 0.0}
         self._timings = timings
-        self._threads_used, self._peaks = {}, {}
+        self._threads_used, self._peaks, self._compute_s = {}, {}, {}
         start = time.perf_counter()
         phase = _PhaseClock(timings)
         self.events.append(("rollout", self.step + 1, time.time()))
@@ -439,6 +441,7 @@ class RLTrainer:
             **timings,
             **{f"threads/{phase}": float(min(used)) for phase, used in self._threads_used.items()},
             **peak_memory_metrics(self._peaks),
+            **{f"time/{phase}_compute_s": seconds for phase, seconds in self._compute_s.items()},
             "time/step_s": elapsed,
             "throughput/tokens_per_s": tokens / elapsed,
             "reward/worker_restarts": float(self.reward.restarts if self.reward is not None else 0),
@@ -573,6 +576,7 @@ class RLTrainer:
             if early is not None:
                 self._threads_used.setdefault("reference_early", []).extend(self.early_reference.threads_used)
                 self._peaks.setdefault("reference_early", []).extend(self.early_reference.peaks)
+                self._compute_s["reference_early"] = self.early_reference.compute_s
             ref = early if early is not None else self._forward_all("reference", "compute_logprobs", samples)
         values = self._forward_all("critic", "compute_values", samples) if cfg.uses_critic else None
         rollout_lp = response_tensor([s.rollout_logprobs for s in samples], width)
@@ -640,10 +644,11 @@ class RLTrainer:
         decided for it (``self.threads``); the fewest a rank reported goes to the step's ``threads/<phase>``."""
         tp = len(self.groups[role]) // len(per_shard)
         per_rank = [shard for shard in per_shard for _ in range(tp)]
-        results, used, peaks = self.groups[role].call_in_phase(method, per_rank, self.threads[role])
-        self._threads_used.setdefault(phase, []).extend(used)
-        self._peaks.setdefault(phase, []).extend(peaks)
-        return results[::tp]
+        answers = self.groups[role].call_in_phase(method, per_rank, self.threads[role])
+        self._threads_used.setdefault(phase, []).extend(answers.threads)
+        self._peaks.setdefault(phase, []).extend(answers.peaks)
+        self._compute_s[phase] = self._compute_s.get(phase, 0.0) + max(answers.seconds)
+        return answers.results[::tp]
 
     def _count_skipped(self, metrics: dict[str, float]) -> None:
         """A step some of whose updates were dropped for a non-finite loss or gradient norm is counted

@@ -177,17 +177,19 @@ class ModelWorker:
         """Compute on ``threads`` torch threads from now on (the colocated engine too: it runs in this process)."""
         torch.set_num_threads(threads)
 
-    def in_phase(self, threads: int, method: str, *args: Any) -> tuple[Any, int, int | None]:
+    def in_phase(self, threads: int, method: str, *args: Any) -> tuple[Any, int, int | None, float]:
         """``method(*args)`` computed on ``threads`` torch threads (the controller's share of the cores
-        free during this phase); its result, the threads torch reports at its end, and the peak memory
+        free during this phase); its result, the threads torch reports at its end, the peak memory
         while it ran (:class:`~raylign.engine.memory.PhasePeak`: the device's on a GPU, the process's
-        resident memory on the CPU)."""
+        resident memory on the CPU) and the seconds it took in this process."""
         from raylign.engine.memory import PhasePeak
 
         torch.set_num_threads(threads)
         with PhasePeak(self.device) as peak:
+            start = time.perf_counter()
             result = getattr(self, method)(*args)
-        return result, torch.get_num_threads(), peak.bytes
+            seconds = time.perf_counter() - start
+        return result, torch.get_num_threads(), peak.bytes, seconds
 
     # ---- forward passes ----------------------------------------------------------------
 

@@ -117,6 +117,13 @@ def test_each_step_logs_finite_training_metrics(runs):
         assert record["rollout/weight_lag"] == 0  # synchronous: samples come from the weights being trained
         # The parts are disjoint intervals inside the step.
         assert sum(record[k] for k in TIMING_PARTS) <= record["time/step_s"] + 1e-6
+        # The workers' own compute is inside the phase that waited for it: the policy's update (and the
+        # critic's, one after the other) in train; the passes left for the experience phase in it.
+        assert 0.0 < record["time/train_compute_s"] <= record["time/train_s"]
+        if "threads/experience" in record:
+            assert 0.0 < record["time/experience_compute_s"] <= record["time/experience_s"]
+        else:
+            assert "time/experience_compute_s" not in record
 
 
 def test_while_a_phase_runs_alone_its_workers_compute_on_every_core(runs):

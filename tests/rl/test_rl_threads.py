@@ -184,6 +184,12 @@ def test_a_pinned_thread_count_is_what_each_phase_computes_with(ray_session, rl_
         peaks = {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("peak_memory_gb/")}
         assert set(peaks) == {"reference_early", "train"}
         assert all(0.1 < v < total_gb for v in peaks.values()), peaks
+        # And how long they computed: the update inside the train phase; the reference passes between
+        # their groups' end of generation and the experience phase that collected them.
+        assert 0.0 < r["time/train_compute_s"] <= r["time/train_s"]
+        window = r["time/generate_s"] + r["time/reward_s"] + r["time/experience_s"]
+        assert 0.0 < r["time/reference_early_compute_s"] <= window
+        assert "time/experience_compute_s" not in r
 
 
 @pytest.mark.parametrize(
