@@ -93,6 +93,7 @@ from raylign.hardware import resolve_dtype
 REWARD_FILE = REPO / "examples" / "rewards" / "letter_match.py"
 GSM_PROMPTS = REPO / "examples" / "data" / "gsm_eval.jsonl"
 PHASES = ("generate", "reward", "experience", "train", "sync")
+COMPUTED_PHASES = ("experience", "train")  # the phases that run on raylign's training workers
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
@@ -237,6 +238,8 @@ def run_raylign_side(w: Workload) -> list[dict[str, float]]:
             - r["throughput/generated_tokens_per_s"] * r["time/generate_s"],
             "generated": r["throughput/generated_tokens_per_s"] * r["time/generate_s"],
             "sync_bytes": r.get("sync/num_bytes", float("nan")),
+            # how long the workers computed within the phase (0: the phase ran no pass on them)
+            **{f"{p}_compute": r.get(f"time/{p}_compute_s", 0.0) for p in COMPUTED_PHASES},
         }
         for r in read_metrics(w.output_dir)
         if "time/step_s" in r
@@ -458,6 +461,7 @@ def run_bare_vllm_side(w: Workload) -> list[dict[str, float]]:
 def summarize(result: dict[str, Any]) -> dict[str, float]:
     records = result.get("records", [])
     keys = ("step_s", *PHASES, "reward_mean", "response_length", "response_length_max", "prompt_tokens", "sync_bytes")
+    keys += tuple(f"{p}_compute" for p in COMPUTED_PHASES)
     for record in records:
         if record.get("generate", 0) > 0 and "generated" in record:
             record["generate_tok_s"] = record["generated"] / record["generate"]
@@ -625,6 +629,17 @@ def print_floors(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                     f"{row['model']:8s} {side:8s} {phase:10s} {fmt(measured[phase], 10)} {fmt(floors[phase], 9, 3)} "
                     f"{fmt(floors[phase] / measured[phase] if measured[phase] > 0 else float('nan'), 14)}"
                 )
+    print(
+        "\nraylign's phases on its training workers, and how long the workers computed in them "
+        "(time/<phase>_compute_s; the rest is the\nsamples' and results' travel between the controller "
+        "and the workers)."
+    )
+    print(f"{'model':8s} {'phase':10s} {'measured s':>10s} {'computing s':>11s} {'share':>6s}")
+    for row in rows:
+        for phase in COMPUTED_PHASES:
+            measured, computing = row["raylign"][phase], row["raylign"][f"{phase}_compute"]
+            share = computing / measured if measured > 0 else float("nan")
+            print(f"{row['model']:8s} {phase:10s} {fmt(measured, 10)} {fmt(computing, 11)} {fmt(share, 6)}")
     if args.skip_trl:
         return
     print(

@@ -48,8 +48,10 @@ def test_phase_floors_by_hand():
 
 def test_the_bound_on_the_ratio_adds_up_raylign_s_floors_against_trl_s_measured_step(capsys):
     """Floors 2 + 1.5 + 5 + 0.5 s, reward measured 0.25 s: 9.25 s at best against TRL's 18.5 s a step, so
-    raylign can be at most 2.00x ahead; with the experience floor undefined (early reference) it counts 0."""
+    raylign can be at most 2.00x ahead; with the experience floor undefined (early reference) it counts 0.
+    The workers computed 2 of the experience phase's 2.5 s (0.80) and 6.5 of the train phase's 7 (0.93)."""
     measured = {"generate": 4.0, "reward": 0.25, "experience": 2.5, "train": 7.0, "sync": 1.5}
+    measured |= {"experience_compute": 2.0, "train_compute": 6.5}
     floors = {"generate": 2.0, "reward": float("nan"), "experience": 1.5, "train": 5.0, "sync": 0.5}
     assert grpo_vs_trl.step_at_floors(measured, floors) == pytest.approx(9.25)
     assert grpo_vs_trl.step_at_floors(measured, {**floors, "experience": float("nan")}) == pytest.approx(7.75)
@@ -60,8 +62,10 @@ def test_the_bound_on_the_ratio_adds_up_raylign_s_floors_against_trl_s_measured_
     row["trl"] |= {phase: 1.0 for phase in grpo_vs_trl.PHASES}
     args = grpo_vs_trl.parse_args(["--threads", "default", "--dtype", "float32"])
     grpo_vs_trl.print_floors([row], args)
-    last = capsys.readouterr().out.strip().splitlines()[-1].split()
-    assert last == ["smollm2", "9.25", "18.50", "2.00"]
+    lines = [line.split() for line in capsys.readouterr().out.strip().splitlines()]
+    assert lines[-1] == ["smollm2", "9.25", "18.50", "2.00"]
+    assert ["smollm2", "experience", "2.50", "2.00", "0.80"] in lines
+    assert ["smollm2", "train", "7.00", "6.50", "0.93"] in lines
 
 
 def test_the_ratio_per_flop_divides_each_side_s_step_by_its_own_work():
@@ -121,6 +125,12 @@ def test_report_prints_every_phase_against_its_floor(tmp_path):
         assert measured > 0 and floor >= 0 and 0 <= share <= 1, (phase, rows[phase])
     # the reference passes ran as the groups finished generating (raylign's auto with --threads 1, the default)
     assert float(rows["experience"][0]) > 0 and rows["experience"][1:] == ["n/a", "n/a"]
+    # the workers' own compute within the phases on them: the update inside the train phase; the experience
+    # phase has no pass left (the reference passes ran beside generation), so they computed nothing there
+    computing = {line.split()[1]: line.split()[2:] for line in report.splitlines() if line.startswith("tiny     ")}
+    measured, computed, share = (float(x) for x in computing["train"])
+    assert 0 < computed <= measured and share == pytest.approx(computed / measured, abs=0.01)
+    assert float(computing["experience"][1]) == 0.0
     generation = report.split("raylign/bare")[1].splitlines()[1].split()
     raylign_tok_s, trl_tok_s, bare_tok_s, ratio = generation[1:]
     assert trl_tok_s == "n/a" and float(raylign_tok_s) > 0 and float(bare_tok_s) > 0
