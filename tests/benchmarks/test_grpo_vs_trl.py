@@ -129,7 +129,9 @@ def test_report_prints_every_phase_against_its_floor(tmp_path):
     # phase has no pass left (the reference passes ran beside generation), so they computed nothing there
     computing = {line.split()[1]: line.split()[2:] for line in report.splitlines() if line.startswith("tiny     ")}
     measured, computed, share = (float(x) for x in computing["train"])
-    assert 0 < computed <= measured and share == pytest.approx(computed / measured, abs=0.01)
+    # printed to 0.01 s, and the tiny model's update takes about that: the share is checked on the unrounded
+    # figures (which test_the_bound_on_the_ratio_adds_up... checks by hand)
+    assert 0 < share <= 1 and computed <= measured + 0.01
     assert float(computing["experience"][1]) == 0.0
     generation = report.split("raylign/bare")[1].splitlines()[1].split()
     raylign_tok_s, trl_tok_s, bare_tok_s, ratio = generation[1:]
