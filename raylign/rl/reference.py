@@ -13,11 +13,14 @@ samples runs a stand-in (the group's shortest sample) whose result it drops.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from raylign.rl.experience import Sample, own_micro_batches, pack_samples
+
+if TYPE_CHECKING:
+    from raylign.rl.group import PhaseResults
 
 
 @dataclass
@@ -49,9 +52,7 @@ class EarlyReference:
         self.group, self.micro_batch_tokens, self.rows = group, micro_batch_tokens, pack_row_tokens
         self.keep_steps = keep_steps
         self.threads = threads or [1] * len(group)
-        self.threads_used: list[int] = []  # what the ranks reported for the passes :meth:`collect` gathered
-        self.peaks: list[int | None] = []  # and the peak memory they reported
-        self.compute_s = 0.0  # and the seconds they computed (per pass the slowest rank's, summed)
+        self.answers: list[PhaseResults] = []  # what the ranks reported for each pass :meth:`collect` gathered
         self._passes: dict[int, _Pass] = {}  # id(sample) -> its pass (which holds the sample: ids stay unique)
 
     def submit(self, samples: list[Sample], step: int) -> None:
@@ -72,12 +73,10 @@ class EarlyReference:
         if any(p is None or not any(x is s for x in p.samples) for p, s in zip(passes, samples)):
             return None
         rows: dict[int, torch.Tensor] = {}
-        self.threads_used, self.peaks, self.compute_s = [], [], 0.0
+        self.answers = []
         for p in {id(p): p for p in passes if p is not None}.values():
             answers = self.group.phase_results("compute_logprobs", p.calls)
-            self.threads_used += answers.threads
-            self.peaks += answers.peaks
-            self.compute_s += max(answers.seconds)
+            self.answers.append(answers)
             for rank_plan, rank_results, real in zip(p.plan, answers.results, p.real):
                 for micro, values in zip(rank_plan[:real], rank_results):
                     for row, i in enumerate(micro):

@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -79,6 +79,9 @@ from raylign.rollout.pool import GroupStream, stop_engines
 from raylign.trainers.guard import SkippedSteps
 from raylign.trainers.metrics import MetricsLogger, format_metrics
 from raylign.trainers.progress import Progress
+
+if TYPE_CHECKING:
+    from raylign.rl.group import PhaseResults
 
 log = logging.getLogger("raylign")
 ENGINES = "rollout engines"  # their entry among what setup() starts at once
@@ -574,9 +577,8 @@ class RLTrainer:
         elif cfg.uses_reference:
             early = self.early_reference.collect(samples, width) if self.early_reference is not None else None
             if early is not None:
-                self._threads_used.setdefault("reference_early", []).extend(self.early_reference.threads_used)
-                self._peaks.setdefault("reference_early", []).extend(self.early_reference.peaks)
-                self._compute_s["reference_early"] = self.early_reference.compute_s
+                for answers in self.early_reference.answers:
+                    self._record_phase("reference_early", answers)
             ref = early if early is not None else self._forward_all("reference", "compute_logprobs", samples)
         values = self._forward_all("critic", "compute_values", samples) if cfg.uses_critic else None
         rollout_lp = response_tensor([s.rollout_logprobs for s in samples], width)
@@ -645,10 +647,14 @@ class RLTrainer:
         tp = len(self.groups[role]) // len(per_shard)
         per_rank = [shard for shard in per_shard for _ in range(tp)]
         answers = self.groups[role].call_in_phase(method, per_rank, self.threads[role])
+        self._record_phase(phase, answers)
+        return answers.results[::tp]
+
+    def _record_phase(self, phase: str, answers: PhaseResults) -> None:
+        """One call's reports for the step's ``threads/``, ``peak_memory_gb/`` and ``time/<phase>_compute_s``."""
         self._threads_used.setdefault(phase, []).extend(answers.threads)
         self._peaks.setdefault(phase, []).extend(answers.peaks)
         self._compute_s[phase] = self._compute_s.get(phase, 0.0) + max(answers.seconds)
-        return answers.results[::tp]
 
     def _count_skipped(self, metrics: dict[str, float]) -> None:
         """A step some of whose updates were dropped for a non-finite loss or gradient norm is counted
