@@ -97,8 +97,13 @@ def test_orpo_log_odds_ratio_and_nll():
 
 
 def test_orpo_is_finite_when_a_response_is_certain():
-    loss, _ = orpo_loss(t([0.0, -1e-12]), t([-1.0, -2.0]))
-    assert torch.isfinite(loss)
+    """p = 1 would make the odds infinite: log p is held at -1e-7 or below in the odds, not in the NLL."""
+    loss, metrics = orpo_loss(t([0.0, -1e-12]), t([-1.0, -2.0]), lam=0.1)
+    held = -1e-7
+    log_odds = [(held - r) - (math.log(-math.expm1(held)) - math.log(-math.expm1(r))) for r in (-1.0, -2.0)]
+    odds_term = sum(-math.log1p(math.exp(-x)) for x in log_odds) / 2  # log sigmoid, both pairs
+    assert loss.item() == pytest.approx(5e-13 - 0.1 * odds_term, rel=1e-9)
+    assert metrics["log_odds_ratio"].item() == pytest.approx(sum(log_odds) / 2, rel=1e-12)
 
 
 def test_kto_by_hand_with_batch_kl():

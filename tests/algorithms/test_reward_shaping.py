@@ -73,8 +73,11 @@ def test_running_normalizer_state_round_trip():
         second.load_state_dict({"count": 1.0, "mean": 0.0})
 
 
-def test_running_normalizer_before_any_update_is_finite():
-    assert torch.isfinite(RunningRewardNormalizer().normalize(torch.tensor([1.0]))).all()
+def test_running_normalizer_before_any_update_returns_the_rewards_less_a_zero_mean():
+    """No reward seen: no scale to divide by, and a mean of 0 to subtract (not a division by eps)."""
+    rewards = torch.tensor([1.0, -2.5])
+    for shift_mean in (True, False):
+        assert torch.equal(RunningRewardNormalizer(shift_mean=shift_mean).normalize(rewards), rewards)
 
 
 def test_dynamic_sampling_keeps_groups_with_reward_variance():

@@ -86,6 +86,9 @@ def test_sft_logs_metrics_writes_config_and_exports_a_loadable_model(tmp_path, t
     assert [r["step"] for r in train] == [1, 2, 3]
     for key in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"):
         assert all(torch.isfinite(torch.tensor(r[key])) for r in train), key
+    # lr 3e-3 with 2 warmup steps over 3: the first step at half of it, the second at all of it, and the
+    # cosine's first point (progress 0 of the one step after warmup) still at all of it.
+    assert [r["train/lr"] for r in train] == pytest.approx([1.5e-3, 3e-3, 3e-3], rel=1e-12)
     # The process's peak resident memory so far (this process ran the training): it never shrinks, and no
     # step's figure exceeds the peak measured now.
     peaks = [r["train/peak_memory_gib"] for r in train]
