@@ -30,13 +30,31 @@ def tiny_run(tmp_path_factory) -> tuple[str, dict, Path]:
 
 
 @pytest.mark.slow
-def test_table_has_both_trainers_with_positive_figures(tiny_run):
-    stdout, _, _ = tiny_run
+def test_table_prints_each_trainers_figures_and_their_ratios_as_measured(tiny_run):
+    """Each printed figure is the run's own (its JSON), to the digits printed; the ratio columns are the
+    quotients of the step times printed beside them."""
+    stdout, report, _ = tiny_run
     assert "CPU: " in stdout and "failed" not in stdout
-    for trainer in ("sft", "dpo"):
-        (line,) = [line for line in stdout.splitlines() if line.startswith(f"{trainer} ")]
-        figures = [float(x) for x in line.split()[1:]]
-        assert len(figures) == 10 and all(x > 0 for x in figures), line
+    for row in report["rows"]:
+        (line,) = [line for line in stdout.splitlines() if line.startswith(f"{row['trainer']} ")]
+        printed = [float(x) for x in line.split()[1:]]
+        ray, trl, floor = row["raylign"], row["trl"], row["floor_s"]
+        assert row["ratio"] == trl["step_s"] / ray["step_s"]
+        expected = [
+            (ray["step_s"], 3),
+            (trl["step_s"], 3),
+            (ray["tokens_per_s"], 0),
+            (trl["tokens_per_s"], 0),
+            (trl["step_s"] / ray["step_s"], 2),
+            (row["tokens_per_step"], 0),
+            (row["gflop_per_step"], 3),
+            (floor, 4),
+            (ray["step_s"] / floor, 1),
+            (trl["step_s"] / floor, 1),
+        ]
+        assert len(printed) == len(expected) and all(x > 0 for x in printed), line
+        for got, (value, digits) in zip(printed, expected, strict=True):
+            assert abs(got - value) <= 0.5 * 10**-digits + 1e-9, (line, value)
 
 
 @pytest.mark.slow
@@ -57,3 +75,25 @@ def test_sft_flop_per_step_is_six_x_parameters_x_tokens_of_the_timed_step(tiny_r
     machine = report["machine"]
     assert sft["floor_s"] == pytest.approx(sft["gflop_per_step"] / machine["matmul_gflops_1thread"], rel=1e-9)
     assert machine["matmul_gflops_all_cores"] > 0
+
+
+@pytest.mark.slow
+def test_dpo_flop_per_step_counts_the_policys_two_passes_and_the_live_references_forward(tiny_run):
+    """8 x parameters x tokens: forward and backward (6) plus the reference's forward (2) over each pair's
+    prompt twice, its chosen and its rejected answer, each answer ending in eos."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, report, workdir = tiny_run
+    model_dir = workdir / "tiny-model"
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    rows = [json.loads(line) for line in (workdir / "dpo.jsonl").read_text().splitlines()][BATCH : 2 * BATCH]
+    tokens = sum(2 * count(r["prompt"]) + count(r["chosen"]) + 1 + count(r["rejected"]) + 1 for r in rows)
+    (dpo,) = [row for row in report["rows"] if row["trainer"] == "dpo"]
+    assert dpo["tokens_per_step"] == tokens
+    assert dpo["gflop_per_step"] * 1e9 == pytest.approx(8 * params * tokens, rel=1e-9)
+    assert dpo["floor_s"] == pytest.approx(dpo["gflop_per_step"] / report["machine"]["matmul_gflops_1thread"], rel=1e-9)
