@@ -93,7 +93,7 @@ def runs(request, ray_session, rl_model_dir, prompt_file, tmp_path_factory) -> P
     return PresetRuns(preset, out, rl_model_dir, first, second, checkpoints, rerun.resumed_at, roles)
 
 
-def test_each_step_logs_finite_training_metrics(runs):
+def test_each_step_logs_its_training_metrics_and_no_kl_before_the_first_update(runs):
     assert [r["step"] for r in runs.first_records] == [1, 2]
     kl_key = "kl/reference" if runs.preset in USES_REFERENCE else "policy/approx_kl"
     wanted = [
@@ -124,6 +124,8 @@ def test_each_step_logs_finite_training_metrics(runs):
             assert 0.0 < record["time/experience_compute_s"] <= record["time/experience_s"]
         else:
             assert "time/experience_compute_s" not in record
+    if runs.preset in USES_REFERENCE:  # step 1 samples from the initial weights, which the reference holds
+        assert abs(runs.first_records[0]["kl/reference"]) < 1e-6
 
 
 def test_while_a_phase_runs_alone_its_workers_compute_on_every_core(runs):

@@ -14,6 +14,7 @@ from raylign.cli.main import help_option, main
 from raylign.config.base import ConfigError, describe_fields, parse_config
 from raylign.config.prm import PRMConfig
 from raylign.data import RowError
+from raylign.models.heads import token_scores
 from raylign.models.tiny import build_tiny_model
 from raylign.trainers.metrics import read_metrics
 from raylign.trainers.prm import PRMTrainer, load_prm, score_steps
@@ -111,6 +112,25 @@ def test_prm_trains_and_saves_a_scorer_that_reloads(tmp_path, tiny_model_dir):
     assert scores[1] == pytest.approx(expected_last, abs=1e-5)
 
 
+class FirstLossByHand(PRMTrainer):
+    """The real trainer; once set up, it works out by hand the soft cross-entropy of its first row at its
+    step separators, from the initial model's two class scores there."""
+
+    hand_first_loss: float
+
+    def setup(self) -> None:
+        super().setup()
+        sample = self.train_samples[0]
+        ids = torch.tensor([sample.input_ids])
+        separator = self.tokenizer.convert_tokens_to_ids(SEP)
+        at = (ids[0] == separator).nonzero().flatten()
+        with torch.no_grad():
+            log_p = torch.log_softmax(token_scores(self.engine.module, ids)[0, at].double(), -1)
+        q = torch.tensor(sample.step_labels, dtype=torch.float64)
+        assert len(at) == len(q) == 2
+        self.hand_first_loss = float(-(q * log_p[:, 1] + (1 - q) * log_p[:, 0]).mean())
+
+
 def test_soft_labels_and_padded_batches_train(tmp_path, tiny_model_dir):
     rows = [{"prompt": "p", "steps": ["1+1=2", "2+2=5"], "labels": [0.9, 0.2]}] * 8
     out = tmp_path / "run"
@@ -126,8 +146,11 @@ def test_soft_labels_and_padded_batches_train(tmp_path, tiny_model_dir):
         export=False,
     )
     cfg.optim.lr = 1e-4
-    PRMTrainer(cfg).run()
+    trainer = FirstLossByHand(cfg)
+    trainer.run()
     losses = [r["train/loss"] for r in read_metrics(out) if "train/loss" in r]
+    # Every row is the same: step 1's loss (before its update) is one row's, worked out by hand.
+    assert losses[0] == pytest.approx(trainer.hand_first_loss, rel=1e-5)
     # Cross-entropy against soft targets is bounded below by their entropy, never by 0.
     entropy = -sum(q * torch.log(torch.tensor(q)) + (1 - q) * torch.log(torch.tensor(1 - q)) for q in (0.9, 0.2)) / 2
     assert all(loss >= float(entropy) - 1e-4 for loss in losses)
