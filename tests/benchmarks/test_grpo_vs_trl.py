@@ -123,6 +123,10 @@ def test_report_prints_every_phase_against_its_floor(tmp_path):
     for phase in ("generate", "train", "sync"):
         measured, floor, share = (float(x) for x in rows[phase])
         assert measured > 0 and floor >= 0 and 0 <= share <= 1, (phase, rows[phase])
+        # floor / measured, from the unrounded figures: within what the printed ones (to 0.01 s and 0.001 s) allow
+        lowest = max(floor - 5e-4, 0.0) / (measured + 5e-3)
+        highest = (floor + 5e-4) / max(measured - 5e-3, 1e-9)
+        assert lowest - 5e-3 <= share <= highest + 5e-3, (phase, rows[phase])
     # the reference passes ran as the groups finished generating (raylign's auto with --threads 1, the default)
     assert float(rows["experience"][0]) > 0 and rows["experience"][1:] == ["n/a", "n/a"]
     # the workers' own compute within the phases on them: the update inside the train phase; the experience
