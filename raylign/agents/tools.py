@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from raylign.agents.env import Environment, Message, as_number
+from raylign.agents.env import Environment, Message, as_number, call
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
@@ -201,7 +201,9 @@ def result_text(result: Any) -> str:
 
 class ToolEnv(Environment):
     """An episode of tool use: the model calls tools until it answers without a tool call; the answer's
-    reward (``answer_reward(answer, label)``, default :func:`numeric_match`) ends the episode.
+    reward (``answer_reward(answer, label)``, default :func:`numeric_match`) ends the episode. The grader
+    runs in a thread (or is awaited, if it is a coroutine function), so one that blocks ends its turn at
+    ``agent.step_timeout_s`` instead of stopping every episode.
 
     ``system_prompt`` starts the conversation (None: a description of the tools and the call format;
     "": no system message). ``max_tool_calls`` calls at most per episode: beyond them a call gets an
@@ -269,13 +271,16 @@ class ToolEnv(Environment):
             calls, errors = parse_tool_calls(action_text)
         if not calls and not errors:  # an answer
             name = getattr(self.answer_reward, "__qualname__", type(self.answer_reward).__name__)
-            reward = as_number(self.answer_reward(action_text, self.label), f"answer_reward {name} returned")
+            # In a thread (or awaited, if async): a grader that blocks must not stop the loop every episode runs
+            # on, whose agent.step_timeout_s then ends this turn.
+            graded = await call(self.answer_reward, action_text, self.label)
+            reward = as_number(graded, f"answer_reward {name} returned")
             return None, reward, True, {}
         results, failures = [], ["bad_call"] * len(errors)
         results += [f"error: {e}" for e in errors]
         deadline = time.monotonic() + self.step_budget_s
-        for call in calls:
-            result, failure = await self._run(call, deadline)
+        for tool_call in calls:
+            result, failure = await self._run(tool_call, deadline)
             results.append(result)
             if failure:
                 failures.append(failure)

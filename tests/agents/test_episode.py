@@ -21,7 +21,7 @@ from raylign.agents.episode import (
     TemplateDriftError,
     episode_metrics,
 )
-from raylign.agents.tools import CalculatorEnv
+from raylign.agents.tools import CalculatorEnv, ToolEnv, calculator
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 from raylign.models.tiny import CHAT_TEMPLATE, build_tiny_model
 from raylign.rollout.base import Completion
@@ -349,6 +349,30 @@ def test_a_blocking_step_that_hangs_ends_with_step_timeout(tokenizer, generate):
     ep, seconds = asyncio.run(timed())
     assert (ep.end_reason, ep.turns, env.closed) == ("step_timeout", 1, 1)
     assert seconds < 10
+
+
+def test_a_tool_envs_grader_that_blocks_ends_the_turn_with_step_timeout(tokenizer, generate):
+    """ToolEnv grades an answer with the user's answer_reward: one that blocks must not stop the event loop
+    (every episode's), so agent.step_timeout_s still ends the turn. Released after 5 s, past the limit."""
+    release = threading.Event()
+
+    def blocking_grader(answer, label):
+        release.wait(5)
+        return 1.0
+
+    env = ToolEnv([calculator], system_prompt="", answer_reward=blocking_grader, step_budget_s=0.2)
+    runner = EpisodeRunner(lambda: env, tokenizer, EpisodeLimits(step_timeout_s=0.5, max_total_tokens=400))
+
+    async def timed():
+        start = time.perf_counter()
+        try:
+            return await runner.run(PROMPT, None, {}, generate, SAMPLING), time.perf_counter() - start
+        finally:
+            release.set()
+
+    ep, seconds = asyncio.run(timed())
+    assert (ep.end_reason, ep.turns) == ("step_timeout", 1)
+    assert seconds < 4
 
 
 def test_an_async_step_that_hangs_ends_with_step_timeout(tokenizer, generate):
