@@ -274,3 +274,36 @@ def test_a_worker_call_past_its_timeout_names_the_method_the_rank_and_the_settin
     message = str(raised.value)
     assert "nap" in message and "rank 1" in message and "rank 0" not in message
     assert "placement.worker_call_timeout_s" in message
+
+
+def test_a_colocated_engine_call_past_its_timeout_names_the_call_the_rank_and_the_setting():
+    """A policy worker waits on its colocated engine's loop (a thread of its own) at most
+    rollout.generate_timeout_s; the error names the engine's method, or the weight sync it was loading."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from raylign.rl.worker import ModelWorker
+
+    class Engine:
+        async def generate(self, seconds: float) -> float:
+            await asyncio.sleep(seconds)
+            return seconds
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    worker = ModelWorker.__new__(ModelWorker)  # the engine's side of a worker, without its model
+    worker.rank, worker._engine_loop = 1, loop
+    worker.cfg = SimpleNamespace(rollout=SimpleNamespace(generate_timeout_s=0.5))
+    try:
+        assert worker._on_engine_loop(Engine().generate(0.0)) == 0.0
+        for what, named in ((None, "Engine.generate"), ("loading weight sync 3", "loading weight sync 3")):
+            started = time.monotonic()
+            with pytest.raises(TimeoutError) as raised:
+                worker._on_engine_loop(Engine().generate(30.0), what)
+            assert time.monotonic() - started < 5
+            message = str(raised.value)
+            assert message.startswith(f"policy rank 1: its colocated rollout engine did not finish {named} within")
+            assert "rollout.generate_timeout_s" in message
+    finally:
+        loop.call_soon_threadsafe(loop.stop)

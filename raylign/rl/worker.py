@@ -410,15 +410,18 @@ class ModelWorker:
         from raylign.rollout.weight_sync import TimedIterator
 
         start = time.perf_counter()
+        label = "the weight sync" if version is None else f"weight sync {version}"
         if self.cfg.syncs_adapters:
             state, adapter = self.engine.adapter_state_dict(every_rank=True)
             gather_s = time.perf_counter() - start
-            self._on_engine_loop(self._local_engine.load_adapter(state.items(), adapter, version))
+            self._on_engine_loop(
+                self._local_engine.load_adapter(state.items(), adapter, version), f"loading {label}'s adapter"
+            )
         else:
             # The engine's loop consumes the stream, so the gathers run on its thread, this one waiting.
             stream = TimedIterator(self.engine.iter_full_state(every_rank=True))
             try:
-                self._on_engine_loop(self._local_engine.update_weights(stream, False, version))
+                self._on_engine_loop(self._local_engine.update_weights(stream, False, version), f"loading {label}")
             except BaseException:
                 # A load that failed part-way: the other ranks still gather the rest (a stream still
                 # running on the engine's thread refuses a second reader; the run ends either way).
@@ -431,16 +434,18 @@ class ModelWorker:
             return {}
         return {"sync/gather_s": gather_s, "sync/total_s": time.perf_counter() - start}
 
-    def _on_engine_loop(self, coroutine: Any) -> Any:
-        """Run one of the local engine's coroutines on its loop; waits at most rollout.generate_timeout_s."""
+    def _on_engine_loop(self, coroutine: Any, what: str | None = None) -> Any:
+        """Run one of the local engine's coroutines on its loop; waits at most rollout.generate_timeout_s.
+        ``what`` names the call in the timeout's error (default: the engine method's name)."""
+        what = what or getattr(coroutine, "__qualname__", "a call").rsplit("<locals>.", 1)[-1]
         future = asyncio.run_coroutine_threadsafe(coroutine, self._engine_loop)
         try:
             return future.result(timeout=self.cfg.rollout.generate_timeout_s)
         except TimeoutError:
             future.cancel()
             raise TimeoutError(
-                f"policy rank {self.rank}: its colocated rollout engine did not answer within "
-                f"rollout.generate_timeout_s ({self.cfg.rollout.generate_timeout_s:.0f} s)"
+                f"policy rank {self.rank}: its colocated rollout engine did not finish {what} within "
+                f"rollout.generate_timeout_s ({self.cfg.rollout.generate_timeout_s:g} s)"
             ) from None
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: Any, prompt_indices: list[int] | None = None):
