@@ -307,3 +307,26 @@ def test_a_colocated_engine_call_past_its_timeout_names_the_call_the_rank_and_th
             assert "rollout.generate_timeout_s" in message
     finally:
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_a_sync_group_that_never_forms_is_named_with_its_engine_store_and_setting(ray_session):
+    """The engine's call to join returned, yet its workers never reached the group (gloo's own ports
+    blocked between nodes, say): the sender's side fails at rollout.sync_timeout_s with an error that says
+    which group, not gloo's bare one."""
+    import ray
+
+    from raylign.rollout.weight_sync import WeightSyncSender, open_group_as_sender
+
+    sender = WeightSyncSender.__new__(WeightSyncSender)  # the group-forming step alone, without engines
+    sender.timeout_s = 2.0
+    store, port = open_group_as_sender("127.0.0.1", 2, sender.timeout_s)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as raised:
+        sender._group_once_joined(store, 2, ray.put(None), 3)
+    assert time.monotonic() - started < 30
+    message = str(raised.value)
+    assert message.startswith(
+        f"weight sync: the sync group with engine 3 (world size 2, store 127.0.0.1:{port}) did not form within "
+        "rollout.sync_timeout_s=2 s: "
+    )
+    assert raised.value.__cause__ is not None

@@ -296,7 +296,13 @@ class WeightSyncSender:
                     f"weight sync: engine {index} could not join its sync group: {remote_cause(error)}"
                 ) from error
         if "error" in made:
-            raise made["error"]
+            err = made["error"]
+            raise RuntimeError(
+                f"weight sync: the sync group with engine {index} (world size {world_size}, store "
+                f"{store.host}:{store.port}) did not form within {TIMEOUT_SETTING}={self.timeout_s:g} s: "
+                f"{type(err).__name__}: {err}. The engine's workers must reach this host on the store's port "
+                "and on gloo's own TCP ports"
+            ) from err
         return made["group"]
 
     def replace(self, index: int, engine: Any) -> None:
