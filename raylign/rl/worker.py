@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import functools
 import logging
 import os
@@ -80,6 +81,8 @@ class ModelWorker:
         self.reference: torch.nn.Module | None = None  # a reference model hosted by a policy rank
         # Sequence parallelism: the ranks of this rank's group run one chunk each of the same rows.
         self.sequence_group: Any = None
+        # Its ring's sends and receives wait at most engine.dist_timeout_s, as its collectives do.
+        self.sequence_timeout = datetime.timedelta(seconds=self.cfg.engine.dist_timeout_s)
         # How many ranks take each data shard (a tensor- or sequence-parallel group) and give one answer.
         self.copies = 1
 
@@ -198,7 +201,9 @@ class ModelWorker:
         """Response log-probs ``[b, R]`` per micro-batch, at the sampling temperature."""
         self.module.eval()
         return [
-            response_logprobs(self.module, batch.to(self.device), self.temperature, self.sequence_group).cpu()
+            response_logprobs(
+                self.module, batch.to(self.device), self.temperature, self.sequence_group, self.sequence_timeout
+            ).cpu()
             for batch in micro_batches
         ]
 
@@ -228,7 +233,13 @@ class ModelWorker:
             from raylign.models.sequence_parallel import sharded_response_values
 
             return sharded_response_values(
-                self.module, batch.input_ids, batch.resp_index, batch.position_ids, self.sequence_group, batch.mask
+                self.module,
+                batch.input_ids,
+                batch.resp_index,
+                batch.position_ids,
+                self.sequence_group,
+                batch.mask,
+                timeout=self.sequence_timeout,
             )
         scores = token_scores(self.module, batch.input_ids, position_ids=batch.position_ids)
         return gather_responses(scores, batch.resp_index, batch.mask, shift=-1)
@@ -293,6 +304,7 @@ class ModelWorker:
             self.policy_loss,
             self.temperature,
             self.sequence_group,
+            self.sequence_timeout,
         )
         loss = sum(terms.values())
         metrics = {
@@ -556,6 +568,7 @@ def response_logprobs(
     batch: MicroBatch,
     temperature: float,
     sequence_group: Any = None,
+    sequence_timeout: datetime.timedelta | None = None,
     with_entropy: bool = False,
     entropy_grad: bool = True,
 ) -> Any:
@@ -563,10 +576,12 @@ def response_logprobs(
     entropies: the output layer runs at the masked-in response positions only (see
     :func:`raylign.models.selected_token_logprobs`, which also says what ``entropy_grad`` does).
     With a ``sequence_group`` its ranks run one chunk each of the rows and all get the whole result
-    (:func:`raylign.models.sequence_parallel.sharded_selected_token_logprobs`)."""
+    (:func:`raylign.models.sequence_parallel.sharded_selected_token_logprobs`), each exchange between them
+    waiting at most ``sequence_timeout`` (default: the ring's own, 30 minutes)."""
     from raylign.models import selected_token_logprobs
 
     if sequence_group is not None:
+        from raylign.models.ring_attention import DEFAULT_TIMEOUT
         from raylign.models.sequence_parallel import sharded_selected_token_logprobs
 
         return sharded_selected_token_logprobs(
@@ -579,6 +594,7 @@ def response_logprobs(
             with_entropy=with_entropy,
             mask=batch.mask,
             entropy_grad=entropy_grad,
+            timeout=sequence_timeout or DEFAULT_TIMEOUT,
         )
     return selected_token_logprobs(
         module,
@@ -602,6 +618,7 @@ def policy_loss_terms(
     policy_loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
     temperature: float,
     sequence_group: Any = None,
+    sequence_timeout: datetime.timedelta | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """One micro-batch's policy loss as named terms (policy gradient, KL to the reference, entropy
     bonus), the algorithm library's statistics, and the training forward's log-probs ``[b, R]``.
@@ -611,7 +628,7 @@ def policy_loss_terms(
     float32 tokens x vocabulary tensors for it until the backward pass.
     """
     logprobs, entropy = response_logprobs(
-        module, batch, temperature, sequence_group, with_entropy=True, entropy_grad=a.entropy_coef > 0
+        module, batch, temperature, sequence_group, sequence_timeout, with_entropy=True, entropy_grad=a.entropy_coef > 0
     )
     pg_loss, stats = policy_loss(
         logprobs,
