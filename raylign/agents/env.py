@@ -10,7 +10,9 @@ An environment is a Python class; one instance plays one episode::
             return {"role": "tool", "content": "..."}, 0.0, False, {"tool_calls": 1}
 
 Either method may be ``async``; a blocking one runs in a thread, so a slow episode never holds
-back the others. An observation is a message (``{"role", "content"}``), a list of messages, or a
+back the others. The constructor runs on the event loop all episodes share (it may create what
+needs a running loop): keep it quick, and do slow set-up in ``reset``, which
+``agent.step_timeout_s`` bounds. An observation is a message (``{"role", "content"}``), a list of messages, or a
 plain string (a user message); a step that ends the episode may return ``None``. ``reward`` is
 this turn's reward, a number (numpy scalars too); the episode's reward is the sum of its turns'.
 ``info`` is a dict of counts for the logs; two keys mean something: ``tool_calls`` (how many tools
