@@ -282,6 +282,7 @@ class VLLMEngine(RolloutEngine):
         self.vocab_size = self.llm.model_config.get_vocab_size()
         self.max_model_len = self.llm.model_config.max_model_len  # rollout.max_model_len, or the model's own
         self.weight_version = 0
+        self._paused = False  # vLLM's scheduler paused by this actor for a weight update (_between_steps)
         self._request_ids = itertools.count()
         self._tokens_in_flight: dict[str, int] = {}  # request id -> tokens sampled so far
         # LoRA adapters (rollout.lora_sync: adapter): the one new requests get, each loaded one's
@@ -325,9 +326,10 @@ class VLLMEngine(RolloutEngine):
         return sum(self._tokens_in_flight.values())
 
     async def scheduler_state(self) -> dict[str, Any]:
-        """Whether vLLM's scheduler is paused (a weight update is under way) and how many generation
-        requests this engine has in flight, queued ones included."""
-        return {"paused": await self.llm.is_paused(), "requests": len(self._tokens_in_flight)}
+        """Whether this actor has vLLM's scheduler paused (a weight update is under way) and how many
+        generation requests this engine has in flight, queued ones included. Answered from the actor's own
+        bookkeeping: asking the engine core would wait while a weight update keeps it busy receiving."""
+        return {"paused": self._paused, "requests": len(self._tokens_in_flight)}
 
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False, version: int | None = None
@@ -467,6 +469,7 @@ class VLLMEngine(RolloutEngine):
         Without ``keep_running`` the sequences in flight finish first (new ones wait in the queue);
         with it they are frozen, then recomputed under the new weights once the caches are reset."""
         await self.llm.pause_generation(mode="keep" if keep_running else "wait", clear_cache=False)
+        self._paused = True
         try:
             loaded = await load()
             if not await self.llm.reset_prefix_cache(reset_running_requests=True):
@@ -475,6 +478,7 @@ class VLLMEngine(RolloutEngine):
             await self.llm.update_weight_version(str(self.weight_version))
         finally:
             await self.llm.resume_generation()
+            self._paused = False
         return loaded
 
     async def score(self, token_ids: list[int], base: bool = False) -> TokenScores:
