@@ -327,6 +327,21 @@ def test_max_total_tokens_bounds_prompt_and_turns(tokenizer, generate):
     assert env.closed == 1
 
 
+def play_then_release(env, tokenizer, generate, release: threading.Event) -> tuple[Episode, float]:
+    """One episode under a 0.5 s step limit, and its seconds; then ``release`` frees what the episode left
+    blocking in a thread, so that asyncio.run can join it."""
+    runner = EpisodeRunner(lambda: env, tokenizer, EpisodeLimits(step_timeout_s=0.5, max_total_tokens=400))
+
+    async def timed():
+        start = time.perf_counter()
+        try:
+            return await runner.run(PROMPT, None, {}, generate, SAMPLING), time.perf_counter() - start
+        finally:
+            release.set()
+
+    return asyncio.run(timed())
+
+
 def test_a_blocking_step_that_hangs_ends_with_step_timeout(tokenizer, generate):
     # Blocks "forever"; released after the episode, so that asyncio.run can join its thread.
     release = threading.Event()
@@ -337,16 +352,7 @@ def test_a_blocking_step_that_hangs_ends_with_step_timeout(tokenizer, generate):
             return None, 0.0, True, {}
 
     env = HangingEnv()
-    runner = EpisodeRunner(lambda: env, tokenizer, EpisodeLimits(step_timeout_s=0.5, max_total_tokens=400))
-
-    async def timed():
-        start = time.perf_counter()
-        try:
-            return await runner.run(PROMPT, None, {}, generate, SAMPLING), time.perf_counter() - start
-        finally:
-            release.set()
-
-    ep, seconds = asyncio.run(timed())
+    ep, seconds = play_then_release(env, tokenizer, generate, release)
     assert (ep.end_reason, ep.turns, env.closed) == ("step_timeout", 1, 1)
     assert seconds < 10
 
@@ -361,16 +367,7 @@ def test_a_tool_envs_grader_that_blocks_ends_the_turn_with_step_timeout(tokenize
         return 1.0
 
     env = ToolEnv([calculator], system_prompt="", answer_reward=blocking_grader, step_budget_s=0.2)
-    runner = EpisodeRunner(lambda: env, tokenizer, EpisodeLimits(step_timeout_s=0.5, max_total_tokens=400))
-
-    async def timed():
-        start = time.perf_counter()
-        try:
-            return await runner.run(PROMPT, None, {}, generate, SAMPLING), time.perf_counter() - start
-        finally:
-            release.set()
-
-    ep, seconds = asyncio.run(timed())
+    ep, seconds = play_then_release(env, tokenizer, generate, release)
     assert (ep.end_reason, ep.turns) == ("step_timeout", 1)
     assert seconds < 4
 
