@@ -13,7 +13,13 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from raylign.config.agent import AgentConfig
 from raylign.config.base import Section, check_registered, deep_merge, registered
-from raylign.config.data import RESPONSE_KEYS, DatasetSpec, refuse_keys_prompts_ignore, refuse_plain_settings_under_chat
+from raylign.config.data import (
+    RESPONSE_KEYS,
+    DatasetSpec,
+    check_prompt_template,
+    refuse_keys_prompts_ignore,
+    refuse_plain_settings_under_chat,
+)
 from raylign.config.engine import LORA_AUTOTP, EngineConfig, refuse_master_weights_off, refuse_quantized_layout
 from raylign.config.model import ModelConfig
 from raylign.config.optim import OptimConfig
@@ -232,6 +238,11 @@ class RLDataConfig(Section):
     max_prompt_length: int = Field(512, ge=1, description="Longer prompts are an error naming the row.")
     source_key: str = Field("data_source", description="Row key naming its data source (eval is reported per source).")
     seed: int = Field(0, ge=0, description="Shuffling and mixing seed.")
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_has_only_input(cls, value: str) -> str:
+        return check_prompt_template(value)
 
     @model_validator(mode="after")
     def _prompt_keys_only(self) -> RLDataConfig:

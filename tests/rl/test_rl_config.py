@@ -327,6 +327,18 @@ def test_a_prompt_dataset_key_rl_never_reads_is_refused(key, base, tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("template", "found"),
+    [("Q: {question}\nA:", "['question']"), ("Answer the question.", "[]"), ("{input} {0}", "['0', 'input']")],
+)
+def test_a_plain_prompt_template_without_exactly_input_is_refused(template, found, base, tmp_path):
+    # A template without {input} would turn every prompt into the same text; another field fails only at setup.
+    base["data"].update(format="plain", prompt_template=template)
+    assert f"data.prompt_template: Value error, must contain the field {{input}} and no other fields; found {found}" in (
+        _error(tmp_path, base)
+    )
+
+
+@pytest.mark.parametrize(
     ("sampling", "rollout", "algorithm"),
     [
         ({"top_p": 0.9}, {"max_staleness": 1}, {}),
