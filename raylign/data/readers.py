@@ -84,6 +84,33 @@ def _reject(err: RowError, on_bad_row: BadRowHandler | None) -> None:
     on_bad_row(err)
 
 
+class _RepeatedKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _object_with_unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json``'s object hook: an object that names a key twice is refused, where ``json`` would keep
+    the last value and drop the other without a word."""
+    row = dict(pairs)
+    if len(row) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _RepeatedKey(key)
+            seen.add(key)
+    return row
+
+
+def _parse_json(text: str) -> Any:
+    return json.loads(text, object_pairs_hook=_object_with_unique_keys)
+
+
+def _repeated_key(where: RowRef, err: _RepeatedKey) -> RowError:
+    return where.error(None, f"the key {err.key!r} is given twice in one object; keep one", "repeated_key")
+
+
 def _not_json(where: RowRef, err: ValueError | RecursionError) -> RowError:
     if isinstance(err, json.JSONDecodeError):
         problem = f"line {where.row} is not valid JSON: {err.msg} at column {err.colno}"
@@ -118,7 +145,10 @@ def _read_jsonl(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[
                 _reject(_not_utf8(where, _bad_byte(line, undecodable.start(), line_number, 0)), on_bad_row)
                 continue
             try:
-                row = json.loads(line)
+                row = _parse_json(line)
+            except _RepeatedKey as err:
+                _reject(_repeated_key(where, err), on_bad_row)
+                continue
             except (ValueError, RecursionError) as err:
                 _reject(_not_json(where, err), on_bad_row)
                 continue
@@ -141,9 +171,13 @@ class _Lines:
         return _bad_byte(self.text, index, number, start)
 
 
-def _load_json(path: Path, text: str) -> Any:
+def _load_json(path: Path, text: str) -> tuple[Any, bool]:
+    """The file's data, and whether some object in it names a key twice (then it holds the last value)."""
     try:
-        return json.loads(text)
+        try:
+            return _parse_json(text), False
+        except _RepeatedKey:  # some item's error, found item by item (_repeated_keys_of_items)
+            return json.loads(text), True
     except json.JSONDecodeError as err:
         if ESCAPED_BYTE.match(text, err.pos):  # a byte that is not UTF-8 where JSON expected structure
             raise DataError(f"{path}: not UTF-8 text outside a string: {_Lines(text).bad_byte(err.pos)}") from None
@@ -177,9 +211,20 @@ def _bad_bytes_of_items(text: str) -> Iterator[str | None]:
         yield None if undecodable is None else lines.bad_byte(undecodable.start())
 
 
+def _repeated_keys_of_items(text: str) -> Iterator[_RepeatedKey | None]:
+    """For each item of the JSON list in ``text``: the key it names twice in one object, or None."""
+    for start, end in _json_list_spans(text):
+        try:
+            _parse_json(text[start:end])
+        except _RepeatedKey as err:
+            yield err
+        else:
+            yield None
+
+
 def _read_json(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[int, Row]]:
     text = path.read_text(encoding="utf-8-sig", errors="surrogateescape")
-    data = _load_json(path, text)
+    data, any_repeated_key = _load_json(path, text)
     if not isinstance(data, list):
         raise DataError(
             f"{path}: a .json dataset must hold a list of objects, got {type(data).__name__} "
@@ -187,15 +232,27 @@ def _read_json(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[i
         )
     # Only a file with bytes that are not UTF-8 is parsed a second time, item by item, to find them.
     bad_bytes = _bad_bytes_of_items(text) if ESCAPED_BYTE.search(text) else itertools.repeat(None)
-    for number, (row, bad_byte) in enumerate(zip(data, bad_bytes), start=1):
+    # So is a file in which some object names a key twice.
+    repeated = _repeated_keys_of_items(text) if any_repeated_key else itertools.repeat(None)
+    for number, (row, bad_byte, repeated_key) in enumerate(zip(data, bad_bytes, repeated), start=1):
         where = RowRef(str(path), number)
         if bad_byte is not None:
             _reject(_not_utf8(where, bad_byte), on_bad_row)
+            continue
+        if repeated_key is not None:
+            _reject(_repeated_key(where, repeated_key), on_bad_row)
             continue
         if not isinstance(row, dict):
             _reject(_not_an_object(where, row), on_bad_row)
             continue
         yield number, row
+
+
+def _refuse_repeated_columns(path: Path, names: list[str], kind: str) -> None:
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        # A row would keep one of them and drop the other's values without a word.
+        raise DataError(f"{path}: the {kind} names column(s) {', '.join(map(repr, repeated))} more than once")
 
 
 def _rows_of_batches(batches: Iterator[pa.RecordBatch], first_row: int = 1) -> Iterator[tuple[int, Row]]:
@@ -211,6 +268,7 @@ def _read_parquet(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tupl
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{path}: cannot open as parquet (truncated or not a parquet file?): {err}") from None
+    _refuse_repeated_columns(path, parquet.schema_arrow.names, "parquet schema")
     first_row = 1
     for group in range(parquet.num_row_groups):
         group_rows = parquet.metadata.row_group(group).num_rows
@@ -232,10 +290,7 @@ def _csv_column_names(path: Path) -> list[str]:
             names = next(csv.reader(lines), [])
     except (csv.Error, UnicodeDecodeError) as err:
         raise DataError(f"{path}: cannot read the CSV header: {err}") from None
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        # pyarrow would keep one of them and drop the other's values without a word.
-        raise DataError(f"{path}: the CSV header names column(s) {', '.join(map(repr, repeated))} more than once")
+    _refuse_repeated_columns(path, names, "CSV header")
     return names
 
 
@@ -306,6 +361,7 @@ def _open_arrow(path: Path) -> pa.RecordBatchReader | pa.ipc.RecordBatchFileRead
 
 def _read_arrow(path: Path, on_bad_row: BadRowHandler | None) -> Iterator[tuple[int, Row]]:
     reader = _open_arrow(path)
+    _refuse_repeated_columns(path, reader.schema.names, "Arrow schema")
     if isinstance(reader, pa.ipc.RecordBatchFileReader):
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
     else:
@@ -341,4 +397,5 @@ def _read_datasets_folder(path: Path, split: str | None) -> Iterator[tuple[int, 
         loaded = loaded[split]
     elif split is not None:
         raise DataError(f"{path}: split={split!r} given, but the folder holds a single dataset without splits")
+    _refuse_repeated_columns(path, loaded.column_names, "dataset")
     yield from _rows_of_batches(iter(loaded.with_format("arrow").iter(batch_size=1000)))

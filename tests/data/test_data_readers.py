@@ -175,6 +175,48 @@ def test_csv_header_naming_a_column_twice_is_refused(tmp_path):
         list(read_rows(path))
 
 
+def test_a_jsonl_object_naming_a_key_twice_is_its_rows_error_and_the_others_are_read(tmp_path):
+    # json keeps the last value: the completion trained on would silently be "5", the nested role "user".
+    path = tmp_path / "twice.jsonl"
+    path.write_text(
+        '{"prompt": "What is 2+2?", "completion": "4", "completion": "5"}\n'
+        '{"prompt": "a", "completion": "b"}\n'
+        '{"messages": [{"role": "assistant", "role": "user", "content": "hi"}]}\n'
+    )
+    with pytest.raises(RowError) as info:
+        list(read_rows(path))
+    assert str(info.value) == f"{path}, row 1: the key 'completion' is given twice in one object; keep one"
+    rejected = []
+    assert list(read_rows(path, on_bad_row=rejected.append)) == [(2, {"prompt": "a", "completion": "b"})]
+    assert [(e.row, e.reason, str(e).split(": ", 1)[1]) for e in rejected] == [
+        (1, "repeated_key", "the key 'completion' is given twice in one object; keep one"),
+        (3, "repeated_key", "the key 'role' is given twice in one object; keep one"),
+    ]
+
+
+def test_a_json_item_naming_a_key_twice_is_its_rows_error_and_the_others_are_read(tmp_path):
+    path = tmp_path / "twice.json"
+    path.write_text('[{"prompt": "a", "completion": "b"},\n {"prompt": "x", "prompt": "y", "completion": "c"}]')
+    rejected = []
+    assert list(read_rows(path, on_bad_row=rejected.append)) == [(1, {"prompt": "a", "completion": "b"})]
+    assert [(e.row, e.reason) for e in rejected] == [(2, "repeated_key")]
+    assert str(rejected[0]) == f"{path}, row 2: the key 'prompt' is given twice in one object; keep one"
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow", "feather"])
+def test_a_table_naming_a_column_twice_is_refused(tmp_path, fmt):
+    table = pa.table([["a"], ["4"], ["5"]], names=["prompt", "completion", "completion"])
+    path = tmp_path / f"twice.{fmt}"
+    if fmt == "parquet":
+        pq.write_table(table, path)
+    else:
+        with pa.ipc.new_file(path, table.schema) as writer:
+            writer.write_table(table)
+    kind = "parquet schema" if fmt == "parquet" else "Arrow schema"
+    with pytest.raises(DataError, match=rf"twice\.{fmt}: the {kind} names column\(s\) 'completion' more than once"):
+        list(read_rows(path))
+
+
 def test_unknown_extension_lists_the_supported_ones(tmp_path):
     path = tmp_path / "data.txt"
     path.write_text("hello")

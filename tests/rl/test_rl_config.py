@@ -333,9 +333,9 @@ def test_a_prompt_dataset_key_rl_never_reads_is_refused(key, base, tmp_path):
 def test_a_plain_prompt_template_without_exactly_input_is_refused(template, found, base, tmp_path):
     # A template without {input} would turn every prompt into the same text; another field fails only at setup.
     base["data"].update(format="plain", prompt_template=template)
-    assert f"data.prompt_template: Value error, must contain the field {{input}} and no other fields; found {found}" in (
-        _error(tmp_path, base)
-    )
+    error = _error(tmp_path, base)
+    expected = f"data.prompt_template: Value error, must contain the field {{input}} and no other fields; found {found}"
+    assert expected in error
 
 
 @pytest.mark.parametrize(
