@@ -119,6 +119,21 @@ class PromptDataConfig(Section):
         return value
 
 
+def refuse_shared_files(paths: dict[str, str | None], why: str) -> None:
+    """Two of a command's files (``{field: path}``, None: not used) that are one file: the later write would
+    replace the earlier, or the output the input, without a word. Refused naming both fields."""
+    seen: dict[Path, str] = {}
+    for field, path in paths.items():
+        if path is None:
+            continue
+        resolved = Path(path).resolve()
+        if resolved in seen:
+            raise ValueError(
+                f"{seen[resolved]} and {field} are the same file ({path}); give each of them its own path ({why})"
+            )
+        seen[resolved] = field
+
+
 class RayRuntimeConfig(Section):
     """Where the Ray actors of a pipeline command run."""
 
@@ -168,6 +183,8 @@ class GenerateConfig(Section):
                 f"{', '.join('rollout.' + f for f in rl_only)}: for raylign rl's weight syncs and streaming; "
                 "raylign generate loads its weights once and would ignore it"
             )
+        prompts = {f"data.prompts.{i}.path": spec.path for i, spec in enumerate(self.data.prompts)}
+        refuse_shared_files({**prompts, "output_path": self.output_path}, "the generations would replace the prompts")
         cpus = r.num_engines * r.num_cpus_per_engine
         if self.ray.address is None and self.ray.num_cpus is not None and self.ray.num_cpus < cpus:
             raise ValueError(
@@ -197,6 +214,20 @@ class ScoreConfig(Section):
     ray: RayRuntimeConfig = Field(
         default_factory=RayRuntimeConfig, description="Ray for reward_model sources (started only when one is used)."
     )
+
+    @property
+    def metrics_file(self) -> Path:
+        """Where the summary goes: metrics_path, or <output_path without suffix>.metrics.json."""
+        if self.metrics_path is not None:
+            return Path(self.metrics_path)
+        output = Path(self.output_path)
+        return output.with_name(output.stem + ".metrics.json")
+
+    @model_validator(mode="after")
+    def _files_differ(self) -> ScoreConfig:
+        paths = {"input_path": self.input_path, "output_path": self.output_path, "metrics_path": str(self.metrics_file)}
+        refuse_shared_files(paths, "a later write would replace the scored rows or the generations")
+        return self
 
 
 class BestOfNConfig(Section):
@@ -262,21 +293,10 @@ class SelectConfig(Section):
 
     @model_validator(mode="after")
     def _files_differ(self) -> SelectConfig:
-        """Two outputs in one file would mix SFT rows and pairs; an output in the input file would
-        replace the scored rows."""
         paths = {
             "input_path": self.input_path,
             "best_of_n.output_path": self.best_of_n.output_path,
             "pairs.output_path": self.pairs.output_path,
         }
-        seen: dict[Path, str] = {}
-        for field, path in paths.items():
-            if path is None:
-                continue
-            resolved = Path(path).resolve()
-            if resolved in seen:
-                raise ValueError(
-                    f"{seen[resolved]} and {field} are the same file ({path}); give each of them its own path"
-                )
-            seen[resolved] = field
+        refuse_shared_files(paths, "one file would mix SFT rows and pairs, or replace the scored rows")
         return self

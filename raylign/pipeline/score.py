@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 from raylign.config.pipeline import ScoreConfig
@@ -21,11 +20,6 @@ from raylign.pipeline.runtime import ray_runtime
 from raylign.rollout.rewards import RewardError, RewardResult, RewardSource, build_reward
 
 log = logging.getLogger("raylign")
-
-
-def default_metrics_path(output_path: str) -> Path:
-    path = Path(output_path)
-    return path.with_name(path.stem + ".metrics.json")
 
 
 def score_rows(reward: RewardSource, rows: list[GeneratedRow]) -> list[RewardResult]:
@@ -140,7 +134,7 @@ def run_score(cfg: ScoreConfig) -> dict[str, float]:
     else:
         summary = _score_file(cfg, rows)
     metrics = summary.metrics()
-    metrics_path = Path(cfg.metrics_path) if cfg.metrics_path else default_metrics_path(cfg.output_path)
+    metrics_path = cfg.metrics_file
     write_json(metrics_path, metrics)
     shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith("/mean"))
     log.info("wrote %d scored rows to %s; %s (summary in %s)", summary.rows, cfg.output_path, shown, metrics_path)

@@ -93,6 +93,34 @@ def test_select_refuses_an_output_in_its_input_file_however_it_is_spelled(capsys
     )
 
 
+@pytest.mark.parametrize(
+    ("args", "fields"),
+    [
+        (["--metrics_path", "out.jsonl", "--output_path", "out.jsonl"], "output_path and metrics_path"),
+        (["--metrics_path", "./gen.jsonl"], "input_path and metrics_path"),
+        (["--output_path", "gen.jsonl"], "input_path and output_path"),
+        # The summary's default file, next to the output.
+        (["--input_path", "out.metrics.json", "--output_path", "out.jsonl"], "input_path and metrics_path"),
+    ],
+)
+def test_score_refuses_a_summary_or_output_that_would_replace_another_of_its_files(args, fields, capsys):
+    # The summary used to replace the scored rows (or the generations) without a word.
+    reward = ["--reward.sources", "[{kind: exact_match}]"]
+    assert main(["score", "--input_path", "gen.jsonl", *reward, *args, "--print-config"]) == 2
+    error = capsys.readouterr().err
+    assert f"{fields} are the same file" in error
+    assert "give each of them its own path (a later write would replace the scored rows or the generations)" in error
+
+
+def test_generate_refuses_an_output_in_one_of_its_prompt_files(capsys):
+    args = ["--model.path", "m", "--data.prompts", "[a.jsonl, b.jsonl]", "--output_path", "./b.jsonl"]
+    assert main(["generate", *args, "--print-config"]) == 2
+    assert (
+        "data.prompts.1.path and output_path are the same file (./b.jsonl); give each of them its own path "
+        "(the generations would replace the prompts)" in capsys.readouterr().err
+    )
+
+
 def test_tiny_model_into_an_existing_file_ends_in_one_line_and_exit_1(tmp_path):
     existing = tmp_path / "afile.yaml"
     existing.write_text("kept: true\n")
