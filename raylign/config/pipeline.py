@@ -8,6 +8,7 @@ described in :mod:`raylign.pipeline`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -119,7 +120,7 @@ class PromptDataConfig(Section):
         return value
 
 
-def refuse_shared_files(paths: dict[str, str | None], why: str) -> None:
+def refuse_shared_files(paths: Mapping[str, str | None], why: str) -> None:
     """Two of a command's files (``{field: path}``, None: not used) that are one file: the later write would
     replace the earlier, or the output the input, without a word. Refused naming both fields."""
     seen: dict[Path, str] = {}
