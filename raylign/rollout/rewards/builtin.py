@@ -1,7 +1,8 @@
 """Verifiable rewards that need no model: math answers, exact match, and a format regex.
 
 Each gives 1.0 or 0.0 per sample. A label that cannot be read (a math label math-verify cannot
-parse, a missing label) is an error naming the sample: it is a data problem, not a wrong answer. A
+parse, a missing or blank label, a float where text is compared, a boolean, list or mapping) is an
+error naming the sample: it is a data problem, not a wrong answer. A
 float NaN label is missing too (how pandas and parquet files write an empty cell); read as text it
 would be the symbol ``nan``, which a response saying "nan" would match.
 """
@@ -22,6 +23,30 @@ _BOXED_OPENER = re.compile(r"\\(?:boxed|fbox)\s*\{")
 def label_is_missing(label: Any) -> bool:
     """None, or a float NaN (an empty cell of a pandas-written or parquet file)."""
     return label is None or (isinstance(label, float) and math.isnan(label))
+
+
+def label_text(label: Any, numbers: bool) -> str:
+    """A present label (see ``label_is_missing``) as the text a verifier compares with; ValueError for
+    one it cannot stand for.
+
+    Text and integers are taken, blank text is refused (an empty CSV cell). A float is taken where the
+    verifier compares ``numbers``; where it compares text, 3.0 would never equal "3", and a column of
+    integers with an empty cell is read back as floats, so it is refused. Booleans, lists and mappings
+    are refused: their text ('True', "['A', 'B']") is no answer a response would give.
+    """
+    if isinstance(label, str) and not label.strip():
+        raise ValueError(f"the label {label!r} is blank (an empty cell?)")
+    if isinstance(label, str) or (isinstance(label, int) and not isinstance(label, bool)):
+        return str(label)
+    if isinstance(label, float):
+        if numbers and math.isfinite(label):
+            return repr(label)
+        if not numbers:
+            raise ValueError(
+                f"the label is the number {label!r}, and this reward compares text: write labels as strings "
+                "(a column of integers with an empty cell is read back as floats)"
+            )
+    raise ValueError(f"the label {label!r:.80} is a {type(label).__name__}, not an answer; write it as text")
 
 
 def last_boxed_content(text: str) -> str | None:
@@ -88,9 +113,10 @@ def math_answer_is_correct(response: str, label: Any) -> tuple[bool, bool]:
     """(answer found, answer equals label) by math-verify; ValueError when the label cannot be parsed."""
     from math_verify import verify
 
-    gold = _parse_math(str(label), label=True)
+    text = label_text(label, numbers=True)
+    gold = _parse_math(text, label=True)
     if not _has_expression(gold):
-        raise ValueError(f"math-verify cannot parse the label {str(label)!r:.80}")
+        raise ValueError(f"math-verify cannot parse the label {text!r:.80}")
     answer = extract_math_answer(response)
     if answer is None:
         return False, False
@@ -146,7 +172,11 @@ class ExactMatchReward(RewardSource):
         for i, (response, label) in enumerate(zip(responses, labels)):
             if label_is_missing(label):
                 raise RewardError(f"{self.description}: {describe_sample(prompts, i)} has no label to compare with")
-            rewards.append(1.0 if self._normal(response) == self._normal(str(label)) else 0.0)
+            try:
+                text = label_text(label, numbers=False)
+            except ValueError as err:
+                raise RewardError(f"{self.description}: {describe_sample(prompts, i)}: {err}") from None
+            rewards.append(1.0 if self._normal(response) == self._normal(text) else 0.0)
         return RewardResult(rewards=rewards)
 
 

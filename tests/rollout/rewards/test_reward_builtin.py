@@ -113,6 +113,42 @@ def test_a_float_nan_label_is_missing_not_the_symbol_nan(reward, says_nan):
         reward.score(["first", "second"], ["3", says_nan], [3, float("nan")])
 
 
+@pytest.mark.parametrize(
+    ("label", "problem"),
+    [
+        ("", "the label '' is blank (an empty cell?)"),
+        ("  ", "the label '  ' is blank (an empty cell?)"),
+        (True, "the label True is a bool, not an answer; write it as text"),
+        (["A", "B"], "the label ['A', 'B'] is a list, not an answer; write it as text"),
+        ({"answer": 2}, "the label {'answer': 2} is a dict, not an answer; write it as text"),
+    ],
+)
+@pytest.mark.parametrize("reward", [MathReward(), ExactMatchReward()])
+def test_a_blank_boolean_list_or_mapping_label_is_an_error_naming_the_sample_not_a_wrong_answer(reward, label, problem):
+    # Each used to go through str(): a reward of 0 for every response, the data problem unseen.
+    with pytest.raises(RewardError) as err:
+        reward.score(["first", "second"], ["2", "2"], ["2", label])
+    assert str(err.value) == f"{reward.description}: sample 1 (prompt 'second'): {problem}"
+
+
+def test_a_float_label_counts_as_its_number_for_math_and_is_refused_where_text_is_compared():
+    # A parquet column of integers with one empty cell comes back as floats: 3.0 would never equal "3".
+    assert MathReward().score(["q", "q", "q"], ["\\boxed{3}", "\\boxed{0.5}", "\\boxed{4}"], [3.0, 0.5, 3]).rewards == [
+        1.0,
+        1.0,
+        0.0,
+    ]
+    assert ExactMatchReward().score(["q", "q"], ["3", "4"], [3, "3"]).rewards == [1.0, 0.0]  # integers are text
+    with pytest.raises(RewardError) as err:
+        ExactMatchReward().score(["q"], ["3"], [3.0])
+    assert str(err.value) == (
+        "exact-match reward: sample 0 (prompt 'q'): the label is the number 3.0, and this reward compares text: "
+        "write labels as strings (a column of integers with an empty cell is read back as floats)"
+    )
+    with pytest.raises(RewardError, match=r"sample 0 \(prompt 'q'\): the label inf is a float, not an answer"):
+        MathReward().score(["q"], ["\\boxed{1}"], [float("inf")])
+
+
 def test_exact_match_normalises_whitespace():
     prompts = ["a", "b", "c", "d"]
     responses = ["  Paris \n", "New   York", "paris", "Pari s"]
