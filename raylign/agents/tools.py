@@ -22,6 +22,7 @@ import ast
 import asyncio
 import inspect
 import json
+import math
 import operator
 import re
 import time
@@ -174,16 +175,32 @@ def last_number(text: str) -> float | None:
     found = _NUMBER.findall(text)
     if not found:
         return None
-    return float(found[-1].replace(",", "").replace("\u2212", "-"))
+    return _number_value(found[-1])
+
+
+def _number_value(written: str) -> float:
+    return float(written.replace(",", "").replace("\u2212", "-"))
+
+
+def label_number(label: Any) -> float:
+    """A numeric label as a float: a finite int or float, or text that writes one number the way answers
+    are read ('1,000', '$1000', a Unicode minus); ValueError for anything else (None, 'four', '3 or 4', True)."""
+    if isinstance(label, (int, float)) and not isinstance(label, bool):
+        number = float(label) if not isinstance(label, int) or abs(label) < 2**1023 else math.inf
+    elif isinstance(label, str) and len(found := _NUMBER.findall(label)) == 1:
+        number = _number_value(found[0])
+    else:
+        raise ValueError(f"the label {label!r:.80} is not a number (one number, as text or a value)")
+    if not math.isfinite(number):
+        raise ValueError(f"the label {label!r:.80} is not a finite number")
+    return number
 
 
 def numeric_match(answer: str, label: Any) -> float:
-    """1.0 when the last number of ``answer`` equals ``label`` (to 1e-6), else 0.0."""
+    """1.0 when the last number of ``answer`` equals ``label`` (to 1e-6), else 0.0. A label that is not
+    one number is a ValueError: a data problem (a missing or misnamed label key), not a wrong answer."""
+    expected = label_number(label)
     got = last_number(answer)
-    try:
-        expected = float(label)
-    except (TypeError, ValueError):
-        return 0.0
     return float(got is not None and abs(got - expected) <= 1e-6 * max(1.0, abs(expected)))
 
 

@@ -287,11 +287,32 @@ def test_last_number(text, number):
         ("The answer is 56,089.", 56088, 0.0),
         ("so 0.1 + 0.2 = 0.3", 0.1 + 0.2, 1.0),  # within 1e-6
         ("I do not know", 5, 0.0),
-        ("5", "five", 0.0),  # a label that is not a number matches nothing
+        ("The answer is 1000", "1,000", 1.0),  # a text label is read the way answers are
+        ("The answer is -7", "\u22127", 1.0),
+        ("The answer is 1000", "$1000", 1.0),
     ],
 )
 def test_numeric_match(answer, label, reward):
     assert numeric_match(answer, label) == reward
+
+
+@pytest.mark.parametrize(
+    ("label", "problem"),
+    [
+        (None, "the label None is not a number"),  # a misnamed label key: every label None
+        ("", "the label '' is not a number"),
+        ("five", "the label 'five' is not a number"),
+        ("3 or 4", "the label '3 or 4' is not a number"),
+        (True, "the label True is not a number"),
+        ([1000], "the label [1000] is not a number"),
+        (float("nan"), "the label nan is not a finite number"),
+        (10**400, "is not a finite number"),
+    ],
+)
+def test_a_label_that_is_not_one_number_is_an_error_not_a_wrong_answer(label, problem):
+    # It used to score 0.0 for every answer: a prompt file whose label key was misnamed trained on zeros.
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        numeric_match("The answer is 5", label)
 
 
 # ---- CalculatorEnv -----------------------------------------------------------------------------
