@@ -230,6 +230,9 @@ def test_non_numeric_reward_and_missing_kept_key_name_the_row(tmp_path):
     out = {"best_of_n": {"output_path": str(tmp_path / "sft.jsonl")}}
     with pytest.raises(RowError, match=r"row 1, key 'rewards\[1\]': expected a finite number, got 'high'"):
         select(tmp_path, [{"prompt": "p", "responses": ["a", "b"], "rewards": [0.0, "high"]}], **out)
+    # An integer beyond the float range (JSON allows any): the row's error, not OverflowError from math.isfinite.
+    with pytest.raises(RowError, match=r"row 1, key 'rewards\[0\]': expected a finite number, got 1{77}\.\.\.$"):
+        select(tmp_path, [{"prompt": "p", "responses": ["a", "b"], "rewards": [int("1" * 400), 0.0]}], **out)
     with pytest.raises(RowError, match=r"row 2, key 'uid': missing key to keep"):
         select(tmp_path, [{**SCORED[0], "uid": 7}, SCORED[1]], keep_keys=["uid"], **out)
 
