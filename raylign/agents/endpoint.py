@@ -375,7 +375,7 @@ def openai_response(kind: str, completion: Completion, choice: dict[str, Any], m
 class RewardRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    reward: float = Field(allow_inf_nan=False)
+    reward: float = Field(strict=True, allow_inf_nan=False)  # not "0.5" or true: a client sending those is wrong
 
 
 def build_app(

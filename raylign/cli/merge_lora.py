@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Literal
@@ -10,6 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from raylign.config.base import Section
+from raylign.files import read_json_object
 
 log = logging.getLogger("raylign")
 
@@ -42,7 +42,7 @@ def adapter_base(adapter: Path, given: str | None) -> str:
         raise FileNotFoundError(f"{weights[0]}: no such file (nor {weights[1].name}); the adapter has no weights")
     if given is not None:
         return given
-    base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    base = read_json_object(config_file).get("base_model_name_or_path")
     if not base:
         raise ValueError(f"{config_file}: names no base_model_name_or_path; give the base model with --base")
     return str(base)
@@ -55,7 +55,7 @@ def score_head_outputs(adapter: Path) -> int | None:
 
     from raylign.models.heads import HEAD_NAME
 
-    if json.loads((adapter / "adapter_config.json").read_text()).get("task_type") != "SEQ_CLS":
+    if read_json_object(adapter / "adapter_config.json").get("task_type") != "SEQ_CLS":
         return None
     weights = adapter / "adapter_model.safetensors"
     with safe_open(str(weights), framework="pt") as tensors:

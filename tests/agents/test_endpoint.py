@@ -140,6 +140,9 @@ def test_more_than_one_choice_is_a_bad_request_naming_n(client):
         ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 11}, "temperature"),
         ("/completions", {"prompt": [5] * 600, "max_tokens": 4}, "prompt"),  # over max_model_len=512
         ("/completions", {"prompt": [600], "max_tokens": 4}, "prompt"),  # outside the 512-token vocabulary
+        # A reward must be a JSON number: text or a boolean is more likely a client's mistake than meant.
+        ("/sessions/any/reward", {"reward": "0.5"}, "reward"),
+        ("/sessions/any/reward", {"reward": True}, "reward"),
     ],
 )
 def test_bad_request_is_a_400_naming_the_field(server, path, body, param):

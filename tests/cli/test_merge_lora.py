@@ -74,6 +74,19 @@ def test_merge_lora_names_what_is_missing(tied_model_dir, tmp_path):
         run_merge_lora(
             MergeLoraConfig(adapter=str(adapter), base=str(tmp_path / "missing-base"), output_dir=str(tmp_path / "o"))
         )
+    # A damaged config is named, whether or not the base is given (the head check reads it too).
+    for text, problem in [
+        (
+            '{"base_model_name_or_path": "x",',
+            "not valid JSON: Expecting property name enclosed in double quotes at line 1, column 33",
+        ),
+        ('["x"]', "must hold a JSON object, got list"),
+    ]:
+        (adapter / "adapter_config.json").write_text(text)
+        for base in (None, str(tied_model_dir)):
+            with pytest.raises(ValueError) as err:
+                run_merge_lora(MergeLoraConfig(adapter=str(adapter), base=base, output_dir=str(tmp_path / "out")))
+            assert str(err.value) == f"{adapter / 'adapter_config.json'}: {problem}"
     assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()
 
 

@@ -13,10 +13,10 @@ model's ``config.json`` as ``raylign_reward_mean`` and ``raylign_reward_std``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from raylign.files import read_json_object
 from raylign.rollout.rewards.base import RewardError, RewardResult, RewardSource, describe_batch, describe_sample
 from raylign.rollout.rewards.rendering import PROMPT_MESSAGES_KEY, assistant_turn, encode_sample
 
@@ -24,25 +24,30 @@ MEAN_KEY = "raylign_reward_mean"
 STD_KEY = "raylign_reward_std"
 
 
+def _finite_number(value: Any) -> bool:
+    # NaN is valid in Python's JSON, and a bool is an int; an integer beyond the float range is not finite.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e308
+
+
 def read_normalization(model_dir: str | Path) -> tuple[float, float]:
     """(mean, std) stored in ``config.json`` of ``model_dir``; ValueError naming the folder if absent or bad."""
     config_file = Path(model_dir) / "config.json"
-    config = json.loads(config_file.read_text())
+    config = read_json_object(config_file)
     if MEAN_KEY not in config or STD_KEY not in config:
         raise ValueError(
             f"{config_file} has no {MEAN_KEY} / {STD_KEY} (raylign rm writes them after training); "
             "set normalize: false to use raw scores"
         )
     mean, std = config[MEAN_KEY], config[STD_KEY]
-    if not isinstance(mean, (int, float)) or not isinstance(std, (int, float)) or not std > 0:
+    if not (_finite_number(mean) and _finite_number(std) and std > 0):
         raise ValueError(
-            f"{config_file}: {MEAN_KEY} must be a number and {STD_KEY} a positive number, got {mean!r} and {std!r}"
+            f"{config_file}: {MEAN_KEY} must be a finite number and {STD_KEY} a positive one, got {mean!r} and {std!r}"
         )
     return float(mean), float(std)
 
 
 def _check_single_label(model_dir: Path) -> None:
-    config = json.loads((model_dir / "config.json").read_text())
+    config = read_json_object(model_dir / "config.json")
     labels = config.get("num_labels", len(config.get("id2label") or {}) or 1)
     if labels != 1:
         raise ValueError(f"reward model {model_dir} has {labels} output labels; a reward model needs exactly 1")

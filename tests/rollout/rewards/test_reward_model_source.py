@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -17,6 +18,23 @@ RESPONSES = ["4", "cba, which is abc reversed letter by letter", "hello"]
 
 def test_read_normalization_uses_the_raylign_config_keys(tiny_reward_model_dir, rm_mean_std):
     assert read_normalization(tiny_reward_model_dir) == rm_mean_std
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ('{"raylign_reward_mean": NaN, "raylign_reward_std": 1.0}', "must be a finite number"),
+        ('{"raylign_reward_mean": true, "raylign_reward_std": 1.0}', "must be a finite number"),
+        ('{"raylign_reward_mean": 0.5, "raylign_reward_std": 1' + "0" * 400 + "}", "must be a finite number"),
+        ('{"raylign_reward_mean": 0.5, "raylign_reward_std": 0}', "must be a finite number"),
+        ('{"raylign_reward_mean": 0.5,', "not valid JSON"),
+        ("[0.5, 1.0]", "must hold a JSON object, got list"),
+    ],
+)
+def test_a_damaged_normalization_is_an_error_naming_the_file(text, problem, tmp_path):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / 'config.json'))}: .*{problem}"):
+        read_normalization(tmp_path)
 
 
 def test_local_scorer_normalised_scores_match_independent_forward(
