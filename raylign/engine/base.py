@@ -141,7 +141,7 @@ class TrainEngine(ABC):
         meta = ckpt.read_meta(directory)
         ckpt.check_world_size(directory, meta, self.backend_name)
         self._load_engine_state(directory)
-        self.scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))
+        self.scheduler.load_state_dict(ckpt.load_file(directory, SCHEDULER_FILE))
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
             group["lr"] = lr
         barrier()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -36,6 +37,7 @@ import torch
 import yaml
 
 from raylign.engine.distributed import barrier, broadcast_object, get_rank, get_world_size, is_main_process
+from raylign.files import read_json_object
 
 if TYPE_CHECKING:
     from raylign.engine.base import TrainEngine
@@ -246,7 +248,29 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
             f"checkpoint {directory} is incomplete or missing (no {COMPLETE_MARKER} marker); "
             "use latest_checkpoint(root) to find a usable one"
         )
-    return json.loads((directory / META_FILE).read_text())
+    try:
+        return read_json_object(directory / META_FILE)
+    except ValueError as err:
+        raise _damaged(directory, str(err)) from None
+
+
+def _damaged(directory: Path, problem: str) -> CheckpointError:
+    # A copy (cp -r, rsync) cut short can hold the marker without the files that sort after it.
+    return CheckpointError(
+        f"checkpoint {directory} is damaged: {problem}. Delete this folder to resume from the checkpoint before it"
+    )
+
+
+def load_file(directory: Path, name: str, weights_only: bool = True) -> Any:
+    """``torch.load`` of the checkpoint file ``name``; one missing or unreadable is a CheckpointError naming it."""
+    path = directory / name
+    try:
+        return torch.load(path, weights_only=weights_only)
+    except FileNotFoundError:
+        raise _damaged(directory, f"{name} is missing") from None
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise _damaged(directory, f"{name} cannot be read ({first_line})") from None
 
 
 # --------------------------------------------------------------------------- RNG and client state
@@ -301,9 +325,9 @@ def load_rank_state(directory: Path) -> dict[str, Any]:
     if not rng_file.is_file():
         raise CheckpointError(f"checkpoint {directory} has no state for rank {rank} ({rng_file.name} missing)")
     # The python generator state is a tuple of ints, which the safe loader accepts.
-    restore_rng_state(torch.load(rng_file, weights_only=True))
+    restore_rng_state(load_file(directory, rng_file.name))
     # The caller's dict may hold any picklable object; this run wrote it itself.
-    return torch.load(directory / f"client_state_rank{rank}.pt", weights_only=False)
+    return load_file(directory, f"client_state_rank{rank}.pt", weights_only=False)
 
 
 def check_world_size(directory: Path, meta: dict[str, Any], backend: str) -> None:

@@ -34,6 +34,9 @@ from raylign.engine.checkpoint import (
     step_directory,
     write_atomically,
 )
+from raylign.engine.checkpoint import (
+    load_file as load_checkpoint_file,
+)
 from raylign.models.packed_attention import packed_row_tokens, runs_samples_apart
 from raylign.rl.advantages import RewardShaping, compute_advantages
 from raylign.rl.episodes import EpisodeStream, agent_episode_stream, sample_from_episode
@@ -341,7 +344,7 @@ class RLTrainer:
         for role in ("policy", "critic"):
             if role in self.groups:
                 self.groups[role].call("load_checkpoint", str(ckpt / role))
-        state = torch.load(ckpt / "controller.pt", weights_only=False)
+        state = load_checkpoint_file(ckpt, "controller.pt", weights_only=False)
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         # The groups that had come back but were not trained on yet, and the weight version count.

@@ -138,6 +138,37 @@ def test_loading_an_incomplete_checkpoint_names_it(tmp_path):
         engine.load_checkpoint(tmp_path / "step_1")
 
 
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        ("delete meta.json", "meta.json: no such file"),
+        ("truncate meta.json", "meta.json: not valid JSON"),
+        ("delete scheduler.pt", "scheduler.pt is missing"),
+        ("truncate scheduler.pt", "scheduler.pt cannot be read (PytorchStreamReader failed"),
+        ("delete client_state_rank0.pt", "client_state_rank0.pt is missing"),
+        ("truncate client_state_rank0.pt", "client_state_rank0.pt cannot be read ("),
+    ],
+)
+def test_loading_a_marked_checkpoint_with_a_missing_or_damaged_file_names_the_folder_and_the_file(
+    tmp_path, damage, problem
+):
+    # A copy cut short (cp -r, rsync) can hold the COMPLETE marker, which sorts first, without the rest.
+    engine = make_engine()
+    save_step_checkpoint(engine, tmp_path, 1, {"step": 1})
+    action, name = damage.split()
+    path = tmp_path / "step_1" / name
+    if action == "delete":
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    with pytest.raises(CheckpointError) as err:
+        engine.load_checkpoint(tmp_path / "step_1")
+    message = str(err.value)
+    assert message.startswith(f"checkpoint {tmp_path / 'step_1'} is damaged: ")
+    assert problem in message
+    assert message.endswith("Delete this folder to resume from the checkpoint before it")
+
+
 def test_loading_a_checkpoint_of_another_world_size_is_refused(tmp_path):
     engine = make_engine()
     save_step_checkpoint(engine, tmp_path, 1, {})
