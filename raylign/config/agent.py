@@ -16,6 +16,8 @@ class AgentConfig(Section):
     def _one_kind(self) -> AgentConfig:
         if self.env is not None and self.client is not None:
             raise ValueError("agent.env and agent.client are two ways to play an episode: set one of them")
+        if self.env_args and self.env is None:
+            raise ValueError("agent.env_args are the arguments of the agent.env class, and agent.env is not set")
         return self
 
     @property

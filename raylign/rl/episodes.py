@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import itertools
 import logging
 import threading
@@ -220,6 +221,38 @@ def sample_from_episode(ep: Episode, prompt: Prompt, tokenizer: Any) -> Sample:
         turn_rewards=list(ep.turn_rewards),
         episode=ep,
     )
+
+
+def check_agent_code(agent: Any) -> None:
+    """Before anything starts: ``agent.env`` (or ``agent.client``) imports and names what it must, and the
+    environment class takes ``agent.env_args``; found otherwise only at the first episode, after the workers
+    and engines have started, as a TypeError naming neither setting. ValueError naming the setting."""
+    from raylign.agents.env import load_callable, load_environment
+
+    if agent.client is not None:
+        _as_setting_error(load_callable, agent.client, "agent.client")
+        return
+    if agent.env is None:
+        return
+    env_class = _as_setting_error(load_environment, agent.env)
+    try:
+        signature = inspect.signature(env_class)
+    except (TypeError, ValueError):  # a class whose signature Python cannot read: its first episode will tell
+        return
+    try:
+        signature.bind(**agent.env_args)
+    except TypeError as err:
+        takes = ", ".join(name for name in signature.parameters if name not in ("args", "kwargs")) or "none"
+        raise ValueError(
+            f"agent.env_args: {env_class.__name__} does not take them ({err}); its arguments: {takes}"
+        ) from None
+
+
+def _as_setting_error(load: Any, *args: Any) -> Any:
+    try:
+        return load(*args)
+    except (AttributeError, TypeError) as err:  # these name the setting already, but are no user-facing error
+        raise ValueError(str(err)) from None
 
 
 def agent_episode_stream(cfg: Any, pool: RolloutPool, tokenizer: Any) -> tuple[EpisodeStream, Any]:

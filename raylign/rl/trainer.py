@@ -39,7 +39,7 @@ from raylign.engine.checkpoint import (
 )
 from raylign.models.packed_attention import packed_row_tokens, runs_samples_apart
 from raylign.rl.advantages import RewardShaping, compute_advantages
-from raylign.rl.episodes import EpisodeStream, agent_episode_stream, sample_from_episode
+from raylign.rl.episodes import EpisodeStream, agent_episode_stream, check_agent_code, sample_from_episode
 from raylign.rl.evaluation import pass_at_k_metrics
 from raylign.rl.experience import (
     Experience,
@@ -136,6 +136,7 @@ class RLTrainer:
         # writes once loaded, so they compute what it computes (the folder's weights would not).
         quantized_base = cfg.model.lora.quantize_base != "none"
         self.engine_model_path = str(self.out / ENGINE_BASE) if quantized_base else self.model_path
+        check_agent_code(cfg.agent)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path, padding_side="left")
         self.train_prompts = load_train_prompts(cfg.data, self.tokenizer)
         self.eval_prompts = load_prompts(cfg.data.eval, cfg.data, self.tokenizer) if cfg.data.eval else []

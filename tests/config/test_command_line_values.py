@@ -216,10 +216,13 @@ def test_a_file_reads_numbers_in_exponent_form_as_the_command_line_does(tmp_path
     # PyYAML (YAML 1.1) read 1e-5 and 1e3, without a dot, as text: a free-form mapping passed the string
     # "1e-5" on to the user's environment, and an integer field refused "1e3", which the command line took.
     path = write_yaml(tmp_path, {})
-    path.write_text(yaml.safe_dump(MINIMAL_RL) + "agent:\n  env_args: {lr: 1e-5, n: 1e3, name: '1e-5'}\n")
+    path.write_text(
+        yaml.safe_dump(MINIMAL_RL) + "agent:\n  env: my_envs:Env\n  env_args: {lr: 1e-5, n: 1e3, name: '1e-5'}\n"
+    )
     from_file = resolve_config(RLConfig, path).agent.env_args
     argv = ["--agent.env_args.lr", "1e-5", "--agent.env_args.n", "1e3", "--agent.env_args.name", "'1e-5'"]
-    from_argv = resolve_argv(argv, base=MINIMAL_RL, cls=RLConfig).agent.env_args
+    base = {**MINIMAL_RL, "agent": {"env": "my_envs:Env"}}
+    from_argv = resolve_argv(argv, base=base, cls=RLConfig).agent.env_args
     assert from_file == from_argv == {"lr": 1e-5, "n": 1000.0, "name": "1e-5"}
     assert load_yaml(write_yaml(tmp_path, {}, "t.yaml")) == {}
     (tmp_path / "steps.yaml").write_text("train:\n  max_steps: 1e3\n")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import copy
 
 import pytest
+import ray
 import yaml
 
 from raylign.cli.main import main
 from raylign.config.base import ConfigError
 from raylign.config.rl import AlgorithmConfig, RLConfig
+from raylign.rl.trainer import RLTrainer
 
 from .rl_helpers import resolve, rl_config_data, write_yaml
 
@@ -633,6 +635,37 @@ def test_an_agent_run_takes_env_or_client_and_room_for_a_whole_episode(base, tmp
     data["train"] = {**data.get("train", {}), "micro_batch_tokens": 2048}
     with pytest.raises(ConfigError, match=r"micro_batch_tokens \(2048\) must hold a whole episode"):
         resolve(tmp_path, data)
+
+
+@pytest.mark.parametrize("agent", [{}, {"client": "b.py:run"}])
+def test_environment_arguments_without_an_environment_are_refused_not_ignored(agent, base, tmp_path):
+    base["agent"] = {**agent, "env_args": {"max_tool_calls": 3}, "max_total_tokens": 256}
+    base["train"] = {**base.get("train", {}), "micro_batch_tokens": 256}
+    assert "agent.env_args are the arguments of the agent.env class, and agent.env is not set" in _error(tmp_path, base)
+
+
+@pytest.mark.parametrize(
+    ("agent", "problem"),
+    [
+        (
+            {"env": "raylign.agents.tools:CalculatorEnv", "env_args": {"max_tool_call": 3}},
+            "agent.env_args: CalculatorEnv does not take them (got an unexpected keyword argument 'max_tool_call'); "
+            "its arguments: system_prompt, max_tool_calls, tool_role, call_format, template_tools, step_budget_s",
+        ),
+        ({"env": "raylign.agents.tools:NoSuchEnv"}, "agent.env: raylign.agents.tools has no 'NoSuchEnv'"),
+        ({"env": "raylign.agents.tools:numeric_match"}, "agent.env: raylign.agents.tools:numeric_match has no reset"),
+        ({"client": "raylign.agents.tools:NO_CLIENT"}, "agent.client: raylign.agents.tools has no 'NO_CLIENT'"),
+    ],
+)
+def test_an_agents_code_and_arguments_are_checked_before_anything_starts(agent, problem, base, tmp_path):
+    # Found at the first episode before, after Ray, the workers and the engines had started, as a bare TypeError.
+    base["agent"] = {**agent, "max_total_tokens": 256}
+    base["train"] = {**base.get("train", {}), "micro_batch_tokens": 256}
+    trainer = RLTrainer(resolve(tmp_path, base))
+    with pytest.raises(ValueError) as err:
+        trainer.setup()
+    assert problem in str(err.value)
+    assert not ray.is_initialized()
 
 
 def test_dapo_s_overlong_penalty_is_refused_for_agent_episodes_whose_turns_each_have_the_limit(base, tmp_path):
