@@ -55,7 +55,10 @@ class AgentConfig(Section):
         300.0, gt=0, description="Wall time of one episode (end reason timeout); a turn in generation finishes first."
     )
     step_timeout_s: float = Field(
-        30.0, gt=0, description="Longest call of the environment's reset/step (end reason step_timeout)."
+        30.0,
+        gt=0,
+        description="Longest call of the environment's step (end reason step_timeout) or reset (past it the run "
+        "stops, naming the row).",
     )
     drift: Literal["warn", "error"] = Field(
         "warn",
