@@ -19,6 +19,11 @@ REPO = Path(__file__).resolve().parents[2]
 COMMANDS = ("rm", "prm", "dpo", "kto", "kd")
 
 
+# With LoRA as well: DPO (its reference is the policy with its adapters off) and RM (its score head
+# trains whole beside the adapters).
+LORA_COMMANDS = ("dpo", "rm")
+
+
 def command_config(command: str, model_dir: str, out: Path, engine: dict[str, Any], lora_rank: int = 0):
     """The command's shipped tiny example, on ``model_dir`` (the KD teacher: ``<model_dir>-teacher``),
     for STEPS steps."""
@@ -64,4 +69,6 @@ def run_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         shapes[command] = list(q_proj.weight.to_local().shape)
     autotp = {**engine, "backend": "deepspeed", "zero_stage": 1}
     trainer_class("dpo")(command_config("dpo", model_dir, Path(out_dir) / "dpo_deepspeed", autotp)).run()
+    for command in LORA_COMMANDS:  # adapters split with their matrices; DPO's reference: adapters off
+        trainer_class(command)(command_config(command, model_dir, Path(out_dir) / f"{command}_lora", engine, 4)).run()
     (Path(out_dir) / f"shapes_rank{rank}.json").write_text(json.dumps(shapes))

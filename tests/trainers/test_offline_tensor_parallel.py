@@ -7,7 +7,8 @@ the local engine. The loss and gradient norm (clipped at 0.5) of every step and 
 agree; each rank held half of ``q_proj``'s rows. The frozen models (the DPO and KTO references, the
 KD teacher, another random model) are sharded over both ranks by fsdp2, whole layers gathered in
 turn. The process reward model grows its embedding by one token (its step separator) to a row count
-both ranks split evenly.
+both ranks split evenly. DPO and RM also train a LoRA policy this way, its adapters split with their
+matrices (DPO's reference: the policy with its adapters off; RM's score head trained whole beside them).
 """
 
 from __future__ import annotations
@@ -39,18 +40,22 @@ def test_each_offline_command_trains_with_matrices_split_over_ranks_as_with_whol
         patch.syspath_prepend(str(Path(__file__).parent))
         spawn_and_join(worker.run_rank, (str(model_dir), str(tmp_path / "tp2")), 2, 900, "TP ranks")
     monkeypatch.chdir(worker.REPO)
-    for command, run in [(c, c) for c in worker.COMMANDS] + [("dpo", "dpo_deepspeed")]:
-        if run == command:
-            whole = worker.command_config(command, str(model_dir), tmp_path / "whole" / command, {"backend": "local"})
+    runs = [(c, c, 0) for c in worker.COMMANDS] + [("dpo", "dpo_deepspeed", 0)]
+    runs += [(c, f"{c}_lora", 4) for c in worker.LORA_COMMANDS]
+    for command, run, lora_rank in runs:
+        whole_run = f"{command}_lora" if lora_rank else command
+        if not (tmp_path / "whole" / whole_run).exists():
+            out = tmp_path / "whole" / whole_run
+            whole = worker.command_config(command, str(model_dir), out, {"backend": "local"}, lora_rank)
             worker.trainer_class(command)(whole).run()
 
-        split, reference = steps(tmp_path / "tp2" / run), steps(tmp_path / "whole" / command)
+        split, reference = steps(tmp_path / "tp2" / run), steps(tmp_path / "whole" / whole_run)
         assert [r["step"] for r in reference] == list(range(1, worker.STEPS + 1)), command
         assert [r["step"] for r in split] == [r["step"] for r in reference], command
         for a, b in zip(reference, split, strict=True):
             assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-5), (run, a, b)
             assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5, abs=1e-5), (run, a, b)
-        expected = load_file(tmp_path / "whole" / command / "final" / "model.safetensors")
+        expected = load_file(tmp_path / "whole" / whole_run / "final" / "model.safetensors")
         exported = load_file(tmp_path / "tp2" / run / "final" / "model.safetensors")
         assert exported.keys() == expected.keys(), command
         for name, value in expected.items():
@@ -60,6 +65,12 @@ def test_each_offline_command_trains_with_matrices_split_over_ranks_as_with_whol
                 mine = mine[:513]
             torch.testing.assert_close(mine, value, rtol=1e-5, atol=1e-5, msg=f"{run} {name}")
     assert any(r["train/grad_norm"] > 0.5 for c in worker.COMMANDS for r in steps(tmp_path / "whole" / c))
+    # The adapters trained: the merged export of each LoRA run moved from the initial weights.
+    initial = load_file(model_dir / "model.safetensors")
+    for command in worker.LORA_COMMANDS:
+        merged = load_file(tmp_path / "whole" / f"{command}_lora" / "final" / "model.safetensors")
+        moved = [name for name, value in initial.items() if name.endswith("q_proj.weight")]
+        assert moved and all(not torch.equal(merged[name], initial[name]) for name in moved), command
     for rank in range(2):
         shapes = json.loads((tmp_path / "tp2" / f"shapes_rank{rank}.json").read_text())
         assert shapes == {command: [32, 64] for command in worker.COMMANDS}, (rank, shapes)
