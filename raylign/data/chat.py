@@ -19,6 +19,8 @@ from raylign.data.errors import DataError, RowRef
 from raylign.data.rows import check_text
 
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
+# Message fields chat templates render (tool use, reasoning) that a {role, content} message would drop.
+DROPPED_FIELDS = ("tool_calls", "tool_call_id", "function_call", "reasoning_content", "thinking")
 Message = dict[str, str]
 
 
@@ -35,6 +37,14 @@ def validate_messages(value: Any, key: str, where: RowRef) -> list[Message]:
             raise where.error(item, f"expected a {{role, content}} object, got {type(message).__name__}", "wrong_type")
         if "role" not in message or "content" not in message:
             raise where.error(item, f"a message needs 'role' and 'content' (has {sorted(message)})", "missing_key")
+        dropped = [field for field in DROPPED_FIELDS if message.get(field) not in (None, "", [])]
+        if dropped:
+            raise where.error(
+                f"{item}.{dropped[0]}",
+                "messages are trained on as role and content only, and this would be dropped: write it into "
+                "the content, or remove the field",
+                "unread_key",
+            )
         role = message["role"]
         if role not in ALLOWED_ROLES:
             raise where.error(f"{item}.role", f"unknown role {role!r}; allowed: {', '.join(ALLOWED_ROLES)}", "bad_role")

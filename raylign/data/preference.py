@@ -44,6 +44,7 @@ from raylign.data.rows import (
     collect_samples,
     optional_text,
     read_from_csv,
+    refuse_system_beside_conversation,
     require_key,
 )
 
@@ -107,6 +108,7 @@ def _plain_text(row: dict[str, Any], key: str, where: RowRef) -> str:
 def _prompt_messages(row: dict[str, Any], spec: DatasetSpec, where: RowRef) -> list[Message]:
     value = require_key(row, spec.input_key, where)
     if isinstance(value, list):
+        refuse_system_beside_conversation(row, spec.system_key, spec.input_key, where)
         messages = validate_messages(value, spec.input_key, where)
         if messages[-1]["role"] in REPLY_ROLES:
             raise where.error(
@@ -170,7 +172,32 @@ def _chat_pair_messages(
             "different prompts (everything before the final assistant reply must be equal)",
             "different_prompts",
         )
+    _check_prompt_beside_conversations(row, spec, chosen_prompt, where)
     return chosen_prompt, chosen, rejected
+
+
+def _check_prompt_beside_conversations(
+    row: dict[str, Any], spec: DatasetSpec, conversation_prompt: list[Message], where: RowRef
+) -> None:
+    """Whole conversations carry their own prompt, which is what is trained on. A prompt key beside them
+    (as some datasets keep, e.g. ultrafeedback_binarized) must say the same: its text the last user
+    turn, or its messages the turns; a system prompt key would be dropped."""
+    refuse_system_beside_conversation(row, spec.system_key, spec.chosen_key, where)
+    given = row.get(spec.input_key)
+    if given is None:
+        return
+    users = [m["content"] for m in conversation_prompt if m["role"] == "user"]
+    if isinstance(given, list):
+        agrees = validate_messages(given, spec.input_key, where) == conversation_prompt
+    else:
+        agrees = bool(users) and check_text(given, spec.input_key, where).strip() == users[-1].strip()
+    if not agrees:
+        raise where.error(
+            spec.input_key,
+            f"differs from the prompt of the whole conversations in '{spec.chosen_key}'/'{spec.rejected_key}', "
+            "which is what would be trained on: remove it, or give the replies only",
+            "different_prompts",
+        )
 
 
 # ---- tokenising ------------------------------------------------------------------------

@@ -67,6 +67,18 @@ def optional_text(row: dict[str, Any], key: str, where: RowRef) -> str | None:
     return check_text(row[key], key, where)
 
 
+def refuse_system_beside_conversation(row: dict[str, Any], key: str, conversation_key: str, where: RowRef) -> None:
+    """A system prompt under ``key`` beside a conversation under ``conversation_key``, which carries its own
+    (or none): it would be dropped without a word. Refused naming the key."""
+    if row.get(key) is not None:
+        raise where.error(
+            key,
+            f"a system prompt beside the conversation in {conversation_key!r}, which would drop it: put it in the "
+            "conversation as its first message (role 'system'), or remove the key",
+            "unread_key",
+        )
+
+
 def require_list(row: dict[str, Any], key: str, where: RowRef) -> list[Any]:
     value = require_key(row, key, where)
     if not isinstance(value, list):

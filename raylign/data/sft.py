@@ -19,7 +19,14 @@ from raylign.config.data import DataConfig, DatasetSpec
 from raylign.data.chat import Message, tokenize_conversation, validate_messages
 from raylign.data.errors import DataError, RowRef
 from raylign.data.formatting import encode_plain, truncate_prompt_response
-from raylign.data.rows import DataStats, build_splits, collect_samples, optional_text, require_text
+from raylign.data.rows import (
+    DataStats,
+    build_splits,
+    collect_samples,
+    optional_text,
+    refuse_system_beside_conversation,
+    require_text,
+)
 
 
 @dataclass
@@ -53,6 +60,7 @@ class SFTData:
 def _chat_messages(row: dict[str, Any], spec: DatasetSpec, where: RowRef) -> tuple[list[Message], str]:
     """The conversation of a chat row, and the key to name in errors about it."""
     if row.get(spec.messages_key) is not None:
+        refuse_system_beside_conversation(row, spec.system_key, spec.messages_key, where)
         return validate_messages(row[spec.messages_key], spec.messages_key, where), spec.messages_key
     prompt = require_text(row, spec.input_key, where)
     response = require_text(row, spec.output_key, where)

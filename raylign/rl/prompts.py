@@ -8,7 +8,15 @@ from typing import Any
 
 from raylign.config.data import DatasetSpec
 from raylign.config.rl import RLDataConfig
-from raylign.data import RowRef, check_text, optional_text, read_rows, require_key, validate_messages
+from raylign.data import (
+    RowRef,
+    check_text,
+    optional_text,
+    read_rows,
+    refuse_system_beside_conversation,
+    require_key,
+    validate_messages,
+)
 from raylign.data.mixing import mix_datasets
 from raylign.rollout.rewards.base import REWARD_ARGUMENTS
 
@@ -34,6 +42,7 @@ def _render(
         # plain prompts (raylign.data.formatting.encode_plain): a model tuned there is sampled as trained.
         return text, tokenizer(text, add_special_tokens=True)["input_ids"]
     if isinstance(value, list):
+        refuse_system_beside_conversation(row, spec.system_key, spec.input_key, where)
         messages = validate_messages(value, spec.input_key, where)
         if messages[-1]["role"] == "assistant":  # the model would answer with a second assistant turn
             raise where.error(

@@ -88,6 +88,53 @@ def test_whole_conversations_split_at_the_final_reply_without_a_prompt_key(write
     assert _scored(tokenizer, pair.rejected_ids, pair.rejected_mask) == "6" + EOS
 
 
+def test_a_prompt_beside_whole_conversations_must_be_their_prompt(write_dataset, tokenizer):
+    # ultrafeedback_binarized keeps the prompt text beside whole conversations: the same pair as without it.
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1 + 1"}]
+    row = {
+        "chosen": turns + [{"role": "assistant", "content": "2"}],
+        "rejected": turns + [{"role": "assistant", "content": "3"}],
+    }
+    plain = _only_pair(_config(write_dataset([row], name="plain")), tokenizer)
+    for prompt in ("1 + 1", turns):
+        pair = _only_pair(_config(write_dataset([{**row, "prompt": prompt}], name="with_prompt")), tokenizer)
+        assert (pair.prompt_ids, pair.chosen_ids, pair.rejected_ids) == (
+            plain.prompt_ids,
+            plain.chosen_ids,
+            plain.rejected_ids,
+        )
+    # Another prompt would be dropped without a word: the conversations' own is trained on.
+    for prompt in ("What is 2+2?", turns[1:]):
+        path = write_dataset([{**row, "prompt": prompt}], name="other_prompt")
+        with pytest.raises(RowError) as info:
+            build_pair_datasets(_config(path), tokenizer)
+        assert str(info.value) == (
+            f"{path}, row 1, key 'prompt': differs from the prompt of the whole conversations in 'chosen'/'rejected', "
+            "which is what would be trained on: remove it, or give the replies only"
+        )
+        assert info.value.reason == "different_prompts"
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"prompt": [{"role": "user", "content": "hi"}], "system": "be brief", "chosen": "yo", "rejected": "no"},
+        {
+            "system": "be brief",
+            "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+            "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no"}],
+        },
+    ],
+)
+def test_a_system_prompt_beside_a_conversation_is_refused_not_dropped(write_dataset, tokenizer, row):
+    path = write_dataset([row])
+    with pytest.raises(
+        RowError, match=rf"{path}, row 1, key 'system': a system prompt beside the conversation"
+    ) as info:
+        build_pair_datasets(_config(path), tokenizer)
+    assert info.value.reason == "unread_key"
+
+
 def test_keys_and_margin_come_from_the_dataset_spec(write_dataset, tokenizer):
     path = write_dataset([{"q": "hi", "good": "yo", "bad": "no", "m": 2}])
     cfg = _config(path)

@@ -217,7 +217,38 @@ BAD_ROWS = [
         "bad_role",
     ),
     ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "no tokens to train on", "no_target"),
+    # Dropped without a word before: the system prompt beside a conversation, and a tool call in a message.
+    (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "system": "be terse"},
+        "system",
+        "a system prompt beside the conversation in 'messages', which would drop it: put it in the conversation "
+        "as its first message (role 'system'), or remove the key",
+        "unread_key",
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo", "tool_calls": [{"name": "f", "arguments": {}}]},
+            ]
+        },
+        "messages[1].tool_calls",
+        "messages are trained on as role and content only, and this would be dropped: write it into the content, "
+        "or remove the field",
+        "unread_key",
+    ),
 ]
+
+
+def test_empty_tool_fields_of_exported_messages_are_no_loss(write_dataset, tokenizer):
+    # OpenAI-style exports write tool_calls: null (or []) on every message: nothing would be dropped.
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    exported = [{**plain[0], "tool_calls": None}, {**plain[1], "tool_calls": [], "reasoning_content": ""}]
+    ids = [
+        build_sft_datasets(_config(write_dataset([{"messages": m}], name=n)), tokenizer).train[0].input_ids
+        for n, m in (("plain", plain), ("exported", exported))
+    ]
+    assert ids[0] == ids[1]
 
 
 @pytest.mark.parametrize(("bad_row", "key", "problem", "reason"), BAD_ROWS, ids=[b[3] for b in BAD_ROWS])
@@ -236,16 +267,17 @@ def test_skip_bad_rows_counts_each_reason_and_keeps_the_good_rows(tmp_path, toke
     lines += ['{"prompt": broken', json.dumps({"prompt": "again", "completion": "good"})]
     path.write_text("\n".join(lines) + "\n")
     data = build_sft_datasets(_config(path, skip_bad_rows=True), tokenizer)
-    assert [s.row for s in data.train] == [1, 8]
+    assert [s.row for s in data.train] == [1, 10]
     assert data.stats.skipped == {
         "missing_key": 1,
         "wrong_type": 1,
         "empty_text": 1,
         "bad_role": 1,
         "no_target": 1,
+        "unread_key": 2,
         "bad_json": 1,
     }
-    assert (data.stats.rows_read, data.stats.rows_kept) == (8, 2)
+    assert (data.stats.rows_read, data.stats.rows_kept) == (10, 2)
     assert data.stats.skip_examples[0].startswith(f"{path}, row 2, key 'completion': missing key")
 
 

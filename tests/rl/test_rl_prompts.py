@@ -48,6 +48,14 @@ def test_a_text_prompts_system_field_is_its_system_message_as_in_sft(rl_model_di
     assert "Answer briefly." not in load_train_prompts(cfg, tokenizer)[0].text  # another key named: not read
 
 
+def test_a_system_field_beside_a_conversation_prompt_is_refused_not_dropped(rl_model_dir, tmp_path):
+    # It reached the reward functions as metadata, but the model never saw it.
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "system": "Answer in French."}]
+    cfg = RLDataConfig(train=[{"path": write_rows(tmp_path / "chats.jsonl", rows)}])
+    with pytest.raises(RowError, match=r"chats.jsonl, row 1, key 'system': a system prompt beside the conversation in"):
+        load_train_prompts(cfg, load_tokenizer(str(rl_model_dir)))
+
+
 def test_weighted_train_files_mix_into_their_shares(rl_model_dir, tmp_path):
     big = write_rows(tmp_path / "big.jsonl", [{"prompt": f"big {i}"} for i in range(3)])
     small = write_rows(tmp_path / "small.jsonl", [{"prompt": "small 0"}])
