@@ -61,8 +61,9 @@ def require_text(row: dict[str, Any], key: str, where: RowRef) -> str:
 
 
 def optional_text(row: dict[str, Any], key: str, where: RowRef) -> str | None:
-    """The text under ``key``, or None when the key is absent or null (an empty string is an error)."""
-    if row.get(key) is None:
+    """The text under ``key``, or None when the key is absent or null (an empty string is an error, except
+    in a CSV file, which has no other way to leave an optional cell out)."""
+    if row.get(key) is None or (read_from_csv(where) and row[key] == ""):
         return None
     return check_text(row[key], key, where)
 

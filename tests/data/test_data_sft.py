@@ -60,6 +60,19 @@ def test_chat_row_system_key_becomes_a_system_message(write_dataset, tokenizer):
     assert _targets(tokenizer, sample) == "yo" + EOS
 
 
+def test_a_blank_system_cell_of_a_csv_is_no_system_prompt_and_a_blank_json_one_is_an_error(tmp_path, tokenizer):
+    # CSV has no other way to leave an optional cell out; JSON has null and absent keys.
+    path = tmp_path / "rows.csv"
+    path.write_text("prompt,completion,system\nhi,yo,\nhi,yo,be brief\n")
+    without, with_system = build_sft_datasets(_config(path), tokenizer).train
+    assert tokenizer.decode(without.input_ids).startswith("<|im_start|>user\nhi")
+    assert tokenizer.decode(with_system.input_ids).startswith("<|im_start|>system\nbe brief<|im_end|>")
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "hi", "completion": "yo", "system": ""}\n')
+    with pytest.raises(RowError, match=r"rows\.jsonl, row 1, key 'system': empty text"):
+        build_sft_datasets(_config(path), tokenizer)
+
+
 MULTI_TURN = [
     {"role": "system", "content": "you add numbers"},
     {"role": "user", "content": "1 + 1"},
