@@ -27,6 +27,7 @@ from raylign.config.base import save_yaml
 from raylign.config.rl import RLConfig
 from raylign.data import ResumableSampler
 from raylign.engine.checkpoint import (
+    CheckpointError,
     check_resumes_same_model,
     check_writable,
     latest_checkpoint,
@@ -89,6 +90,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("raylign")
 ENGINES = "rollout engines"  # their entry among what setup() starts at once
 ENGINE_BASE = "engine_base"  # under the output folder: a 4-bit policy base, dequantised, the engines start from
+
+
+# The worker groups whose state a checkpoint holds, one folder each.
+TRAINED_ROLES = ("policy", "critic")
+
+
+def check_checkpoint_roles(ckpt: Path, roles: list[str]) -> None:
+    """A checkpoint resumed by a run that trains other models (a PPO run's, with its critic, resumed as
+    GRPO, or the other way): the critic would be dropped, or start untrained, without a word."""
+    saved = [role for role in TRAINED_ROLES if (ckpt / role).is_dir()]
+    if saved != roles:
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds {' and '.join(saved) or 'no model'}; this run trains {' and '.join(roles)} "
+            "(another algorithm?). Resume with the settings it was written with, or start over in another "
+            "train.output_dir (or with train.resume: false)"
+        )
 
 
 class RLTrainer:
@@ -342,7 +359,8 @@ class RLTrainer:
             for name in ("samples.jsonl", "trajectories.jsonl"):
                 set_aside_records_after(self.out / name, -1)
             return
-        for role in ("policy", "critic"):
+        check_checkpoint_roles(ckpt, [role for role in TRAINED_ROLES if role in self.groups])
+        for role in TRAINED_ROLES:
             if role in self.groups:
                 self.groups[role].call("load_checkpoint", str(ckpt / role))
         state = load_checkpoint_file(ckpt, "controller.pt", weights_only=False)
@@ -886,7 +904,7 @@ class RLTrainer:
         }
 
         def write(tmp: Path) -> None:
-            for role in ("policy", "critic"):
+            for role in TRAINED_ROLES:
                 if role in self.groups:
                     self.groups[role].call("save_checkpoint", str(tmp / role), {"step": self.step})
             torch.save(state, tmp / "controller.pt")

@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from raylign.rl.trainer import RLTrainer
+from raylign.engine.checkpoint import CheckpointError, latest_checkpoint
+from raylign.rl.trainer import TRAINED_ROLES, RLTrainer, check_checkpoint_roles
 from raylign.trainers.metrics import read_metrics
 
 from .rl_helpers import TIMING_PARTS, fp32_model, resolve, rl_config_data, set_dotted, state_dict_of
@@ -91,6 +92,21 @@ def runs(request, ray_session, rl_model_dir, prompt_file, tmp_path_factory) -> P
     rerun.run()
     second = read_metrics(out)[len(first) :]
     return PresetRuns(preset, out, rl_model_dir, first, second, checkpoints, rerun.resumed_at, roles)
+
+
+def test_a_checkpoint_resumes_only_in_a_run_that_trains_the_same_models(runs):
+    # A PPO checkpoint resumed as GRPO dropped its critic without a word; the other way, the critic's
+    # missing folder was reported as an incomplete checkpoint.
+    ckpt = latest_checkpoint(runs.out / "checkpoints")
+    trained = [role for role in TRAINED_ROLES if role in runs.roles]
+    assert trained == (["policy", "critic"] if runs.preset == "ppo" else ["policy"])
+    check_checkpoint_roles(ckpt, trained)
+    other = ["policy"] if "critic" in trained else ["policy", "critic"]
+    with pytest.raises(CheckpointError) as err:
+        check_checkpoint_roles(ckpt, other)
+    assert str(err.value).startswith(
+        f"checkpoint {ckpt} holds {' and '.join(trained)}; this run trains {' and '.join(other)}"
+    )
 
 
 def test_each_step_logs_its_training_metrics_and_no_kl_before_the_first_update(runs):
