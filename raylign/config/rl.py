@@ -239,6 +239,12 @@ class RLDataConfig(Section):
     source_key: str = Field("data_source", description="Row key naming its data source (eval is reported per source).")
     seed: int = Field(0, ge=0, description="Shuffling and mixing seed.")
 
+    @field_validator("train", "eval", mode="before")
+    @classmethod
+    def _single_dataset_shorthand(cls, value: Any) -> Any:
+        # `--data.train file.jsonl` on the command line gives one path, not a list (as in sft and generate).
+        return [value] if isinstance(value, (str, dict)) else value
+
     @field_validator("prompt_template")
     @classmethod
     def _template_has_only_input(cls, value: str) -> str:

@@ -328,6 +328,13 @@ def test_a_prompt_dataset_key_rl_never_reads_is_refused(key, base, tmp_path):
     )
 
 
+def test_one_prompt_file_may_be_given_without_a_list_as_in_sft(base, tmp_path):
+    path = base["data"]["train"][0]["path"]
+    base["data"] = {**base["data"], "train": path, "eval": path}
+    cfg = resolve(tmp_path, base)
+    assert [spec.path for spec in cfg.data.train] == [spec.path for spec in cfg.data.eval] == [path]
+
+
 @pytest.mark.parametrize(
     ("template", "found"),
     [("Q: {question}\nA:", "['question']"), ("Answer the question.", "[]"), ("{input} {0}", "['0', 'input']")],
