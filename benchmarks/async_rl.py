@@ -145,9 +145,8 @@ def summarize(name: str, rows: list[dict], wall_s: float) -> dict:
     out = {"setting": name, "step_s": statistics.median(r["time/step_s"] for r in timed)}
     for phase in PHASES:
         out[phase] = statistics.median(r.get(f"time/{phase}_s", 0.0) for r in timed)
-    out["tokens_per_s"] = sum(r["throughput/generated_tokens_per_s"] * r["time/generate_s"] for r in timed) / max(
-        sum(r["time/step_s"] for r in timed), 1e-9
-    )
+    generated = sum(r["throughput/generated_tokens_per_s"] * r["time/generation_span_s"] for r in timed)
+    out["tokens_per_s"] = generated / max(sum(r["time/step_s"] for r in timed), 1e-9)
     out["len_mean"] = statistics.mean(r["response_length/mean"] for r in rows)
     out["len_max"] = max(r["response_length/max"] for r in rows)
     out["reward_last2"] = statistics.mean(r["reward/mean"] for r in rows[-2:])

@@ -235,8 +235,8 @@ def run_raylign_side(w: Workload) -> list[dict[str, float]]:
             "response_length": r["response_length/mean"],
             "response_length_max": r["response_length/max"],
             "prompt_tokens": r["throughput/tokens_per_s"] * r["time/step_s"]
-            - r["throughput/generated_tokens_per_s"] * r["time/generate_s"],
-            "generated": r["throughput/generated_tokens_per_s"] * r["time/generate_s"],
+            - r["throughput/generated_tokens_per_s"] * r["time/generation_span_s"],
+            "generated": r["throughput/generated_tokens_per_s"] * r["time/generation_span_s"],
             "sync_bytes": r.get("sync/num_bytes", float("nan")),
             # how long the workers computed within the phase (0: the phase ran no pass on them)
             **{f"{p}_compute": r.get(f"time/{p}_compute_s", 0.0) for p in COMPUTED_PHASES},

@@ -63,7 +63,7 @@ class EpisodeStream:
     def submit(self, prompt: Prompt, sampling: SamplingConfig, prompt_index: int, tag: Any) -> None:
         """Start the ``sampling.n`` episodes of ``prompt``; ``prompt_index`` numbers their requests (seeds)."""
         future = asyncio.run_coroutine_threadsafe(self._group(prompt, sampling, prompt_index), self._loop)
-        self._pending[future] = _InFlight(tag, time.perf_counter())
+        self._pending[future] = _InFlight(tag, time.time())
 
     def finished(self, wait: bool = True) -> list[FinishedGroup]:
         """The groups that have finished; with ``wait``, at least one (at most ``timeout_s``)."""
@@ -81,7 +81,7 @@ class EpisodeStream:
         out = []
         for future in done:
             group = self._pending.pop(future)
-            out.append(FinishedGroup(group.tag, future.result(), -1, group.submitted, time.perf_counter()))
+            out.append(FinishedGroup(group.tag, future.result(), -1, group.submitted, time.time()))
         return out
 
     def drain(self) -> list[FinishedGroup]:

@@ -61,12 +61,28 @@ class Group:
     samples: list[Sample]
     started_version: int  # the engines' weight version when it was started
     finished_at: float = 0.0  # when its last sample finished (engine wall clock)
+    # When it was submitted and when its last sample finished (time.time()).
+    generating: tuple[float, float] = (0.0, 0.0)
 
     @property
     def oldest_version(self) -> int:
         return min(
             (v for s in self.samples for v in s.token_versions or [s.weight_version]), default=self.started_version
         )
+
+
+def generation_seconds(groups: list[Group]) -> float:
+    """Seconds during which at least one of ``groups`` was being generated: the union of their
+    submitted-to-received intervals. Generation starts before the step waits for it (the next groups
+    start as a step's weights are synced, and with rollout.max_staleness k up to k steps ahead), so the
+    step's wait (time/generate_s) is shorter than this; in that union the engines may also generate
+    other steps' groups."""
+    seconds, covered_until = 0.0, -math.inf
+    for start, end in sorted(group.generating for group in groups):
+        if end > covered_until:
+            seconds += end - max(start, covered_until)
+            covered_until = end
+    return seconds
 
 
 @dataclass
@@ -198,14 +214,10 @@ class RolloutFeed:
             seq, position, started_version = f.tag
             samples = self.to_samples(f.completions, self.prompts[position], position)
             self.score(samples)
+            # When the engine finished it, not when this loop took it back (possibly a training phase later).
+            finished_at = max((c.finished_at for c in f.completions if c.finished_at), default=f.finished_at)
             self.ready.append(
-                Group(
-                    seq,
-                    position,
-                    samples,
-                    started_version,
-                    max((c.finished_at for c in f.completions), default=f.finished_at),
-                )
+                Group(seq, position, samples, started_version, finished_at, (f.submitted_at, finished_at))
             )
 
     def _admit(self, group: Group, version: int, step: StepGroups, uniform: list[Group]) -> None:

@@ -77,7 +77,7 @@ from raylign.rl.records import (
 )
 from raylign.rl.reference import EarlyReference
 from raylign.rl.shared_dir import check_shared_directory
-from raylign.rl.stream import PromptPositions, RolloutFeed, sample_from, uniform_rewards
+from raylign.rl.stream import PromptPositions, RolloutFeed, generation_seconds, sample_from, uniform_rewards
 from raylign.rl.verify import PROBE_TOKENS, probe_sequence, verify_sync
 from raylign.rollout.pool import GroupStream, stop_engines
 from raylign.trainers.guard import SkippedSteps
@@ -438,8 +438,11 @@ class RLTrainer:
         start = time.perf_counter()
         phase = _PhaseClock(timings)
         self.events.append(("rollout", self.step + 1, time.time()))
+        self._generation_s: float | None = None  # set by rollout() from the stream's groups
         samples, gen_metrics = self.rollout()
         timings["time/generate_s"] = phase.lap()
+        # A rollout that generates within its own call (no stream) generated for as long as it waited.
+        generation_s = timings["time/generate_s"] if self._generation_s is None else self._generation_s
         self.events.append(("train", self.step + 1, time.time()))
         self._make_room_for("training")
         exp = self.make_experience(samples)
@@ -472,7 +475,8 @@ class RLTrainer:
             "reward/worker_restarts": float(self.reward.restarts if self.reward is not None else 0),
             "rollout/engine_restarts": float(self.engine_restarts),
             "rollout/resubmitted_groups": float(self.feed.stream.resubmitted),
-            "throughput/generated_tokens_per_s": generated / max(timings["time/generate_s"], 1e-9),
+            "time/generation_span_s": generation_s,
+            "throughput/generated_tokens_per_s": generated / max(generation_s, 1e-9),
         }
 
     # ---- rollout and rewards ---------------------------------------------------------------
@@ -526,6 +530,8 @@ class RLTrainer:
         for group in step.groups:
             self.group_log.append((self.step + 1, group.seq, group.finished_at))
             samples.extend(group.samples)
+        # Read by train_step: response tokens per second of their generation, not of the step's wait for it.
+        self._generation_s = generation_seconds(step.groups)
         lags = torch.tensor([float(version - v) for s in samples for v in (s.token_versions or [s.weight_version])])
         if lags.numel() == 0:
             lags = torch.zeros(1)

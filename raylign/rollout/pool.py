@@ -356,7 +356,8 @@ class RolloutPool:
 @dataclass
 class FinishedGroup:
     """One prompt group back from the stream: what the caller tagged it with, its completions,
-    the engine that made it and when it was submitted and finished (``time.perf_counter()``)."""
+    the engine that made it, when it was submitted and when it came back (``time.time()``, the clock
+    of the completions' own ``finished_at``)."""
 
     tag: Any
     completions: list[Completion]
@@ -409,9 +410,7 @@ class GroupStream:
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingConfig, prompt_index: int, tag: Any) -> None:
         ref, engine = self.pool.submit_group(prompt_token_ids, sampling, prompt_index)
-        self._pending[ref] = _InFlight(
-            tag, engine, time.perf_counter(), (list(prompt_token_ids), sampling, prompt_index)
-        )
+        self._pending[ref] = _InFlight(tag, engine, time.time(), (list(prompt_token_ids), sampling, prompt_index))
 
     def finished(self, wait: bool = True) -> list[FinishedGroup]:
         """The groups that have finished; with ``wait``, blocks until at least one has (at most
@@ -440,7 +439,7 @@ class GroupStream:
                 continue
             del self._pending[ref]
             self.pool.group_done(ref)
-            out.append(FinishedGroup(group.tag, completions, group.engine, group.submitted, time.perf_counter()))
+            out.append(FinishedGroup(group.tag, completions, group.engine, group.submitted, time.time()))
         if dead:
             self._recover(dead)
         return out

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from raylign.engine.checkpoint import CheckpointError, latest_checkpoint
 from raylign.rl.trainer import TRAINED_ROLES, RLTrainer, check_checkpoint_roles
@@ -142,6 +143,15 @@ def test_each_step_logs_its_training_metrics_and_no_kl_before_the_first_update(r
             assert "time/experience_compute_s" not in record
     if runs.preset in USES_REFERENCE:  # step 1 samples from the initial weights, which the reference holds
         assert abs(runs.first_records[0]["kl/reference"]) < 1e-6
+    # Generation rate: the step's response tokens over the seconds its groups were being generated.
+    config = yaml.safe_load((runs.out / "config.yaml").read_text())
+    samples = config["train"]["prompts_per_step"] * config["sampling"]["n"]
+    for record in runs.first_records:
+        if runs.preset != "dapo":  # dynamic sampling keeps a varying number of groups
+            generated = record["response_length/mean"] * samples
+            rate_times_span = record["throughput/generated_tokens_per_s"] * record["time/generation_span_s"]
+            assert rate_times_span == pytest.approx(generated, rel=1e-9)
+        assert record["time/generation_span_s"] > 0.0
 
 
 def test_while_a_phase_runs_alone_its_workers_compute_on_every_core(runs):

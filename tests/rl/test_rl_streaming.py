@@ -254,6 +254,17 @@ def test_a_sequence_paused_by_a_weight_update_continues_under_the_new_weights(vl
 # ---- max_staleness 0 is the synchronous loop ---------------------------------------------------
 
 
+def test_generation_seconds_are_the_union_of_the_groups_generating_intervals():
+    from raylign.rl.stream import Group, generation_seconds
+
+    def group(start: float, end: float) -> Group:
+        return Group(0, 0, [], 0, 0.0, (start, end))
+
+    # [0, 2] and [1, 3] overlap into [0, 3]; [5, 6] after a gap; [5.5, 5.8] inside it: 3 + 1 seconds.
+    assert generation_seconds([group(5, 6), group(1, 3), group(0, 2), group(5.5, 5.8)]) == pytest.approx(4.0)
+    assert generation_seconds([]) == 0.0
+
+
 class BatchSyncTrainer(RLTrainer):
     """The plain synchronous loop, as a reference: each step generates its whole batch in one call
     (same prompts, same per-request seeds as the stream gives them), then trains."""
