@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-import ray
 import yaml
 
 from raylign.cli.main import main
@@ -664,15 +663,17 @@ def test_environment_arguments_without_an_environment_are_refused_not_ignored(ag
         ({"client": "raylign.agents.tools:NO_CLIENT"}, "agent.client: raylign.agents.tools has no 'NO_CLIENT'"),
     ],
 )
-def test_an_agents_code_and_arguments_are_checked_before_anything_starts(agent, problem, base, tmp_path):
+def test_an_agents_code_and_arguments_are_checked_before_anything_starts(agent, problem, base, tmp_path, monkeypatch):
     # Found at the first episode before, after Ray, the workers and the engines had started, as a bare TypeError.
     base["agent"] = {**agent, "max_total_tokens": 256}
     base["train"] = {**base.get("train", {}), "micro_batch_tokens": 256}
     trainer = RLTrainer(resolve(tmp_path, base))
+    ray_starts = []
+    monkeypatch.setattr("raylign.rl.trainer.start_ray", lambda *args, **kwargs: ray_starts.append(args))
     with pytest.raises(ValueError) as err:
         trainer.setup()
     assert problem in str(err.value)
-    assert not ray.is_initialized()
+    assert ray_starts == []
 
 
 def test_dapo_s_overlong_penalty_is_refused_for_agent_episodes_whose_turns_each_have_the_limit(base, tmp_path):
