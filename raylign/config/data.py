@@ -32,6 +32,12 @@ def check_prompt_template(value: str) -> str:
     return value
 
 
+def dataset_list(value: Any) -> Any:
+    """A dataset list setting given one dataset (``--data.train file.jsonl`` on the command line gives one
+    path, not a list) as a list of it."""
+    return [value] if isinstance(value, (str, dict)) else value
+
+
 # The keys of a dataset's responses, pairs and conversations: a prompt dataset reads none of them.
 RESPONSE_KEYS = ("output_key", "messages_key", "chosen_key", "rejected_key")
 
@@ -204,8 +210,7 @@ class DataConfig(Section):
     @field_validator("train", "eval", mode="before")
     @classmethod
     def _single_dataset_shorthand(cls, value: Any) -> Any:
-        # `--data.train file.jsonl` on the command line gives one path, not a list.
-        return [value] if isinstance(value, (str, dict)) else value
+        return dataset_list(value)
 
     @field_validator("prompt_template")
     @classmethod

@@ -19,6 +19,7 @@ from raylign.config.data import (
     RESPONSE_KEYS,
     DatasetSpec,
     check_prompt_template,
+    dataset_list,
     refuse_keys_prompts_ignore,
     refuse_plain_settings_under_chat,
 )
@@ -90,8 +91,7 @@ class PromptDataConfig(Section):
     @field_validator("prompts", mode="before")
     @classmethod
     def _single_dataset_shorthand(cls, value: Any) -> Any:
-        # `--data.prompts file.jsonl` on the command line gives one path, not a list.
-        return [value] if isinstance(value, (str, dict)) else value
+        return dataset_list(value)
 
     @field_validator("prompts")
     @classmethod

@@ -17,6 +17,7 @@ from raylign.config.data import (
     RESPONSE_KEYS,
     DatasetSpec,
     check_prompt_template,
+    dataset_list,
     refuse_keys_prompts_ignore,
     refuse_plain_settings_under_chat,
 )
@@ -242,8 +243,7 @@ class RLDataConfig(Section):
     @field_validator("train", "eval", mode="before")
     @classmethod
     def _single_dataset_shorthand(cls, value: Any) -> Any:
-        # `--data.train file.jsonl` on the command line gives one path, not a list (as in sft and generate).
-        return [value] if isinstance(value, (str, dict)) else value
+        return dataset_list(value)
 
     @field_validator("prompt_template")
     @classmethod

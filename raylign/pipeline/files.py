@@ -7,7 +7,6 @@ number of a ``.jsonl`` file) and the key.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 from raylign.config.pipeline import GENERATION_KEYS, SCORE_KEYS
 from raylign.data import RowRef, check_text, read_rows, require_key, require_list, validate_messages
 from raylign.rl.prompts import data_source
-from raylign.rollout.rewards.base import REWARD_ARGUMENTS, short_repr
+from raylign.rollout.rewards.base import REWARD_ARGUMENTS, is_finite_number, short_repr
 from raylign.rollout.rewards.rendering import PROMPT_MESSAGES_KEY
 
 # The row key RL reads a prompt's data source from (data.source_key's default); raylign generate copies it.
@@ -105,16 +104,9 @@ def parse_rewards(row: GeneratedRow) -> list[float]:
             "length_mismatch",
         )
     for i, value in enumerate(rewards):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        if not is_finite_number(value):
             raise where.error(f"rewards[{i}]", f"expected a finite number, got {short_repr(value)}", "wrong_type")
     return [float(r) for r in rewards]
-
-
-def _finite(value: int | float) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer beyond the float range
-        return False
 
 
 def require_kept_keys(row: GeneratedRow, keys: list[str]) -> dict[str, Any]:

@@ -61,8 +61,7 @@ class Group:
     samples: list[Sample]
     started_version: int  # the engines' weight version when it was started
     finished_at: float = 0.0  # when its last sample finished (engine wall clock)
-    # When it was submitted and when its last sample finished (time.time()).
-    generating: tuple[float, float] = (0.0, 0.0)
+    submitted_at: float = 0.0  # when it was submitted (time.time())
 
     @property
     def oldest_version(self) -> int:
@@ -78,7 +77,7 @@ def generation_seconds(groups: list[Group]) -> float:
     step's wait (time/generate_s) is shorter than this; in that union the engines may also generate
     other steps' groups."""
     seconds, covered_until = 0.0, -math.inf
-    for start, end in sorted(group.generating for group in groups):
+    for start, end in sorted((group.submitted_at, group.finished_at) for group in groups):
         if end > covered_until:
             seconds += end - max(start, covered_until)
             covered_until = end
@@ -216,9 +215,7 @@ class RolloutFeed:
             self.score(samples)
             # When the engine finished it, not when this loop took it back (possibly a training phase later).
             finished_at = max((c.finished_at for c in f.completions if c.finished_at), default=f.finished_at)
-            self.ready.append(
-                Group(seq, position, samples, started_version, finished_at, (f.submitted_at, finished_at))
-            )
+            self.ready.append(Group(seq, position, samples, started_version, finished_at, f.submitted_at))
 
     def _admit(self, group: Group, version: int, step: StepGroups, uniform: list[Group]) -> None:
         if version - group.oldest_version > self.k:

@@ -438,11 +438,10 @@ class RLTrainer:
         start = time.perf_counter()
         phase = _PhaseClock(timings)
         self.events.append(("rollout", self.step + 1, time.time()))
-        self._generation_s: float | None = None  # set by rollout() from the stream's groups
         samples, gen_metrics = self.rollout()
         timings["time/generate_s"] = phase.lap()
         # A rollout that generates within its own call (no stream) generated for as long as it waited.
-        generation_s = timings["time/generate_s"] if self._generation_s is None else self._generation_s
+        generation_s = gen_metrics.setdefault("time/generation_span_s", timings["time/generate_s"])
         self.events.append(("train", self.step + 1, time.time()))
         self._make_room_for("training")
         exp = self.make_experience(samples)
@@ -475,7 +474,6 @@ class RLTrainer:
             "reward/worker_restarts": float(self.reward.restarts if self.reward is not None else 0),
             "rollout/engine_restarts": float(self.engine_restarts),
             "rollout/resubmitted_groups": float(self.feed.stream.resubmitted),
-            "time/generation_span_s": generation_s,
             "throughput/generated_tokens_per_s": generated / max(generation_s, 1e-9),
         }
 
@@ -530,8 +528,6 @@ class RLTrainer:
         for group in step.groups:
             self.group_log.append((self.step + 1, group.seq, group.finished_at))
             samples.extend(group.samples)
-        # Read by train_step: response tokens per second of their generation, not of the step's wait for it.
-        self._generation_s = generation_seconds(step.groups)
         lags = torch.tensor([float(version - v) for s in samples for v in (s.token_versions or [s.weight_version])])
         if lags.numel() == 0:
             lags = torch.zeros(1)
@@ -546,6 +542,8 @@ class RLTrainer:
             "staleness/regenerated_groups": float(step.regenerated_stale),
             "rollout/groups_in_flight": float(step.in_flight),
             "rollout/restarted_groups": float(step.restarted),
+            # train_step's generation rate: response tokens per second of their generation, not of its wait.
+            "time/generation_span_s": generation_seconds(step.groups),
         }
         if self.episodes is not None:
             metrics.update(episode_metrics([s.episode for s in samples]))

@@ -258,7 +258,7 @@ def test_generation_seconds_are_the_union_of_the_groups_generating_intervals():
     from raylign.rl.stream import Group, generation_seconds
 
     def group(start: float, end: float) -> Group:
-        return Group(0, 0, [], 0, 0.0, (start, end))
+        return Group(0, 0, [], 0, finished_at=end, submitted_at=start)
 
     # [0, 2] and [1, 3] overlap into [0, 3]; [5, 6] after a gap; [5.5, 5.8] inside it: 3 + 1 seconds.
     assert generation_seconds([group(5, 6), group(1, 3), group(0, 2), group(5.5, 5.8)]) == pytest.approx(4.0)

@@ -89,6 +89,12 @@ def _as_sequence(values: Any) -> list[Any] | tuple[Any, ...] | None:
     return None
 
 
+def is_finite_number(value: Any) -> bool:
+    """A JSON-style number: an int or float, not a bool, finite as a float (an integer beyond the float
+    range is not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(_as_number(value) or 0.0)
+
+
 def _as_number(value: Any) -> float | None:
     """A real number (bools count as 0/1), numpy scalar or 0-d array/tensor as a float; else None.
 

@@ -17,16 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from raylign.files import read_json_object
-from raylign.rollout.rewards.base import RewardError, RewardResult, RewardSource, describe_batch, describe_sample
+from raylign.rollout.rewards.base import (
+    RewardError,
+    RewardResult,
+    RewardSource,
+    describe_batch,
+    describe_sample,
+    is_finite_number,
+)
 from raylign.rollout.rewards.rendering import PROMPT_MESSAGES_KEY, assistant_turn, encode_sample
 
 MEAN_KEY = "raylign_reward_mean"
 STD_KEY = "raylign_reward_std"
-
-
-def _finite_number(value: Any) -> bool:
-    # NaN is valid in Python's JSON, and a bool is an int; an integer beyond the float range is not finite.
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e308
 
 
 def read_normalization(model_dir: str | Path) -> tuple[float, float]:
@@ -39,7 +41,8 @@ def read_normalization(model_dir: str | Path) -> tuple[float, float]:
             "set normalize: false to use raw scores"
         )
     mean, std = config[MEAN_KEY], config[STD_KEY]
-    if not (_finite_number(mean) and _finite_number(std) and std > 0):
+    # NaN is valid in Python's JSON, and a bool is an int.
+    if not (is_finite_number(mean) and is_finite_number(std) and std > 0):
         raise ValueError(
             f"{config_file}: {MEAN_KEY} must be a finite number and {STD_KEY} a positive one, got {mean!r} and {std!r}"
         )
