@@ -22,6 +22,7 @@ from raylign.data.formatting import encode_plain, truncate_prompt_response
 from raylign.data.rows import (
     DataStats,
     build_splits,
+    check_text,
     collect_samples,
     optional_text,
     refuse_system_beside_conversation,
@@ -61,13 +62,36 @@ def _chat_messages(row: dict[str, Any], spec: DatasetSpec, where: RowRef) -> tup
     """The conversation of a chat row, and the key to name in errors about it."""
     if row.get(spec.messages_key) is not None:
         refuse_system_beside_conversation(row, spec.system_key, spec.messages_key, where)
-        return validate_messages(row[spec.messages_key], spec.messages_key, where), spec.messages_key
+        messages = validate_messages(row[spec.messages_key], spec.messages_key, where)
+        _check_texts_beside_conversation(row, spec, messages, where)
+        return messages, spec.messages_key
     prompt = require_text(row, spec.input_key, where)
     response = require_text(row, spec.output_key, where)
     system = optional_text(row, spec.system_key, where)
     messages = [{"role": "system", "content": system}] if system is not None else []
     messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     return messages, spec.output_key
+
+
+def _check_texts_beside_conversation(
+    row: dict[str, Any], spec: DatasetSpec, messages: list[Message], where: RowRef
+) -> None:
+    """The conversation is what is trained on. A prompt or completion key beside it (UltraChat keeps its
+    first user turn as ``prompt``) must say the same, its first user turn or its last assistant turn;
+    anything else would be dropped without a word."""
+    for key, role, which in ((spec.input_key, "user", 0), (spec.output_key, "assistant", -1)):
+        given = row.get(key)
+        if given is None:
+            continue
+        turns = [m["content"] for m in messages if m["role"] == role]
+        if not turns or check_text(given, key, where).strip() != turns[which].strip():
+            turn = f"its {'first' if which == 0 else 'last'} {role} message"
+            raise where.error(
+                key,
+                f"beside the conversation in {spec.messages_key!r}, which is what is trained on, and not "
+                f"{turn}: remove it, or train on prompt/completion rows without the conversation",
+                "different_prompts",
+            )
 
 
 def _chat_tokens(

@@ -264,6 +264,40 @@ def test_empty_tool_fields_of_exported_messages_are_no_loss(write_dataset, token
     assert ids[0] == ids[1]
 
 
+CONVERSATION = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo"},
+    {"role": "user", "content": "and then?"},
+    {"role": "assistant", "content": "done"},
+]
+
+
+def test_a_prompt_or_completion_beside_a_conversation_must_be_its_first_or_last_turn(write_dataset, tokenizer):
+    # UltraChat keeps the first user turn as 'prompt' beside 'messages': no loss, the same sample as without it.
+    ids = [
+        build_sft_datasets(_config(write_dataset([row], name=name)), tokenizer).train[0].input_ids
+        for name, row in (
+            ("plain", {"messages": CONVERSATION}),
+            ("ultrachat", {"prompt": " hi ", "messages": CONVERSATION}),
+            ("both", {"prompt": "hi", "completion": "done", "messages": CONVERSATION}),
+        )
+    ]
+    assert ids[0] == ids[1] == ids[2]
+    # Anything else was dropped without a word: only the conversation was trained on.
+    for name, row, key, turn in (
+        ("later", {"prompt": "and then?", "messages": CONVERSATION}, "prompt", "its first user message"),
+        ("other", {"completion": "yo", "messages": CONVERSATION}, "completion", "its last assistant message"),
+    ):
+        path = write_dataset([row], name=name)
+        with pytest.raises(RowError) as info:
+            build_sft_datasets(_config(path), tokenizer)
+        assert str(info.value).startswith(
+            f"{path}, row 1, key '{key}': beside the conversation in 'messages', which is what is trained on, "
+            f"and not {turn}"
+        )
+        assert info.value.reason == "different_prompts"
+
+
 @pytest.mark.parametrize(("bad_row", "key", "problem", "reason"), BAD_ROWS, ids=[b[3] for b in BAD_ROWS])
 def test_bad_row_error_names_file_row_and_key(write_dataset, tokenizer, bad_row, key, problem, reason):
     path = write_dataset([{"prompt": "ok", "completion": "fine"}, bad_row])
