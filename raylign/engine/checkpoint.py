@@ -12,7 +12,8 @@ nodes).
 Inside a checkpoint, besides the backend's own files (``engine_state.pt`` for ``local``, a
 DCP folder for ``fsdp2``, DeepSpeed's files for ``deepspeed``):
 
-- ``meta.json``: backend and world size (resume must use the same world size);
+- ``meta.json``: backend and world size (resume must use the same world size), and every other
+  file with its size (a resume refuses a checkpoint with one missing or of another size);
 - ``scheduler.pt``: the learning-rate scheduler;
 - ``rng_rank<r>.pt``: python, numpy, torch (and CUDA) generator states of rank r;
 - ``client_state_rank<r>.pt``: the caller's dict (loader position, step counters) of rank r;
@@ -178,12 +179,17 @@ def _prepare_temp_directory(final: Path) -> Path:
 
 def _commit(temp: Path, final: Path, meta: dict[str, Any]) -> None:
     """Rank 0: mark ``temp`` complete, then rename it onto ``final`` (replacing an older one)."""
-    (temp / META_FILE).write_text(json.dumps(meta, indent=2))
     # Flush every file before the marker, so that even a machine crash (not only a process
-    # crash) cannot leave a marked checkpoint with missing data.
-    for folder, _, files in os.walk(temp):
-        for name in files:
-            _fsync_path(Path(folder) / name)
+    # crash) cannot leave a marked checkpoint with missing data. meta.json lists each with its
+    # size: a copy cut short keeps the marker, which sorts first, and a resume checks the rest.
+    files = {}
+    for folder, _, names in os.walk(temp):
+        for name in sorted(names):
+            path = Path(folder) / name
+            _fsync_path(path)
+            files[path.relative_to(temp).as_posix()] = path.stat().st_size
+    (temp / META_FILE).write_text(json.dumps({**meta, "files": dict(sorted(files.items()))}, indent=2))
+    _fsync_path(temp / META_FILE)
     marker = temp / COMPLETE_MARKER
     marker.write_text("ok\n")
     _fsync_path(marker)
@@ -249,9 +255,27 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
             "use latest_checkpoint(root) to find a usable one"
         )
     try:
-        return read_json_object(directory / META_FILE)
+        meta = read_json_object(directory / META_FILE)
     except ValueError as err:
         raise _damaged(directory, str(err)) from None
+    _check_files(directory, meta.get("files"))
+    return meta
+
+
+def _check_files(directory: Path, files: Any) -> None:
+    """Every file the checkpoint was written with is there, at the size it was written (checkpoints
+    written without the list are not checked)."""
+    if files is None:
+        return
+    if not isinstance(files, dict) or not all(isinstance(size, int) for size in files.values()):
+        raise _damaged(directory, f"{META_FILE}: 'files' is not a mapping of file names to sizes")
+    for name, size in files.items():
+        try:
+            found = (directory / name).stat().st_size
+        except FileNotFoundError:
+            raise _damaged(directory, f"{name} is missing") from None
+        if found != size:
+            raise _damaged(directory, f"{name} is {found} bytes, {size} when written")
 
 
 def _damaged(directory: Path, problem: str) -> CheckpointError:

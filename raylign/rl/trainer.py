@@ -32,6 +32,7 @@ from raylign.engine.checkpoint import (
     check_writable,
     latest_checkpoint,
     prune_checkpoints,
+    read_meta,
     step_directory,
     write_atomically,
 )
@@ -359,6 +360,7 @@ class RLTrainer:
             for name in ("samples.jsonl", "trajectories.jsonl"):
                 set_aside_records_after(self.out / name, -1)
             return
+        read_meta(ckpt)  # every file there, at its size, before any model loads
         check_checkpoint_roles(ckpt, [role for role in TRAINED_ROLES if role in self.groups])
         for role in TRAINED_ROLES:
             if role in self.groups:

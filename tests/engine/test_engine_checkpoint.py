@@ -68,7 +68,10 @@ def test_saved_checkpoint_is_complete_and_keep_last_prunes_older_ones(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4"]
     final = tmp_path / "step_4"
     assert (final / "COMPLETE").is_file()
-    assert json.loads((final / "meta.json").read_text()) == {"backend": "local", "world_size": 1, "format_version": 1}
+    files = {p.name: p.stat().st_size for p in final.iterdir() if p.name not in ("meta.json", "COMPLETE")}
+    assert sorted(files) == ["client_state_rank0.pt", "engine_state.pt", "rng_rank0.pt", "scheduler.pt"]
+    meta = {"backend": "local", "world_size": 1, "format_version": 1, "files": files}
+    assert json.loads((final / "meta.json").read_text()) == meta
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path):
@@ -144,9 +147,14 @@ def test_loading_an_incomplete_checkpoint_names_it(tmp_path):
         ("delete meta.json", "meta.json: no such file"),
         ("truncate meta.json", "meta.json: not valid JSON"),
         ("delete scheduler.pt", "scheduler.pt is missing"),
-        ("truncate scheduler.pt", "scheduler.pt cannot be read (PytorchStreamReader failed"),
+        ("truncate scheduler.pt", "scheduler.pt is {half} bytes, {size} when written"),
+        ("delete engine_state.pt", "engine_state.pt is missing"),
+        ("truncate engine_state.pt", "engine_state.pt is {half} bytes, {size} when written"),
         ("delete client_state_rank0.pt", "client_state_rank0.pt is missing"),
-        ("truncate client_state_rank0.pt", "client_state_rank0.pt cannot be read ("),
+        ("truncate rng_rank0.pt", "rng_rank0.pt is {half} bytes, {size} when written"),
+        # Written before meta.json listed the files: each is checked as it is read.
+        ("truncate-unlisted scheduler.pt", "scheduler.pt cannot be read (PytorchStreamReader failed"),
+        ("truncate-unlisted client_state_rank0.pt", "client_state_rank0.pt cannot be read ("),
     ],
 )
 def test_loading_a_marked_checkpoint_with_a_missing_or_damaged_file_names_the_folder_and_the_file(
@@ -157,10 +165,18 @@ def test_loading_a_marked_checkpoint_with_a_missing_or_damaged_file_names_the_fo
     save_step_checkpoint(engine, tmp_path, 1, {"step": 1})
     action, name = damage.split()
     path = tmp_path / "step_1" / name
+    size = path.stat().st_size
+    meta_file = tmp_path / "step_1" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    assert name == "meta.json" or meta["files"][name] == size
+    if action == "truncate-unlisted":
+        del meta["files"]
+        meta_file.write_text(json.dumps(meta))
     if action == "delete":
         path.unlink()
     else:
-        path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+        path.write_bytes(path.read_bytes()[: size // 2])
+    problem = problem.format(half=size // 2, size=size)
     with pytest.raises(CheckpointError) as err:
         engine.load_checkpoint(tmp_path / "step_1")
     message = str(err.value)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,31 @@ def test_a_checkpoint_resumes_only_in_a_run_that_trains_the_same_models(runs):
         check_checkpoint_roles(ckpt, other)
     assert str(err.value).startswith(
         f"checkpoint {ckpt} holds {' and '.join(trained)}; this run trains {' and '.join(other)}"
+    )
+
+
+@pytest.mark.parametrize("runs", _params(("ppo",)), indirect=True)
+def test_a_resume_refuses_a_checkpoint_with_a_file_cut_short_before_any_model_loads(runs, tmp_path):
+    # A copy cut short keeps the COMPLETE marker, which sorts first; each backend's own loader then
+    # failed deep inside (DCP, DeepSpeed) with an error naming no file, or none at all.
+    ckpt = latest_checkpoint(runs.out / "checkpoints")
+    listed = json.loads((ckpt / "meta.json").read_text())["files"]
+    files = {p.relative_to(ckpt).as_posix(): p.stat().st_size for p in ckpt.rglob("*") if p.is_file()}
+    on_disk = {name: size for name, size in files.items() if name not in ("meta.json", "COMPLETE")}
+    assert listed == on_disk
+    assert {"controller.pt", "policy/meta.json", "critic/scheduler.pt"} <= set(listed)
+    copy = tmp_path / "checkpoints" / ckpt.name
+    shutil.copytree(ckpt, copy)
+    damaged = max((name for name in listed if name.startswith("critic/")), key=listed.get)  # its weights
+    (copy / damaged).write_bytes((copy / damaged).read_bytes()[:100])
+    config = yaml.safe_load((runs.out / "config.yaml").read_text())
+    trainer = RLTrainer(resolve(tmp_path, set_dotted(config, "train.output_dir", str(tmp_path))))
+    trainer.groups = {"policy": None, "critic": None}  # never called: the check comes first
+    with pytest.raises(CheckpointError) as err:
+        trainer._maybe_resume()
+    assert str(err.value) == (
+        f"checkpoint {copy} is damaged: {damaged} is 100 bytes, {listed[damaged]} when written. "
+        "Delete this folder to resume from the checkpoint before it"
     )
 
 
