@@ -8,6 +8,7 @@ workers' nodes).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import ray
@@ -16,6 +17,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raylign.cluster import actor_env, get_within, wait_until_ready
 from raylign.rl.worker import ModelWorker
+
+log = logging.getLogger("raylign")
 
 
 class PhaseResults(NamedTuple):
@@ -112,3 +115,20 @@ class WorkerGroup:
     def kill(self) -> None:
         for worker in self.workers:
             ray.kill(worker)
+
+    def stop_local_engines(self, timeout_s: float = 30.0) -> None:
+        """Let each rank stop its colocated engine, waiting at most ``timeout_s`` (then the workers can be
+        killed without leaving the engines' shared memory behind)."""
+        refs = [worker.stop_local_engine.remote() for worker in self.workers]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        failed = []
+        for rank, ref in enumerate(refs):
+            if ref in pending:
+                failed.append(f"rank {rank}: not within {timeout_s:g} s")
+                continue
+            try:
+                ray.get(ref)
+            except Exception as err:  # a rank that died already: nothing of it is left to stop
+                failed.append(f"rank {rank}: {type(err).__name__}")
+        if failed:
+            log.warning("%s workers' colocated engines did not all stop cleanly (%s)", self.role, "; ".join(failed))

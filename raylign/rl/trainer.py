@@ -940,7 +940,9 @@ class RLTrainer:
             self.episodes.close()
         if getattr(self, "endpoint", None) is not None:
             self.endpoint.stop()
-        for group in self.groups.values():
+        for role, group in self.groups.items():
+            if role == "policy" and self.cfg.placement.colocate:
+                group.stop_local_engines()
             group.kill()
         engines = getattr(self, "engines", [])
         if engines:

@@ -507,6 +507,14 @@ class ModelWorker:
         if self._local_engine is not None:
             self._on_engine_loop(self._local_engine.reset_prefix_cache())
 
+    def stop_local_engine(self) -> None:
+        """Let the colocated engine stop what it started outside this process (vLLM's engine-core and
+        worker processes, their shared memory, the adapters' folders) before the actor is killed,
+        which would leave that shared memory behind."""
+        if self._local_engine is not None:
+            engine, self._local_engine = self._local_engine, None
+            self._on_engine_loop(engine.shutdown(), "shutdown")
+
     def save_checkpoint(self, directory: str, client_state: dict[str, Any]) -> None:
         self.engine.save_checkpoint(Path(directory), client_state)
 

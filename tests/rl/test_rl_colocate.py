@@ -9,6 +9,9 @@ completions. A full ``raylign rl`` run with colocation checks the controller's s
 
 from __future__ import annotations
 
+import os
+
+import psutil
 import pytest
 import ray
 import torch
@@ -77,8 +80,35 @@ def test_colocated_engines_follow_the_trained_policy(
         completions = pool.generate_blocking(PROMPTS + PROMPTS, SamplingConfig(n=2, temperature=1.0, max_new_tokens=4))
         assert [(c.prompt_index, c.sample_index) for c in completions] == [(i, s) for i in range(6) for s in range(2)]
         assert [c.prompt_token_ids for c in completions[::2]] == PROMPTS + PROMPTS
+
+        # Stopped before the workers are killed, the engines leave nothing behind: killed with them, vLLM's
+        # engine-core and worker processes went too, but their shared memory and the adapters' folders stayed.
+        left = _outside_files(group)
+        if engine == "vllm":
+            assert all(any(name.startswith("/dev/shm/psm_") for name in files) for files in left)
+            assert all(any("raylign-lora-" in name for name in files) for files in left) == lora
+        group.stop_local_engines()
+        assert [sorted(name for name in files if os.path.exists(name)) for files in left] == [[]] * workers
     finally:
         group.kill()
+
+
+def _outside_files(group: WorkerGroup) -> list[set[str]]:
+    """Per rank: the shared-memory files its colocated engine's processes map (children of the worker,
+    where vLLM runs its engine core), and the engine's adapters' folder, if it has one."""
+    ranks = []
+    for worker in group.workers:
+        pid, adapters = ray.get(
+            worker.__ray_call__.remote(
+                lambda self: (os.getpid(), str(getattr(self._local_engine, "_adapter_root", None) or ""))
+            ),
+            timeout=60,
+        )
+        files = {adapters} if adapters else set()
+        for process in psutil.Process(pid).children(recursive=True):
+            files |= {m.path for m in process.memory_maps() if m.path.startswith("/dev/shm/")}
+        ranks.append(files)
+    return ranks
 
 
 def test_colocated_grpo_run_end_to_end(ray_session, rl_model_dir, prompt_file, tmp_path):
