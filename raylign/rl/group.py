@@ -116,7 +116,7 @@ class WorkerGroup:
         for worker in self.workers:
             ray.kill(worker)
 
-    def stop_local_engines(self, timeout_s: float = 30.0) -> None:
+    def stop_local_engines(self, timeout_s: float = 60.0) -> None:
         """Let each rank stop its colocated engine, waiting at most ``timeout_s`` (then the workers can be
         killed without leaving the engines' shared memory behind)."""
         refs = [worker.stop_local_engine.remote() for worker in self.workers]

@@ -68,6 +68,9 @@ CPU_KV_CACHE_SEQUENCES = 64  # full-length sequences a CPU engine's KV cache hol
 WORKER_EXTENSION = "raylign.rollout.vllm_worker.WeightSyncWorkerExtension"
 TRANSFER_BACKEND = "raylign_gloo"  # the weight-transfer backend of raylign.rollout.vllm_transfer
 ADAPTERS_IN_USE = 2  # LoRA adapters in one batch: the newest and the one the oldest sequences in flight use
+# How long the engine-core process may take to exit once told to. vLLM's own default (5 s) is about what
+# it takes on an idle CPU, so on a busy one it was killed mid-exit, leaving its shared memory in /dev/shm.
+ENGINE_EXIT_TIMEOUT_S = 30.0  # within stop_engines' and stop_local_engines' waits (60 s)
 
 
 def _apply_env_defaults() -> None:
@@ -529,6 +532,6 @@ class VLLMEngine(RolloutEngine):
 
     async def shutdown(self) -> None:
         """Stop the engine core process (before the actor is killed); remove the adapters' folders."""
-        self.llm.shutdown()
+        self.llm.shutdown(timeout=ENGINE_EXIT_TIMEOUT_S)
         if self._adapter_root is not None:
             shutil.rmtree(self._adapter_root, ignore_errors=True)
