@@ -1,7 +1,7 @@
 """All backends train alike, survive a crash mid-save, and export loadable models.
 
 ``engine_worker.py`` runs twice in real processes: a run that crashes while saving step 3's
-checkpoint (``os._exit``), then a run that trains 4 steps uninterrupted (the reference),
+checkpoint (``os._exit``), then a run that trains 3 steps uninterrupted (the reference),
 exports it, and resumes the crashed run from its newest complete checkpoint. ``local`` runs
 alone; fsdp2, ZeRO-2 and ZeRO-3 (plain and with CPU offload) run one after the other on 2
 gloo ranks started by ``torch.distributed.run``, so the whole module costs four launches.
@@ -24,7 +24,7 @@ from .engine_testing import assert_export_loads_and_generates
 
 WORKER = Path(__file__).with_name("engine_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-STEPS, CRASH_AFTER = 4, 2
+STEPS, CRASH_AFTER = 3, 2
 CRASH_EXIT_CODE = 17  # engine_worker.CRASH_EXIT_CODE
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 NEEDS_DEEPSPEED = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (optional extra)")
@@ -99,7 +99,7 @@ def assert_resume_matches_uninterrupted(result: dict) -> None:
     assert reference.keys() == resumed.keys()
     for name, tensor in reference.items():
         torch.testing.assert_close(resumed[name], tensor, atol=1e-7, rtol=0, msg=name)
-    assert result["reference_checkpoints"] == ["step_3", "step_4"]  # keep_last=2
+    assert result["reference_checkpoints"] == ["step_2", "step_3"]  # keep_last=2
 
 
 def assert_agrees_with_local(result: dict, local: dict) -> None:

@@ -25,12 +25,20 @@ AUTOTP2 = {"backend": "deepspeed", "zero_stage": 1, "tensor_parallel_size": 2}  
 RUNS: dict[str, dict] = {
     "tp1": {},
     "tp2": {"tensor_parallel_size": 2},
-    "tp2_whole_activations": {"tensor_parallel_size": 2, "tensor_parallel_shard_activations": False},
     "tp4": {"tensor_parallel_size": 4},
     "hsdp": {"data_parallel_shard_size": 2},
-    "tp2_replicated": {"tensor_parallel_size": 2, "data_parallel_shard_size": 1},
-    "tp2_checkpointing": {"tensor_parallel_size": 2, "model": {"gradient_checkpointing": True}},
-    "tp2_resumed": {"tensor_parallel_size": 2, "stop_after": 2},
+    # Two settings a run each, independent of each other: replication is its own mesh dimension, activation
+    # sharding happens within the tensor-parallel pair; a resumed run recomputes with checkpointing as it trains.
+    "tp2_replicated_whole_activations": {
+        "tensor_parallel_size": 2,
+        "data_parallel_shard_size": 1,
+        "tensor_parallel_shard_activations": False,
+    },
+    "tp2_checkpointing_resumed": {
+        "tensor_parallel_size": 2,
+        "model": {"gradient_checkpointing": True},
+        "stop_after": 2,
+    },
     "deepspeed_tp2": AUTOTP2,
     "deepspeed_tp2_sp2": {**AUTOTP2, "sequence_parallel_size": 2},
     "tp2_sp2": {"tensor_parallel_size": 2, "sequence_parallel_size": 2},

@@ -2,7 +2,7 @@
 composed with fsdp2 as a 2 x 2 mesh, and with sequence parallel 2: each packed row's 2 chunks split over
 2 ranks each) trains exactly like 4 data-parallel ranks holding whole layers;
 so does hybrid sharding (HSDP: groups of ranks that shard, replicating each other), alone and beside
-tensor parallel, tensor parallel with gradient checkpointing or resumed from a checkpoint, and the
+tensor parallel, tensor parallel with gradient checkpointing resumed from a checkpoint, and the
 deepspeed backend's AutoTP (2, with ZeRO-1), alone and with sequence parallel 2 (ring and Ulysses).
 
 Runs of the same data and seed on 4 ranks (``sft_tensor_parallel_worker.RUNS``). The loss and
@@ -65,7 +65,11 @@ def test_sft_with_matrices_split_over_ranks_trains_like_whole_layers(tmp_path):
     # Between the blocks each rank of a pair holds half the sequence (15 tokens padded to 16), or all of it when
     # asked to; the logits come out whole either way.
     for rank in range(worker.WORLD_SIZE):
-        for run, norm_tokens in (("tp2", 8), ("tp2_whole_activations", 15), ("tp2_checkpointing", 8)):
+        for run, norm_tokens in (
+            ("tp2", 8),
+            ("tp2_replicated_whole_activations", 15),
+            ("tp2_checkpointing_resumed", 8),
+        ):
             shapes = json.loads((tmp_path / f"residual_{run}_rank{rank}.json").read_text())
             assert shapes == {"norm_input": [1, norm_tokens, 64], "logits": [1, 15, 512]}, (run, rank, shapes)
     # With sequence parallel beside, some chunks were odd and came to the ring attention padded for the pair.
