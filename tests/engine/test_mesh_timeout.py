@@ -14,15 +14,21 @@ from tests.spawned_ranks import import_worker, spawn_and_join
 worker = import_worker(__file__, "mesh_timeout_worker")
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("tensor_parallel, shard_size", [(2, None), (1, 2)], ids=["tensor_parallel", "hsdp"])
-def test_a_collective_of_a_mesh_group_times_out_after_the_engines_timeout(tmp_path, tensor_parallel, shard_size):
-    out = tmp_path / "rank0.json"
+@pytest.fixture(scope="module")
+def mesh_waits(tmp_path_factory) -> Path:
+    """One start of the ranks for both layouts: rank 0 waits in each layout's group in turn."""
+    out = tmp_path_factory.mktemp("mesh_timeout")
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(Path(__file__).parent))  # the spawned ranks import the worker by name
         # Without the engine's timeout rank 0 would wait 30 minutes, and the ranks be killed here first.
-        spawn_and_join(worker.run_rank, (str(out), tensor_parallel, shard_size), worker.WORLD_SIZE, 90, "mesh ranks")
-    result = json.loads(out.read_text())
+        spawn_and_join(worker.run_rank, (str(out),), worker.WORLD_SIZE, 120, "mesh ranks")
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(worker.LAYOUTS))
+def test_a_collective_of_a_mesh_group_times_out_after_the_engines_timeout(mesh_waits, layout):
+    result = json.loads((mesh_waits / f"rank0_{layout}.json").read_text())
     assert "Timed out" in result["error"]
     assert worker.TIMEOUT_S <= result["waited_s"] < 3 * worker.TIMEOUT_S
 
