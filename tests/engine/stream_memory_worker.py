@@ -7,7 +7,8 @@ measurement, against VmRSS at that moment) while it iterates :meth:`TrainEngine.
 to the end, dropping every tensor as it arrives (as the bucket packer does), and then while it
 takes :meth:`TrainEngine.full_state_dict` (what a sync held before the stream). Each is run once
 untimed first, so that lazy imports and allocator set-up do not count. Rank 0 writes
-``<out>/stream_memory_<backend>.json`` with every rank's figures and the sizes of the streamed tensors.
+``<out>/stream_memory_<backend>.json`` with every rank's figures and the sizes of the streamed tensors,
+for each backend of ``--backends`` in turn (one launch for all).
 """
 
 from __future__ import annotations
@@ -39,17 +40,10 @@ def rise_while(action) -> int:
     return resident("VmHWM:") - before
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--backend", default="fsdp2", help="fsdp2, zero3 (deepspeed) or lora (fsdp2, LoRA merged)")
-    args = parser.parse_args()
-    init_distributed(600)
-    torch.set_num_threads(1)
-    lora = {"rank": 8, "alpha": 16.0} if args.backend == "lora" else {}
-    model = load_causal_lm(ModelConfig(path=args.model_dir, dtype="float32", lora=lora))
-    fields = {"backend": "deepspeed", "zero_stage": 3} if args.backend == "zero3" else {"backend": "fsdp2"}
+def measure(backend: str, model_dir: str, out: Path) -> None:
+    lora = {"rank": 8, "alpha": 16.0} if backend == "lora" else {}
+    model = load_causal_lm(ModelConfig(path=model_dir, dtype="float32", lora=lora))
+    fields = {"backend": "deepspeed", "zero_stage": 3} if backend == "zero3" else {"backend": "fsdp2"}
     engine = create_engine(model, EngineConfig(**fields), OptimConfig(lr=1e-3), total_steps=1)
     sizes: list[int] = []
 
@@ -71,7 +65,27 @@ def main() -> None:
     dist.all_gather_object(ranks, {"stream_rise": stream_rise, "whole_rise": whole_rise})
     if dist.get_rank() == 0:
         result = {"ranks": ranks, "largest": max(sizes), "total": sum(sizes), "tensors": len(sizes)}
-        (Path(args.out) / f"stream_memory_{args.backend}.json").write_text(json.dumps(result))
+        (out / f"stream_memory_{backend}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--backends",
+        default="fsdp2",
+        help="comma-separated, measured one after the other: fsdp2, lora (fsdp2, LoRA merged), zero3 (deepspeed; "
+        "last, since DeepSpeed keeps global state)",
+    )
+    args = parser.parse_args()
+    init_distributed(600)
+    torch.set_num_threads(1)
+    for backend in args.backends.split(","):
+        # Each measurement is a rise above the resident size at its start: what an earlier engine left
+        # behind only raises that start.
+        measure(backend, args.model_dir, Path(args.out))
+        gc.collect()
     dist.barrier()  # every rank ends once rank 0 has written
     exit_process(0)
 
