@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import glob
+import os
+
 import torch
+
+from raylign.cluster import ray_session_logs
 
 
 def load_fp32(model_dir):
@@ -76,3 +81,29 @@ def pick_stop_string(tokenizer, tokens: list[int]) -> str:
         if 2 <= len(prefix) < len(tokens):
             return candidate
     raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def worker_log_paths() -> list[str]:
+    """The logs of this Ray session's workers, which hold the engines' output (and their vLLM workers')."""
+    logs = ray_session_logs()
+    assert logs is not None, "no Ray session logs to read"
+    return glob.glob(os.path.join(logs, "worker-*.out")) + glob.glob(os.path.join(logs, "worker-*.err"))
+
+
+def worker_log_sizes() -> dict[str, int]:
+    return {path: os.path.getsize(path) for path in worker_log_paths()}
+
+
+def reload_warnings(since: dict[str, int]) -> list[str]:
+    """vLLM's "<layer>: Failed to load weights" lines written to the workers' logs after ``since`` (their
+    sizes then). vLLM writes it for a layer whose weights a reload did not receive; a rotary embedding never
+    gets any (its cos/sin cache is computed, and vLLM keeps it), so the engines leave that one out: otherwise
+    every sync would warn of a failure that is not one. Only what this sync wrote counts: other tests in the
+    same Ray session end syncs midway on purpose, and their engines rightly warn."""
+    lines = []
+    for path in worker_log_paths():
+        with open(path, "rb") as f:
+            f.seek(since.get(path, 0))
+            text = f.read().decode(errors="replace")
+        lines += [line.strip() for line in text.splitlines() if "Failed to load weights" in line]
+    return lines

@@ -21,7 +21,7 @@ from raylign.rollout.pool import launch_engines, stop_engines
 from raylign.rollout.sync_wire import _Broadcasts, send_buckets
 from raylign.rollout.weight_sync import ReceiverDied, WeightSyncCorrupted, WeightSyncSender
 
-from .rollout_helpers import load_fp32, perturb_, reference_logprobs
+from .rollout_helpers import load_fp32, perturb_, reference_logprobs, reload_warnings, worker_log_sizes
 
 pytestmark = pytest.mark.slow
 
@@ -124,13 +124,21 @@ def test_the_engine_reports_its_version_and_the_checksum_of_what_it_received(ray
     assert receipt.checksum == xxhash.xxh3_64_intdigest(b"".join(h.to_bytes(8, "little") for h in hashes))
 
 
-def test_score_is_the_log_prob_of_each_token_under_the_weights_held(ray_session, engine, trainer, tied_model_dir):
+def test_score_is_the_log_prob_of_each_token_under_the_weights_held(
+    ray_session, engine, trainer, tied_model_dir, request
+):
+    # The tied model's stream (named_parameters) lists its head once, as the embedding: the engine's head
+    # must follow, or the scores below stay near the untrained ones.
+    logs_before = worker_log_sizes()
     sender = WeightSyncSender([engine], bucket_mb=BUCKET_MB, timeout_s=60)
     sender.connect()
     try:
         sender.sync(trainer.named_parameters(), version=9)
     finally:
         sender.close()
+    if request.node.callspec.params["engine"] == "vllm":  # through vLLM's weight-transfer API, on raylign's backend
+        assert ray_session.get(engine.transfer_backend.remote(), timeout=60) == ["GlooWeightTransferEngine"]
+        assert reload_warnings(since=logs_before) == []  # no "Failed to load weights" for the tied head
     scores = ray_session.get(engine.score.remote(PROBE), timeout=60)
     assert (scores.version, scores.dtype) == (9, "float32")
     # temperature 0 in the reference: the raw log_softmax of each position's logits.

