@@ -6,6 +6,10 @@ actors at once (hf; vLLM, which takes the weights through its weight-transfer AP
 backend), one ``train_policy`` step on hand-made micro-batches, ``sync_weights``. Then each engine's
 greedy log-probs of fixed prompts must equal the workers' ``compute_logprobs`` of the same sequences.
 The model has tied embeddings (vLLM on CPU keeps a separately repacked output head, which must follow).
+
+On the same two engines (each start costs seconds), the probe that checks a sync (raylign/rl/verify.py):
+after a sync the policy and every engine agree on it, and an engine whose weights were changed behind the
+trainer's back, or that holds another version, stops the check naming the sync and the engine.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import torch
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 from raylign.rl.experience import pack_samples, response_tensor
 from raylign.rl.group import WorkerGroup
-from raylign.rollout.pool import launch_engines, stop_engines
+from raylign.rl.verify import WeightSyncDrift, verify_sync
+from raylign.rollout.pool import RolloutPool, launch_engines, stop_engines
+from raylign.rollout.weight_sync import WeightSyncMismatch
 
 from .rl_helpers import fp32_model, make_sample, response_logprobs, shard_for_ranks, worker_config
 
@@ -141,3 +147,100 @@ def test_engines_match_the_trained_policy_after_sync(
             assert _gap(trained, _trainer_logprobs(group, trained)) <= ENGINES[kind], kind
     finally:
         group.kill()
+
+
+# ---- the probe that checks a sync (raylign/rl/verify.py), on the same engines ----------------------
+# One fixed sequence, scored by the policy and by every engine after a sync. fp32 everywhere, different
+# kernels: measured gaps below 1e-5 (above, and tests/rollout/test_vllm_engine.py).
+PROBE = [(13 * i + 7) % 450 + 3 for i in range(48)]
+NAMES = ["rollout engine 0", "rollout engine 1"]
+PROBE_TOL = 1e-4
+NEEDS_VLLM = pytest.mark.skipif("vllm" not in ENGINES, reason="vllm is not installed")
+
+
+def _perturbed(model_dir, seed: int = 21) -> torch.nn.Module:
+    model = fp32_model(model_dir)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    return model
+
+
+def _probe_logprobs(model) -> torch.Tensor:
+    with torch.no_grad():
+        return response_logprobs(model, PROBE[:1], PROBE[1:])
+
+
+@pytest.fixture(scope="module")
+def verified(engines, ray_session, rl_model_dir, prompt_file, tmp_path_factory):
+    """A one-rank policy connected for weight sync to the module's engines: hf (0) and vLLM (1)."""
+    cfg = worker_config(rl_model_dir, prompt_file, tmp_path_factory.mktemp("verify") / "run", "local", 1)
+    group = WorkerGroup("policy", cfg, 1, 1, None, env=ENV)
+    pair = [engines["hf"], engines["vllm"]]
+    try:
+        group.call("connect_engines", pair)
+        yield group, RolloutPool(pair, timeout_s=120), pair
+        group.call("close")
+    finally:
+        group.kill()
+
+
+@NEEDS_VLLM
+def test_after_a_sync_every_engine_agrees_with_the_policy_on_the_probe(verified, rl_model_dir):
+    group, pool, _ = verified
+    group.call("sync_weights", 1)
+    metrics = verify_sync(pool, group, PROBE, 1, NAMES, None)
+    assert metrics["sync/engine_version"] == 1
+    assert metrics["sync/probe_logprob_diff_max"] <= PROBE_TOL
+    assert 0 <= metrics["sync/probe_logprob_diff_mean"] <= metrics["sync/probe_logprob_diff_max"]
+    # And both sides computed the model's own log-probs (a plain fp32 forward of the untrained policy).
+    expected = _probe_logprobs(fp32_model(rl_model_dir))
+    for scores in pool.score(PROBE):
+        assert scores.logprobs == pytest.approx(expected.tolist(), abs=PROBE_TOL)
+
+
+@NEEDS_VLLM
+def test_scored_one_after_the_other_the_probe_gives_the_same_answer(verified):
+    """Where the policy and the engines would share cores, the policy scores first, then the engines."""
+    group, pool, _ = verified
+    group.call("sync_weights", 1)
+    together = verify_sync(pool, group, PROBE, 1, NAMES, None)
+    in_turn = verify_sync(pool, group, PROBE, 1, NAMES, None, at_once=False)
+    assert in_turn["sync/engine_version"] == 1
+    for key in ("sync/probe_logprob_diff_max", "sync/probe_logprob_diff_mean"):
+        assert in_turn[key] == pytest.approx(together[key], abs=1e-7)
+
+
+@NEEDS_VLLM
+def test_an_engine_changed_behind_the_trainers_back_is_named_with_the_sync_and_the_gap(
+    ray_session, verified, rl_model_dir
+):
+    group, pool, engines = verified
+    group.call("sync_weights", 1)
+    drifted = _perturbed(rl_model_dir)
+    # Same version label: nothing but the probe can tell.
+    ray_session.get(engines[1].update_weights.remote(list(drifted.state_dict().items()), False, 1), timeout=120)
+    try:
+        gap = float((_probe_logprobs(drifted) - _probe_logprobs(fp32_model(rl_model_dir))).abs().max())
+        assert gap > 0.05  # far past the fp32 default of 1e-3
+        measured = verify_sync(pool, group, PROBE, 1, NAMES, max_diff=100.0)
+        assert measured["sync/probe_logprob_diff_max"] == pytest.approx(gap, abs=PROBE_TOL)
+        with pytest.raises(WeightSyncDrift) as raised:
+            verify_sync(pool, group, PROBE, 1, NAMES, None)
+        message = str(raised.value)
+        assert message.startswith("weight sync 1: rollout engine 1 disagrees with the policy on the probe sequence")
+        assert f"differ by up to {gap:.3g}" in message
+        assert "rollout.verify_max_logprob_diff=0.001 (the default for float32 policy, float32 engine)" in message
+    finally:
+        group.call("sync_weights", 2)  # the engines hold the policy's weights again
+    assert verify_sync(pool, group, PROBE, 2, NAMES, None)["sync/probe_logprob_diff_max"] <= PROBE_TOL
+
+
+@NEEDS_VLLM
+def test_an_engine_holding_another_version_is_named(ray_session, verified):
+    group, pool, engines = verified
+    group.call("sync_weights", 3)
+    ray_session.get(engines[0].update_weights.remote([], False, 2), timeout=120)  # relabelled, weights unchanged
+    with pytest.raises(WeightSyncMismatch, match="weight sync 3: rollout engine 0 reports weight version 2"):
+        verify_sync(pool, group, PROBE, 3, NAMES, None)
