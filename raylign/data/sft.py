@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from raylign.config.data import DataConfig, DatasetSpec
 from raylign.data.chat import Message, tokenize_conversation, validate_messages
-from raylign.data.errors import DataError, RowRef
+from raylign.data.errors import DataError, RowError, RowRef
 from raylign.data.formatting import encode_plain, truncate_prompt_response
 from raylign.data.rows import (
     DataStats,
@@ -76,22 +76,39 @@ def _chat_messages(row: dict[str, Any], spec: DatasetSpec, where: RowRef) -> tup
 def _check_texts_beside_conversation(
     row: dict[str, Any], spec: DatasetSpec, messages: list[Message], where: RowRef
 ) -> None:
-    """The conversation is what is trained on. A prompt or completion key beside it (UltraChat keeps its
-    first user turn as ``prompt``) must say the same, its first user turn or its last assistant turn;
-    anything else would be dropped without a word."""
-    for key, role, which in ((spec.input_key, "user", 0), (spec.output_key, "assistant", -1)):
-        given = row.get(key)
-        if given is None:
-            continue
-        turns = [m["content"] for m in messages if m["role"] == role]
-        if not turns or check_text(given, key, where).strip() != turns[which].strip():
-            turn = f"its {'first' if which == 0 else 'last'} {role} message"
-            raise where.error(
-                key,
-                f"beside the conversation in {spec.messages_key!r}, which is what is trained on, and not "
-                f"{turn}: remove it, or train on prompt/completion rows without the conversation",
-                "different_prompts",
+    """The conversation is what is trained on. A prompt or completion key beside it must say the same,
+    or it would be dropped without a word: the prompt as the conversation before its last assistant
+    message (``raylign select`` writes it so) or as its first user turn's text (UltraChat keeps that);
+    the completion as its last assistant turn's text."""
+    last_reply = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    given = row.get(spec.input_key)
+    if given is not None:
+        if isinstance(given, list):
+            agrees = last_reply is not None and validate_messages(given, spec.input_key, where) == messages[:last_reply]
+        else:
+            agrees = bool(users) and check_text(given, spec.input_key, where).strip() == users[0].strip()
+        if not agrees:
+            raise _differs(
+                spec,
+                spec.input_key,
+                "the conversation before its last assistant message, nor its first user message",
+                where,
             )
+    given = row.get(spec.output_key)
+    if given is not None:
+        reply = messages[last_reply]["content"] if last_reply is not None else None
+        if reply is None or check_text(given, spec.output_key, where).strip() != reply.strip():
+            raise _differs(spec, spec.output_key, "its last assistant message", where)
+
+
+def _differs(spec: DatasetSpec, key: str, what: str, where: RowRef) -> RowError:
+    return where.error(
+        key,
+        f"beside the conversation in {spec.messages_key!r}, which is what is trained on, and not {what}: "
+        "remove it, or train on prompt/completion rows without the conversation",
+        "different_prompts",
+    )
 
 
 def _chat_tokens(

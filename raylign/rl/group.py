@@ -127,7 +127,7 @@ class WorkerGroup:
                 failed.append(f"rank {rank}: not within {timeout_s:g} s")
                 continue
             try:
-                ray.get(ref)
+                ray.get(ref, timeout=timeout_s)  # done already (ray.wait above)
             except Exception as err:  # a rank that died already: nothing of it is left to stop
                 failed.append(f"rank {rank}: {type(err).__name__}")
         if failed:

@@ -280,12 +280,16 @@ def test_a_prompt_or_completion_beside_a_conversation_must_be_its_first_or_last_
             ("plain", {"messages": CONVERSATION}),
             ("ultrachat", {"prompt": " hi ", "messages": CONVERSATION}),
             ("both", {"prompt": "hi", "completion": "done", "messages": CONVERSATION}),
+            # raylign select's best-of-n rows: the prompt conversation, the reply, and both as messages.
+            ("selected", {"prompt": CONVERSATION[:3], "completion": "done", "messages": CONVERSATION}),
         )
     ]
-    assert ids[0] == ids[1] == ids[2]
+    assert ids[0] == ids[1] == ids[2] == ids[3]
     # Anything else was dropped without a word: only the conversation was trained on.
+    prompt_is = "the conversation before its last assistant message, nor its first user message"
     for name, row, key, turn in (
-        ("later", {"prompt": "and then?", "messages": CONVERSATION}, "prompt", "its first user message"),
+        ("later", {"prompt": "and then?", "messages": CONVERSATION}, "prompt", prompt_is),
+        ("cut", {"prompt": CONVERSATION[:1], "messages": CONVERSATION}, "prompt", prompt_is),
         ("other", {"completion": "yo", "messages": CONVERSATION}, "completion", "its last assistant message"),
     ):
         path = write_dataset([row], name=name)
