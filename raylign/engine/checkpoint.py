@@ -184,7 +184,7 @@ def _commit(temp: Path, final: Path, meta: dict[str, Any]) -> None:
     # size: a copy cut short keeps the marker, which sorts first, and a resume checks the rest.
     files = {}
     for folder, _, names in os.walk(temp):
-        for name in sorted(names):
+        for name in names:
             path = Path(folder) / name
             _fsync_path(path)
             files[path.relative_to(temp).as_posix()] = path.stat().st_size

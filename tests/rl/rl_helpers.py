@@ -73,6 +73,16 @@ def fp32_model(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
+def perturbed_fp32_model(model_dir: Path, seed: int = 21) -> torch.nn.Module:
+    """The model with seeded noise on every weight: an engine's weights changed behind the trainer's back."""
+    model = fp32_model(model_dir)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    return model
+
+
 def response_logprobs(model, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
     """``log_softmax(logits)[token]`` of each response token from one unpacked forward (keeps the graph)."""
     logits = model(torch.tensor([prompt_ids + response_ids])).logits[0]

@@ -7,24 +7,14 @@ that sync."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from raylign.rl.trainer import RLTrainer
 from raylign.rl.verify import WeightSyncDrift, probe_sequence
 from raylign.trainers.metrics import read_metrics
 
-from .rl_helpers import fp32_model, resolve, rl_config_data
+from .rl_helpers import perturbed_fp32_model, resolve, rl_config_data
 
 pytestmark = pytest.mark.slow
-
-
-def _perturbed(model_dir, seed: int = 21) -> torch.nn.Module:
-    model = fp32_model(model_dir)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    return model
 
 
 def test_the_probe_is_the_training_prompts_concatenated_and_cut():
@@ -41,7 +31,7 @@ class DriftingTrainer(RLTrainer):
         if version == 1:
             import ray
 
-            drifted = _perturbed(self.model_path)
+            drifted = perturbed_fp32_model(self.model_path)
             ray.get(self.engines[0].update_weights.remote(list(drifted.state_dict().items()), False, 1), timeout=120)
         return super().verify_sync(version)
 

@@ -26,7 +26,7 @@ from raylign.rl.verify import WeightSyncDrift, verify_sync
 from raylign.rollout.pool import RolloutPool, launch_engines, stop_engines
 from raylign.rollout.weight_sync import WeightSyncMismatch
 
-from .rl_helpers import fp32_model, make_sample, response_logprobs, shard_for_ranks, worker_config
+from .rl_helpers import fp32_model, make_sample, perturbed_fp32_model, response_logprobs, shard_for_ranks, worker_config
 
 pytestmark = pytest.mark.slow
 
@@ -158,15 +158,6 @@ PROBE_TOL = 1e-4
 NEEDS_VLLM = pytest.mark.skipif("vllm" not in ENGINES, reason="vllm is not installed")
 
 
-def _perturbed(model_dir, seed: int = 21) -> torch.nn.Module:
-    model = fp32_model(model_dir)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    return model
-
-
 def _probe_logprobs(model) -> torch.Tensor:
     with torch.no_grad():
         return response_logprobs(model, PROBE[:1], PROBE[1:])
@@ -218,7 +209,7 @@ def test_an_engine_changed_behind_the_trainers_back_is_named_with_the_sync_and_t
 ):
     group, pool, engines = verified
     group.call("sync_weights", 1)
-    drifted = _perturbed(rl_model_dir)
+    drifted = perturbed_fp32_model(rl_model_dir)
     # Same version label: nothing but the probe can tell.
     ray_session.get(engines[1].update_weights.remote(list(drifted.state_dict().items()), False, 1), timeout=120)
     try:
