@@ -12,6 +12,7 @@ import os
 import select
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -238,21 +239,26 @@ def setup_logging() -> None:
 
 
 def _launch_ranks(name: str, argv: list[str], num_processes: int) -> int:
-    """Re-run this command under torchrun with ``num_processes`` ranks on this machine."""
+    """Re-run this command under torchrun with ``num_processes`` ranks on this machine.
+
+    torchrun's folder for the ranks' error files is a temporary one, removed when they end (its
+    default, a new ``torchelastic_*`` folder in the temporary directory, is never removed)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={num_processes}",
-        "-m",
-        "raylign.cli.main",
-        name,
-        *argv,
-    ]
-    return subprocess.call(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="raylign-torchrun-") as logs:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={num_processes}",
+            f"--log-dir={logs}",
+            "-m",
+            "raylign.cli.main",
+            name,
+            *argv,
+        ]
+        return subprocess.call(cmd, env=env)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -213,7 +214,9 @@ def test_example_config_runs(tmp_path, tiny_model_dir, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_ranks_average_the_reference_point_like_one_rank_with_their_joint_batch(tmp_path, tiny_model_dir):
+def test_two_ranks_average_the_reference_point_like_one_rank_with_their_joint_batch(
+    tmp_path, tiny_model_dir, monkeypatch
+):
     rng = random.Random(4)
     first, second = ([letters_row(rng, i % 2 == 0) for i in range(8)] for _ in range(2))
     # Each optimizer step sees all 16 rows in order. The mismatched pair of every example (the previous
@@ -246,6 +249,12 @@ def test_two_ranks_average_the_reference_point_like_one_rank_with_their_joint_ba
     ]
     # One rank with one micro-batch of 16 vs two ranks with 8 each: z0 is the mean over the same 16 pairs.
     assert main([*common, "--train.output_dir", str(tmp_path / "one"), "--train.micro_batch_size", "16"]) == 0
+    # The launch through torchrun leaves nothing in the temporary directory (it used to leave a
+    # torchelastic_* folder per run).
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     assert (
         main(
             [
@@ -262,6 +271,7 @@ def test_two_ranks_average_the_reference_point_like_one_rank_with_their_joint_ba
         )
         == 0
     )
+    assert list(temporary.iterdir()) == []
     one = [r for r in read_metrics(tmp_path / "one") if "train/loss" in r]
     two = [r for r in read_metrics(tmp_path / "two") if "train/loss" in r]
     assert len(one) == len(two) == 3
