@@ -8,6 +8,7 @@ the other's timings.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -39,6 +40,28 @@ DTYPE_HELP = (
     "auto (the default): bf16 where the CPU multiplies bf16 natively (AMX or AVX512-BF16), else float32, "
     "as raylign's dtype: auto decides"
 )
+
+
+def generation_arguments(description: str, sides: tuple[str, ...], max_new_tokens: int) -> argparse.ArgumentParser:
+    """The options of a generation benchmark (model, prompts, samples, length, calls, dtype, threads,
+    report, work folder) and the hidden ones its children take (``--side``, ``--spec``)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--model", choices=["smollm2", "tiny"], default="smollm2", help="SmolLM2-135M or a random tiny Qwen2"
+    )
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per call")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="most tokens per sample")
+    parser.add_argument("--reps", type=int, default=3, help="calls per side; the first is warm-up")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help=DTYPE_HELP)
+    parser.add_argument(
+        "--threads", default="all", choices=["all", "1"], help="compute threads of each side: every core, or one"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the model and logs here")
+    parser.add_argument("--side", choices=sides, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--spec", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser
 
 
 def machine(dtype: str) -> dict[str, Any]:

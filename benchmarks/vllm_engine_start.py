@@ -16,8 +16,8 @@ anything of the engine happens), the torch threads the worker computes with, gen
 the median over the calls after the first (warm-up) with the matrix-product floor of those tokens at
 the matmul rate measured on that many threads, and seconds to stop.
 
-    python benchmarks/vllm_engine_start.py                      # SmolLM2, every core
-    python benchmarks/vllm_engine_start.py --threads 1          # what an engine beside training gets
+    python benchmarks/vllm_engine_start.py --dtype float32                # SmolLM2, every core
+    python benchmarks/vllm_engine_start.py --dtype float32 --threads 1    # what an engine beside training gets
     python benchmarks/vllm_engine_start.py --model tiny --reps 2
 """
 
@@ -32,29 +32,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from child_runs import DTYPE_HELP, fmt, launch, machine, matmul_rate, median_after_warmup, run_benchmark, write_steps
+from child_runs import (
+    fmt,
+    generation_arguments,
+    launch,
+    machine,
+    matmul_rate,
+    median_after_warmup,
+    run_benchmark,
+    write_steps,
+)
 from grpo_vs_trl import model_sizes, prepare_model, write_prompts
 
 SIDES = ("raylign", "vllm-default")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--model", choices=["smollm2", "tiny"], default="smollm2", help="SmolLM2-135M or a random tiny Qwen2"
-    )
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per call")
-    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per sample")
-    parser.add_argument("--reps", type=int, default=3, help="generate calls a side; the first is warm-up")
-    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"], help=DTYPE_HELP)
-    parser.add_argument(
-        "--threads", default="all", choices=["all", "1"], help="OMP_NUM_THREADS of each side: every core, or one"
-    )
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
-    parser.add_argument("--workdir", type=Path, default=None, help="keep the model and logs here")
-    parser.add_argument("--side", choices=SIDES, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--spec", type=Path, default=None, help=argparse.SUPPRESS)
+    parser = generation_arguments(__doc__.split("\n\n")[0], SIDES, max_new_tokens=128)
     return parser.parse_args(argv)
 
 
