@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -19,7 +18,7 @@ from raylign.agents.sandbox import (
     sandbox_backend,
 )
 
-from .sandbox_helpers import sandbox_processes
+from .sandbox_helpers import sandbox_processes, scratch_dirs
 
 pytestmark = pytest.mark.slow  # about 12 s of sandboxed runs
 
@@ -139,12 +138,11 @@ def test_an_external_address_is_unreachable():
     assert (result.ok, result.failure) == (False, "network")
 
 
-def test_the_scratch_directory_is_writable_and_removed_afterwards():
-    before = set(Path(tempfile.gettempdir()).glob("raylign-sandbox-*"))
+def test_the_scratch_directory_is_writable_and_removed_afterwards(scratch_parent):
     code = "open('notes.txt', 'w').write('kept')\nprint(open('notes.txt').read())"
     result = run_python(code, SMALL)
     assert (result.ok, result.stdout) == (True, "kept\n")
-    assert set(Path(tempfile.gettempdir()).glob("raylign-sandbox-*")) == before
+    assert scratch_dirs(scratch_parent) == set()
 
 
 def test_output_past_the_limit_is_truncated_with_a_marker():

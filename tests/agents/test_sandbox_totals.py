@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +15,7 @@ from raylign.agents import sandbox_backends
 from raylign.agents.sandbox import SandboxLimits, run_python, sandbox_backend
 from raylign.agents.tools import PythonEnv
 
-from .sandbox_helpers import sandbox_processes
+from .sandbox_helpers import sandbox_processes, scratch_dirs
 
 pytestmark = pytest.mark.slow  # about 5 s of sandboxed runs
 
@@ -51,22 +49,17 @@ finally:
 """
 
 
-def scratch_dirs() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob("raylign-sandbox-*"))
-
-
 # ---- disk space --------------------------------------------------------------------------------
 
 
 @tmpfs_bounds_disk
-def test_files_past_the_disk_budget_fail_with_disk_and_take_no_host_disk():
-    before = scratch_dirs()
+def test_files_past_the_disk_budget_fail_with_disk_and_take_no_host_disk(scratch_parent):
     result = run_python(WRITE_FILES.format(folder=".", pause=0), DISK)
     # An 8 MiB tmpfs holds exactly eight 1 MiB files; the ninth write gets ENOSPC.
     assert (result.ok, result.failure, result.exit_code) == (False, "disk", 1)
     assert result.message == f"{DISK_FULL}: OSError: [Errno 28] No space left on device"
     assert result.stdout.splitlines()[-1] == "written 8"
-    assert scratch_dirs() == before
+    assert scratch_dirs(scratch_parent) == set()
 
 
 @tmpfs_bounds_disk
@@ -80,11 +73,10 @@ def test_dev_is_read_only_and_dev_shm_has_the_same_budget():
     assert lines[-1] == "written 8"
 
 
-def test_where_no_tmpfs_bounds_it_the_scratch_folder_is_measured_and_the_call_stopped(monkeypatch):
+def test_where_no_tmpfs_bounds_it_the_scratch_folder_is_measured_and_the_call_stopped(monkeypatch, scratch_parent):
     # The 'rlimit' backend works everywhere; it writes to a host folder, checked every 20 ms. Set
     # directly: choosing it by RAYLIGN_SANDBOX_BACKEND would log its warning here, once per process.
     monkeypatch.setattr(sandbox_backends, "chosen_backend", sandbox_backends.rlimit_backend)
-    before = scratch_dirs()
     result = run_python(WRITE_FILES.format(folder=".", pause=0.01), DISK)
     assert (result.ok, result.failure, result.exit_code) == (False, "disk", None)
     assert result.message == DISK_FULL
@@ -92,7 +84,7 @@ def test_where_no_tmpfs_bounds_it_the_scratch_folder_is_measured_and_the_call_st
     # 20 ms stops it well within a margin of 8 MiB more.
     written = int(result.stdout.split()[-1])
     assert 8 <= written <= 16
-    assert scratch_dirs() == before
+    assert scratch_dirs(scratch_parent) == set()
 
 
 def test_a_file_past_the_file_size_limit_is_a_disk_failure():
@@ -134,17 +126,16 @@ for i in range(200):
 
 
 @pytest.mark.parametrize("folder", [".", "/dev/shm"], ids=["scratch", "dev-shm"])
-def test_empty_files_past_the_file_count_stop_the_call(folder, monkeypatch):
+def test_empty_files_past_the_file_count_stop_the_call(folder, monkeypatch, scratch_parent):
     if folder == "/dev/shm" and not TMPFS_BOUNDS_DISK:
         pytest.skip(f"backend {BACKEND!r} gives the call no /dev/shm of its own")
-    before = scratch_dirs()
     result = run_python(MAKE_FILES.format(folder=folder), FILES)
     assert (result.ok, result.failure, result.exit_code) == (False, "files", None)
     assert result.message == TOO_MANY_FILES
     # 100 files per 5 ms at most, checked every 20 ms: stopped within a few hundred past the limit.
     made = int(result.stdout.split()[-1])
     assert 1000 <= made <= 3000, made
-    assert scratch_dirs() == before
+    assert scratch_dirs(scratch_parent) == set()
 
 
 def test_where_no_tmpfs_holds_them_the_scratch_folders_files_are_counted(monkeypatch):
