@@ -55,12 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_side(side: str, spec_file: Path) -> None:
     import asyncio
 
-    spec = json.loads(spec_file.read_text())
-    start = time.perf_counter()
     from raylign.config.rollout import RolloutConfig, SamplingConfig
     from raylign.rollout import vllm_engine
 
-    import_s = time.perf_counter() - start
+    spec = json.loads(spec_file.read_text())
     if side == "vllm-default":
         vllm_engine.CPU_EXECUTOR = None  # vLLM chooses, as without raylign's setting
 
@@ -83,7 +81,7 @@ def run_side(side: str, spec_file: Path) -> None:
         return {"start_s": start_s, "stop_s": stop_s, "threads": worker["threads"], "records": records}
 
     result = asyncio.run(body())
-    write_steps(spec_file.parent, result.pop("records"), import_s=import_s, **result)
+    write_steps(spec_file.parent, result.pop("records"), **result)
 
 
 def import_floor_s(repeats: int = 1) -> float:
